@@ -1,0 +1,1 @@
+"""rdzv_client: the client of rdzv-server (placeholder until the client lands)."""

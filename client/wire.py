@@ -1,0 +1,646 @@
+"""The wire format shared by the server and the client: the one module both import.
+
+What it owns:
+- the operation table: every operation the client can ask for, its HTTP route and the
+  typed request and response records it carries;
+- the error codes (stable strings) with their HTTP statuses;
+- msgpack framing (``use_bin_type=True``, explicit size limits) and strict validation of
+  decoded bodies into frozen dataclasses.
+
+What it must not know: torch, aiohttp, the server's state machines. It imports only the
+standard library and msgpack. Nothing is ever pickled.
+
+Rules:
+- Keys and values are ``bytes`` on the wire. Identifiers (``rdzv_id``, ``node_id``) are
+  short ASCII strings matching :data:`ID_PATTERN`.
+- Durations are seconds as floats (``>= 0``); the server is the only clock, so no
+  timestamp ever crosses the wire.
+- A write may carry ``rid = [client_id, seq]``: the server applies a given rid at most
+  once and answers a retry with the recorded result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import re
+import types
+import typing
+from typing import Any, ClassVar, TypeVar, Union
+
+import msgpack
+
+CONTENT_TYPE_MSGPACK = "application/msgpack"
+CONTENT_TYPE_JSON = "application/json"
+
+# 29400 is torchrun's default rendezvous port, so `--rdzv-endpoint=HOST` alone works.
+DEFAULT_PORT = 29400
+
+ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+~-]{0,199}$")
+# Keys are torch store keys (paths of short names); 4 KiB leaves room for deep prefixes.
+MAX_KEY_BYTES = 4096
+# Bound on the number of keys one multi_* / check / wait request may name.
+MAX_KEYS_PER_REQUEST = 10_000
+# Nodes send their address; 255 is the DNS name limit.
+MAX_ADDR_CHARS = 255
+MAX_CLIENT_ID_CHARS = 64
+
+
+class ErrorCode(str, enum.Enum):
+    """Stable wire error codes; each has exactly one HTTP status (see :data:`HTTP_STATUS`)."""
+
+    BAD_REQUEST = "bad_request"
+    INVALID_ID = "invalid_id"
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
+    BODY_TOO_LARGE = "body_too_large"
+    VALUE_TOO_LARGE = "value_too_large"
+    NOT_FOUND = "not_found"
+    JOB_NOT_FOUND = "job_not_found"
+    NODE_NOT_FOUND = "node_not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    SETTINGS_CONFLICT = "settings_conflict"
+    NOT_AN_INTEGER = "not_an_integer"
+    JOB_CLOSED = "job_closed"
+    JOIN_TIMEOUT = "join_timeout"
+    NOT_READY = "not_ready"
+    UNAUTHORIZED = "unauthorized"
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+
+HTTP_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.BAD_REQUEST: 400,
+    ErrorCode.INVALID_ID: 400,
+    ErrorCode.UNSUPPORTED_MEDIA_TYPE: 415,
+    ErrorCode.BODY_TOO_LARGE: 413,
+    ErrorCode.VALUE_TOO_LARGE: 413,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.JOB_NOT_FOUND: 404,
+    ErrorCode.NODE_NOT_FOUND: 404,
+    ErrorCode.METHOD_NOT_ALLOWED: 405,
+    ErrorCode.SETTINGS_CONFLICT: 409,
+    ErrorCode.NOT_AN_INTEGER: 409,
+    ErrorCode.JOB_CLOSED: 410,
+    ErrorCode.JOIN_TIMEOUT: 408,
+    ErrorCode.NOT_READY: 503,
+    ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.SHUTTING_DOWN: 503,
+    ErrorCode.INTERNAL: 500,
+}
+
+
+class WireError(ValueError):
+    """A body that does not decode or does not validate; always rendered as ``bad_request``."""
+
+    code = ErrorCode.BAD_REQUEST
+
+
+# --------------------------------------------------------------------------- framing
+
+
+def pack(obj: Any) -> bytes:
+    """Encode a plain object (dicts, lists, str, bytes, numbers, None) as msgpack."""
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes, max_bytes: int) -> Any:
+    """Decode one msgpack object; raise :class:`WireError` on garbage, trailing bytes or size."""
+    if len(data) > max_bytes:
+        raise WireError(f"body of {len(data)} bytes exceeds the limit of {max_bytes}")
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_buffer_size=max_bytes,
+            max_bin_len=max_bytes,
+            max_str_len=max_bytes,
+            max_array_len=MAX_KEYS_PER_REQUEST * 2,
+            max_map_len=64,
+            max_ext_len=0,
+        )
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise WireError(f"body is not valid msgpack: {exc}") from exc
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, (bytes, bytearray)):
+        # JSON is for people: show bytes as text; undecodable bytes are escaped, not lost silently.
+        return bytes(obj).decode("utf-8", errors="backslashreplace")
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    raise TypeError(f"cannot encode {type(obj).__name__} as JSON")
+
+
+def dump_json(obj: Any) -> bytes:
+    return json.dumps(obj, default=_json_default, separators=(",", ":")).encode()
+
+
+def load_json(data: bytes, max_bytes: int) -> Any:
+    if len(data) > max_bytes:
+        raise WireError(f"body of {len(data)} bytes exceeds the limit of {max_bytes}")
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise WireError(f"body is not valid JSON: {exc}") from exc
+
+
+# --------------------------------------------------------------------------- validation
+
+T = TypeVar("T")
+
+
+def check_id(kind: str, value: object) -> str:
+    """Return ``value`` if it is a valid rdzv_id / node_id, else raise :class:`WireError`."""
+    if not isinstance(value, str) or not ID_PATTERN.match(value):
+        err = WireError(
+            f"{kind} {value!r} is not valid: use 1-200 characters of letters, digits and ._:@+~- "
+            "starting with a letter or digit"
+        )
+        err.code = ErrorCode.INVALID_ID
+        raise err
+    return value
+
+
+def _as_bytes(name: str, value: object) -> bytes:
+    # JSON callers (curl) send text; the client sends bin.
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    raise WireError(f"field {name!r} must be bytes or a string, not {type(value).__name__}")
+
+
+def _convert(name: str, hint: Any, value: object) -> Any:
+    if hint is Any:  # only `rid`, checked by _convert_rid before
+        return value
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(name, inner, value)
+    if hint is bytes:
+        return _as_bytes(name, value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise WireError(f"field {name!r} must be a string, not {type(value).__name__}")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise WireError(f"field {name!r} must be a boolean, not {type(value).__name__}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise WireError(f"field {name!r} must be an integer, not {type(value).__name__}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise WireError(f"field {name!r} must be a number, not {type(value).__name__}")
+        if value != value or value in (float("inf"), float("-inf")):
+            raise WireError(f"field {name!r} must be a finite number")
+        return float(value)
+    if origin is tuple:
+        (inner, _ellipsis) = typing.get_args(hint)
+        if not isinstance(value, (list, tuple)):
+            raise WireError(f"field {name!r} must be a list, not {type(value).__name__}")
+        if len(value) > MAX_KEYS_PER_REQUEST:
+            raise WireError(f"field {name!r} names more than {MAX_KEYS_PER_REQUEST} items")
+        return tuple(_convert(f"{name}[{i}]", inner, v) for i, v in enumerate(value))
+    raise TypeError(f"unsupported field type {hint!r}")  # a bug in this module, not bad input
+
+
+def from_mapping(cls: type[T], body: object) -> T:
+    """Build the request dataclass ``cls`` from a decoded body, checking every field.
+
+    Raises :class:`WireError` on a non-mapping body, an unknown or missing field, a wrong
+    type, a negative duration, an oversize key or an illegal id.
+    """
+    if not isinstance(body, dict):
+        raise WireError(f"body must be a map, not {type(body).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = set(body) - set(fields)
+    if unknown:
+        raise WireError(f"unknown field(s) {sorted(map(str, unknown))} for {cls.__name__}")
+    kwargs: dict[str, Any] = {}
+    for name, f in fields.items():
+        if name in body:
+            kwargs[name] = _convert(name, hints[name], body[name])
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise WireError(f"missing field {name!r} for {cls.__name__}")
+    obj = cls(**kwargs)
+    validate = getattr(obj, "validate", None)
+    if validate is not None:
+        validate()
+    return obj
+
+
+def to_mapping(obj: Any) -> dict[str, Any]:
+    """The plain dict of a request or response dataclass, ready for :func:`pack`."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if isinstance(v, tuple):
+            v = [to_mapping(x) if dataclasses.is_dataclass(x) else x for x in v]
+        elif dataclasses.is_dataclass(v):
+            v = to_mapping(v)
+        out[f.name] = v
+    return out
+
+
+def _nonnegative(name: str, value: float | None) -> None:
+    if value is not None and value < 0:
+        raise WireError(f"field {name!r} must be >= 0, got {value}")
+
+
+def _key_ok(name: str, key: bytes) -> None:
+    if len(key) == 0 or len(key) > MAX_KEY_BYTES:
+        raise WireError(f"{name} must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+
+
+def _keys_ok(keys: tuple[bytes, ...]) -> None:
+    for k in keys:
+        _key_ok("key", k)
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """Base of every operation request. ``op`` names the route ``POST /v1/jobs/{rdzv_id}/<op>``."""
+
+    op: ClassVar[str]
+    #: True when the operation changes state (logged, deduplicated by ``rid``).
+    writes: ClassVar[bool] = False
+
+
+
+def _rid_check(rid: tuple[Any, ...] | None) -> None:
+    if rid is None:
+        return
+    if len(rid) != 2 or not isinstance(rid[0], str) or isinstance(rid[1], bool) or not isinstance(rid[1], int):
+        raise WireError("rid must be [client_id: str, seq: int]")
+    if not 0 < len(rid[0]) <= MAX_CLIENT_ID_CHARS or rid[1] < 0:
+        raise WireError(f"rid client_id must be 1..{MAX_CLIENT_ID_CHARS} chars and seq >= 0")
+
+
+# `rid` is [client_id: str, seq: int]; checked by _convert_rid.
+Rid = Union[tuple[Any, ...], None]
+
+
+def _convert_rid(value: object) -> tuple[Any, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise WireError("rid must be [client_id, seq]")
+    rid = tuple(value)
+    _rid_check(rid)
+    return rid
+
+
+@dataclasses.dataclass(frozen=True)
+class SetRequest(Request):
+    op: ClassVar[str] = "set"
+    writes: ClassVar[bool] = True
+    key: bytes
+    value: bytes
+    round: int | None = None
+    rid: Rid = None
+
+    def validate(self) -> None:
+        _key_ok("key", self.key)
+
+
+@dataclasses.dataclass(frozen=True)
+class GetRequest(Request):
+    """Blocking get: the server holds the request up to ``timeout`` (capped) for the key."""
+
+    op: ClassVar[str] = "get"
+    key: bytes
+    timeout: float = 0.0
+    round: int | None = None
+
+    def validate(self) -> None:
+        _key_ok("key", self.key)
+        _nonnegative("timeout", self.timeout)
+
+
+@dataclasses.dataclass(frozen=True)
+class AddRequest(Request):
+    op: ClassVar[str] = "add"
+    writes: ClassVar[bool] = True
+    key: bytes
+    amount: int
+    round: int | None = None
+    rid: Rid = None
+
+    def validate(self) -> None:
+        _key_ok("key", self.key)
+        if not -(2**63) <= self.amount < 2**63:
+            raise WireError("amount must fit in a signed 64-bit integer")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompareSetRequest(Request):
+    op: ClassVar[str] = "compare_set"
+    writes: ClassVar[bool] = True
+    key: bytes
+    expected: bytes
+    desired: bytes
+    round: int | None = None
+    rid: Rid = None
+
+    def validate(self) -> None:
+        _key_ok("key", self.key)
+
+
+@dataclasses.dataclass(frozen=True)
+class AppendRequest(Request):
+    op: ClassVar[str] = "append"
+    writes: ClassVar[bool] = True
+    key: bytes
+    value: bytes
+    round: int | None = None
+    rid: Rid = None
+
+    def validate(self) -> None:
+        _key_ok("key", self.key)
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiGetRequest(Request):
+    """Blocking like get: answers when every key exists."""
+
+    op: ClassVar[str] = "multi_get"
+    keys: tuple[bytes, ...]
+    timeout: float = 0.0
+    round: int | None = None
+
+    def validate(self) -> None:
+        _keys_ok(self.keys)
+        _nonnegative("timeout", self.timeout)
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiSetRequest(Request):
+    op: ClassVar[str] = "multi_set"
+    writes: ClassVar[bool] = True
+    keys: tuple[bytes, ...]
+    values: tuple[bytes, ...]
+    round: int | None = None
+    rid: Rid = None
+
+    def validate(self) -> None:
+        _keys_ok(self.keys)
+        if len(self.keys) != len(self.values):
+            raise WireError(f"multi_set got {len(self.keys)} keys but {len(self.values)} values")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckRequest(Request):
+    op: ClassVar[str] = "check"
+    keys: tuple[bytes, ...]
+    round: int | None = None
+
+    def validate(self) -> None:
+        _keys_ok(self.keys)
+
+
+@dataclasses.dataclass(frozen=True)
+class WaitRequest(Request):
+    op: ClassVar[str] = "wait"
+    keys: tuple[bytes, ...]
+    timeout: float = 0.0
+    round: int | None = None
+
+    def validate(self) -> None:
+        _keys_ok(self.keys)
+        _nonnegative("timeout", self.timeout)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeleteKeyRequest(Request):
+    op: ClassVar[str] = "delete_key"
+    writes: ClassVar[bool] = True
+    key: bytes
+    round: int | None = None
+    rid: Rid = None
+
+    def validate(self) -> None:
+        _key_ok("key", self.key)
+
+
+@dataclasses.dataclass(frozen=True)
+class NumKeysRequest(Request):
+    op: ClassVar[str] = "num_keys"
+    round: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ListKeysRequest(Request):
+    op: ClassVar[str] = "list_keys"
+    prefix: bytes = b""
+    round: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CreateJobRequest(Request):
+    """Create the job with these settings (idempotent; conflicting settings are a 409)."""
+
+    op: ClassVar[str] = "create"
+    writes: ClassVar[bool] = True
+    min_nodes: int = 1
+    max_nodes: int = 1
+    last_call_timeout: float = 30.0
+    join_timeout: float = 600.0
+    heartbeat_ttl: float = 15.0
+    rid: Rid = None
+
+    def validate(self) -> None:
+        _settings_ok(self.min_nodes, self.max_nodes, self.last_call_timeout, self.join_timeout, self.heartbeat_ttl)
+
+
+def _settings_ok(min_nodes: int, max_nodes: int, last_call: float, join: float, ttl: float) -> None:
+    if min_nodes < 1 or max_nodes < min_nodes:
+        raise WireError(f"need 1 <= min_nodes <= max_nodes, got min_nodes={min_nodes} max_nodes={max_nodes}")
+    if max_nodes > 1_000_000:
+        raise WireError("max_nodes must be at most 1000000")
+    _nonnegative("last_call_timeout", last_call)
+    _nonnegative("join_timeout", join)
+    if ttl <= 0:
+        raise WireError(f"heartbeat_ttl must be > 0, got {ttl}")
+
+
+@dataclasses.dataclass(frozen=True)
+class JoinRequest(Request):
+    """Join the job's next round; creates the job from these settings if it does not exist.
+
+    The server holds the request up to ``hold`` seconds for the round to complete.
+    """
+
+    op: ClassVar[str] = "join"
+    writes: ClassVar[bool] = True
+    node_id: str
+    addr: str
+    nproc_per_node: int
+    min_nodes: int
+    max_nodes: int
+    last_call_timeout: float = 30.0
+    join_timeout: float = 600.0
+    heartbeat_ttl: float = 15.0
+    hold: float = 0.0
+    rid: Rid = None
+
+    def validate(self) -> None:
+        check_id("node_id", self.node_id)
+        if not 0 < len(self.addr) <= MAX_ADDR_CHARS:
+            raise WireError(f"addr must be 1..{MAX_ADDR_CHARS} characters")
+        if not 1 <= self.nproc_per_node <= 65536:
+            raise WireError(f"nproc_per_node must be 1..65536, got {self.nproc_per_node}")
+        _settings_ok(self.min_nodes, self.max_nodes, self.last_call_timeout, self.join_timeout, self.heartbeat_ttl)
+        _nonnegative("hold", self.hold)
+
+
+@dataclasses.dataclass(frozen=True)
+class AwaitRoundRequest(Request):
+    """Long-poll until ``node_id`` is a participant of a complete round numbered >= ``round``."""
+
+    op: ClassVar[str] = "await_round"
+    node_id: str
+    round: int
+    hold: float = 0.0
+
+    def validate(self) -> None:
+        check_id("node_id", self.node_id)
+        _nonnegative("hold", self.hold)
+
+
+@dataclasses.dataclass(frozen=True)
+class WatchRequest(Request):
+    """Heartbeat, then long-poll until the node's ``num_nodes_waiting`` differs from ``known``.
+
+    Holding this request open is also the fast liveness signal: when the connection drops
+    without a following request within the server's grace, the node is considered dead.
+    ``hold=0`` is a plain heartbeat that answers at once.
+    """
+
+    op: ClassVar[str] = "watch"
+    node_id: str
+    round: int
+    known: int = -1
+    hold: float = 0.0
+
+    def validate(self) -> None:
+        check_id("node_id", self.node_id)
+        _nonnegative("hold", self.hold)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaveRequest(Request):
+    """A node leaves gracefully (torchrun agent shutdown): survivors do not restart for it."""
+
+    op: ClassVar[str] = "leave"
+    writes: ClassVar[bool] = True
+    node_id: str
+    rid: Rid = None
+
+    def validate(self) -> None:
+        check_id("node_id", self.node_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class CloseRequest(Request):
+    """set_closed(): later joins fail with ``job_closed``."""
+
+    op: ClassVar[str] = "close"
+    writes: ClassVar[bool] = True
+    rid: Rid = None
+
+
+REQUESTS: dict[str, type[Request]] = {
+    cls.op: cls
+    for cls in (
+        SetRequest,
+        GetRequest,
+        AddRequest,
+        CompareSetRequest,
+        AppendRequest,
+        MultiGetRequest,
+        MultiSetRequest,
+        CheckRequest,
+        WaitRequest,
+        DeleteKeyRequest,
+        NumKeysRequest,
+        ListKeysRequest,
+        CreateJobRequest,
+        JoinRequest,
+        AwaitRoundRequest,
+        WatchRequest,
+        LeaveRequest,
+        CloseRequest,
+    )
+}
+
+
+def decode_request(op: str, body: object) -> Request:
+    """Validate a decoded body as the request of operation ``op`` (raises :class:`WireError`)."""
+    cls = REQUESTS.get(op)
+    if cls is None:
+        raise WireError(f"unknown operation {op!r}")
+    if isinstance(body, dict) and "rid" in body:
+        body = dict(body)
+        body["rid"] = _convert_rid(body["rid"])
+    return from_mapping(cls, body)
+
+
+def op_path(rdzv_id: str, op: str) -> str:
+    """The route of an operation: ``/v1/jobs/{rdzv_id}/{op}``."""
+    return f"/v1/jobs/{rdzv_id}/{op}"
+
+
+# --------------------------------------------------------------------------- responses
+#
+# Responses are plain maps; these are their fields by operation (the client reads them):
+#   set, append, multi_set, leave, close, create -> {}
+#   get        -> {"found": bool, "value": bytes | None}   found=False: not yet, re-poll
+#   multi_get  -> {"found": bool, "values": [bytes] | None}
+#   add        -> {"value": int}
+#   compare_set-> {"value": bytes}                         the value now stored
+#   check      -> {"result": bool}
+#   wait       -> {"found": bool}
+#   delete_key -> {"deleted": bool}
+#   num_keys   -> {"count": int}
+#   list_keys  -> {"keys": [bytes]}
+#   join       -> {"round": int, "assignment": ASSIGNMENT | None}
+#   await_round-> {"round": int, "assignment": ASSIGNMENT | None}
+#   watch      -> {"round": int, "state": str, "num_nodes_waiting": int, "closed": bool}
+# ASSIGNMENT = {"round", "node_rank", "num_nodes", "world_size", "nproc_per_node",
+#               "global_rank_start", "master_addr"}   (master_addr: node rank 0's addr)
+# errors     -> {"error": ErrorCode, "message": str}
+
+
+@dataclasses.dataclass(frozen=True)
+class Assignment:
+    """A node's place in a formed round."""
+
+    round: int
+    node_rank: int
+    num_nodes: int
+    world_size: int
+    nproc_per_node: int
+    global_rank_start: int
+    master_addr: str
+
+    @classmethod
+    def from_wire(cls, body: object) -> Assignment:
+        if not isinstance(body, dict):
+            raise WireError("assignment must be a map")
+        return from_mapping(cls, body)
+
+
+def error_body(code: ErrorCode, message: str) -> dict[str, str]:
+    return {"error": code.value, "message": message}
