@@ -1,0 +1,145 @@
+"""Commands: every change to the server's state, as a value.
+
+A command is what the apply path executes and what the durable log records. Client
+writes become commands (the API translates wire requests field for field); the timer
+*detects* deadlines and expiries but *executes* them as ordinary commands
+(:class:`LastCall`, :class:`Expire`, :class:`Collect`), so replaying the log reproduces
+the state exactly without the soft state (heartbeat times) that led to the decision.
+
+Reads are not commands: they never change state and are never logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class Command:
+    op: ClassVar[str]
+    rdzv_id: str
+
+    def to_record(self) -> dict[str, Any]:
+        record = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        record["op"] = self.op
+        return record
+
+
+@dataclass(frozen=True)
+class Set(Command):
+    op: ClassVar[str] = "set"
+    key: bytes
+    value: bytes
+    round: int | None = None
+
+
+@dataclass(frozen=True)
+class Add(Command):
+    op: ClassVar[str] = "add"
+    key: bytes
+    amount: int
+    round: int | None = None
+
+
+@dataclass(frozen=True)
+class CompareSet(Command):
+    op: ClassVar[str] = "compare_set"
+    key: bytes
+    expected: bytes
+    desired: bytes
+    round: int | None = None
+
+
+@dataclass(frozen=True)
+class Append(Command):
+    op: ClassVar[str] = "append"
+    key: bytes
+    value: bytes
+    round: int | None = None
+
+
+@dataclass(frozen=True)
+class MultiSet(Command):
+    op: ClassVar[str] = "multi_set"
+    keys: tuple[bytes, ...]
+    values: tuple[bytes, ...]
+    round: int | None = None
+
+
+@dataclass(frozen=True)
+class DeleteKey(Command):
+    op: ClassVar[str] = "delete_key"
+    key: bytes
+    round: int | None = None
+
+
+@dataclass(frozen=True)
+class Create(Command):
+    op: ClassVar[str] = "create"
+    min_nodes: int
+    max_nodes: int
+    last_call_timeout: float
+    join_timeout: float
+    heartbeat_ttl: float
+
+
+@dataclass(frozen=True)
+class Join(Command):
+    op: ClassVar[str] = "join"
+    node_id: str
+    addr: str
+    nproc_per_node: int
+    min_nodes: int
+    max_nodes: int
+    last_call_timeout: float
+    join_timeout: float
+    heartbeat_ttl: float
+
+
+@dataclass(frozen=True)
+class Leave(Command):
+    op: ClassVar[str] = "leave"
+    node_id: str
+
+
+@dataclass(frozen=True)
+class Close(Command):
+    op: ClassVar[str] = "close"
+
+
+@dataclass(frozen=True)
+class LastCall(Command):
+    """Timer: the last-call deadline of ``round`` passed."""
+
+    op: ClassVar[str] = "last_call"
+    round: int
+
+
+@dataclass(frozen=True)
+class Expire(Command):
+    """Timer: these nodes died (``why="dead"``) or waited too long (``"join_timeout"``)."""
+
+    op: ClassVar[str] = "expire"
+    node_ids: tuple[str, ...]
+    why: str
+
+
+@dataclass(frozen=True)
+class Collect(Command):
+    """Timer: a closed or idle job outlived the job TTL; forget it."""
+
+    op: ClassVar[str] = "collect"
+
+
+COMMANDS: dict[str, type[Command]] = {
+    c.op: c
+    for c in (Set, Add, CompareSet, Append, MultiSet, DeleteKey, Create, Join, Leave, Close, LastCall, Expire, Collect)
+}
+
+
+def from_record(record: dict[str, Any]) -> Command:
+    """Rebuild a command from its log record (lists come back as tuples)."""
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in record.items() if k != "op"}
+    return COMMANDS[record["op"]](**fields)

@@ -1,0 +1,64 @@
+"""The server's error tree: each class carries its stable wire code and HTTP status.
+
+Core raises these; the API renders them as ``{"error": code, "message": text}`` with
+``status``. The codes are the strings of ``rdzv_client.wire.ErrorCode`` (core may not
+import the wire module; a test checks the two agree). Anything that is not a
+:class:`RdzvError` is a bug and becomes a 500 ``internal`` whose traceback stays in the log.
+"""
+
+from __future__ import annotations
+
+
+class RdzvError(Exception):
+    """Base of every error a client can cause or observe."""
+
+    code = "internal"
+    status = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class BadRequest(RdzvError):
+    code = "bad_request"
+    status = 400
+
+
+class ValueTooLarge(RdzvError):
+    code = "value_too_large"
+    status = 413
+
+
+class JobNotFound(RdzvError):
+    code = "job_not_found"
+    status = 404
+
+
+class NodeNotFound(RdzvError):
+    code = "node_not_found"
+    status = 404
+
+
+class SettingsConflict(RdzvError):
+    code = "settings_conflict"
+    status = 409
+
+
+class NotAnInteger(RdzvError):
+    code = "not_an_integer"
+    status = 409
+
+
+class JobClosed(RdzvError):
+    code = "job_closed"
+    status = 410
+
+
+class JoinTimeout(RdzvError):
+    code = "join_timeout"
+    status = 408
+
+
+class IllegalTransition(Exception):
+    """A state machine was asked for a transition its table does not allow: a server bug."""

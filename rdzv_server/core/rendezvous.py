@@ -1,0 +1,576 @@
+"""The rendezvous state machine of one job: membership, rounds, ranks, liveness.
+
+Everything that affects transitions lives here. The job is in one of three states
+(:class:`JobState`); every change is an :class:`Event` looked up in ``_TRANSITIONS``;
+a pair missing from the table raises :class:`IllegalTransition` (a server bug, never a
+client's fault). Time is always an argument (``now``, seconds on the server's clock).
+
+Roles of a node (:class:`Role`):
+- CANDIDATE: joined the round that is forming (state OPEN).
+- WAITING: arrived after the round formed, fits in the next one (counts in num_nodes_waiting).
+- STANDBY: arrived when ``max_nodes`` were already in; admitted when a slot frees.
+- MEMBER: in the last formed round's membership (``members``, node_rank order). A member
+  is ALIVE, DEAD (heartbeat TTL or dropped connection) or LEFT (graceful shutdown).
+
+Rules:
+1. The first join (or an explicit create) fixes the settings. A later join with other
+   settings is :class:`SettingsConflict`, unless the job is idle (no node alive or
+   pending), in which case the new settings are adopted (a fresh run under the same id).
+2. A round completes (OPEN -> COMPLETE):
+   a. at once when ``max_nodes`` candidates have joined;
+   b. at once when every alive member of the previous round has re-joined and
+      candidates + standby reach ``max_nodes``;
+   c. when candidates + standby reach ``min_nodes`` and ``last_call_timeout`` has then
+      passed (the deadline is set when the count first reaches ``min_nodes`` and cleared
+      when it drops below).
+   Admission order: returning members by their old node_rank, then waiting and new
+   nodes by arrival, then standby by arrival; the first ``max_nodes`` are the round
+   (see ``rank.place``), the rest stay standby.
+3. A join while COMPLETE: from a member (its workers restarted) opens the next round;
+   from another node it is WAITING if alive members + waiting < ``max_nodes``, else
+   STANDBY. If no member is alive any more, any join opens the next round.
+4. ``num_nodes_waiting`` for an agent in round r: while round r is the formed round,
+   waiting nodes plus dead members (so survivors restart at once instead of waiting for a
+   collective to time out); once a later round is open or formed, at least 1.
+   Standby nodes do not count: a full round keeps running.
+5. Departures: a pending node that leaves, dies or passes ``join_timeout`` is removed;
+   a member that dies or leaves is marked so; if no member is alive, the next round
+   opens for whoever is waiting.
+6. CLOSED is final: joins fail with :class:`JobClosed`; departures just forget nodes.
+
+Invariants (checked by the property tests): in a formed round node ranks are exactly
+0..n-1 and global ranks are disjoint, contiguous per node and cover 0..world_size-1;
+members that survive into the next round keep their relative order; num_nodes_waiting
+is never negative; every node is in exactly one role.
+
+Heartbeat times (``heartbeats``) are soft state: never logged, reset to ``now`` for every
+node on restore so that each gets one full TTL of grace after a server restart.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .error import IllegalTransition, JobClosed, JoinTimeout, NodeNotFound, SettingsConflict
+from .rank import Candidate, Tier, place
+
+
+class JobState(str, enum.Enum):
+    OPEN = "open"
+    COMPLETE = "complete"
+    CLOSED = "closed"
+
+
+class Role(str, enum.Enum):
+    CANDIDATE = "candidate"
+    WAITING = "waiting"
+    STANDBY = "standby"
+    MEMBER = "member"
+
+
+class Liveness(str, enum.Enum):
+    ALIVE = "alive"
+    DEAD = "dead"
+    LEFT = "left"
+
+
+class Event(enum.Enum):
+    JOIN = "join"
+    DEPART = "depart"
+    LAST_CALL = "last_call"
+    CLOSE = "close"
+
+
+class Departure(str, enum.Enum):
+    """Why a node went away; decides how the survivors react."""
+
+    LEFT = "left"  # graceful: survivors keep running
+    DEAD = "dead"  # heartbeat TTL passed or connection dropped: survivors restart
+    JOIN_TIMEOUT = "join_timeout"  # waited longer than join_timeout for a round
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    min_nodes: int
+    max_nodes: int
+    last_call_timeout: float
+    join_timeout: float
+    heartbeat_ttl: float
+
+
+@dataclass
+class Node:
+    node_id: str
+    addr: str
+    nproc_per_node: int
+    arrival: int  # job-wide join counter: orders new nodes
+    joined_at: float  # server clock at join, for join_timeout
+    role: Role
+    liveness: Liveness = Liveness.ALIVE
+    node_rank: int | None = None  # in the last formed round; kept while the next one forms
+    global_rank_start: int | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self.role in (Role.CANDIDATE, Role.WAITING, Role.STANDBY)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    round: int
+    node_rank: int
+    num_nodes: int
+    world_size: int
+    nproc_per_node: int
+    global_rank_start: int
+    master_addr: str
+
+
+# Remember why at most this many departed nodes went away (a node that polls after its
+# departure gets the reason); older reasons are dropped first.
+MAX_DEPARTURE_REASONS = 10_000
+
+
+@dataclass
+class Job:
+    rdzv_id: str
+    settings: JobSettings
+    state: JobState = JobState.OPEN
+    round: int = 0
+    nodes: dict[str, Node] = field(default_factory=dict)
+    members: list[str] = field(default_factory=list)  # last formed round, node_rank order
+    last_call_deadline: float | None = None
+    arrivals: int = 0
+    version: int = 0  # bumped on every membership change: wakes watchers
+    idle_since: float | None = None
+    closed_at: float | None = None
+    departed: OrderedDict[str, str] = field(default_factory=OrderedDict)
+    world: int = 0  # world_size of the last formed round
+    departures: int = 0  # count of departures, so callers can tell one happened
+    # Derived indexes, rebuilt on restore, so that no join costs O(nodes):
+    counts: Counter[tuple[Role, Liveness]] = field(default_factory=Counter)
+    pending_since: OrderedDict[str, float] = field(default_factory=OrderedDict)  # joined_at order
+    # Soft state (not logged, not snapshotted):
+    heartbeats: OrderedDict[str, float] = field(default_factory=OrderedDict)
+
+    # -- the transition table ----------------------------------------------------------
+
+    def _dispatch(self, event: Event, *args: Any) -> Any:
+        handler = _TRANSITIONS.get((self.state, event))
+        if handler is None:
+            raise IllegalTransition(f"job {self.rdzv_id}: no transition for {event.name} in state {self.state.name}")
+        return handler(self, *args)
+
+    def join(self, node_id: str, addr: str, nproc_per_node: int, settings: JobSettings, now: float) -> int:
+        """A node asks for a place in the next round. Returns the round it is in line for."""
+        self._adopt_or_check(settings, node_id)
+        result: int = self._dispatch(Event.JOIN, node_id, addr, nproc_per_node, now)
+        self._after_change(now)
+        return result
+
+    def depart(self, node_id: str, why: Departure, now: float) -> bool:
+        """A node leaves, dies or times out. Returns False if it was not known (a no-op)."""
+        if node_id not in self.nodes:
+            return False
+        self._dispatch(Event.DEPART, node_id, why, now)
+        self._after_change(now)
+        return True
+
+    def last_call(self, round_: int, now: float) -> bool:
+        """The timer saw the last-call deadline of ``round_`` pass. Returns True if it formed."""
+        if self.state is not JobState.OPEN or round_ != self.round:
+            return False  # stale timer: the round formed or moved on meanwhile
+        formed: bool = self._dispatch(Event.LAST_CALL, now)
+        self._after_change(now)
+        return formed
+
+    def close(self, now: float) -> None:
+        if self.state is JobState.CLOSED:
+            return
+        self._dispatch(Event.CLOSE, now)
+        self._after_change(now)
+
+    # -- handlers ------------------------------------------------------------------------
+
+    def _join_open(self, node_id: str, addr: str, nproc: int, now: float) -> int:
+        node = self.nodes.get(node_id)
+        if node is None:
+            self._add_node(node_id, addr, nproc, Role.CANDIDATE, now)
+        elif node.role is Role.MEMBER:
+            # A member of the previous round comes back: it keeps its old node_rank as priority.
+            self._rejoin(node, addr, nproc, now)
+        self._check_completion(now)
+        return self.round
+
+    def _join_complete(self, node_id: str, addr: str, nproc: int, now: float) -> int:
+        node = self.nodes.get(node_id)
+        if node is not None and node.pending:
+            return self.round + 1  # already in line (a retried join)
+        if node is not None or not self._alive_members():
+            self._open_next_round()
+            return self._join_open(node_id, addr, nproc, now)
+        full = self._alive_members() + self._count(Role.WAITING) >= self.settings.max_nodes
+        self._add_node(node_id, addr, nproc, Role.STANDBY if full else Role.WAITING, now)
+        return self.round + 1
+
+    def _join_closed(self, node_id: str, addr: str, nproc: int, now: float) -> int:
+        raise JobClosed(f"job {self.rdzv_id} is closed; node {node_id} cannot join (start a new rdzv_id)")
+
+    def _depart(self, node_id: str, why: Departure, now: float) -> None:
+        node = self.nodes[node_id]
+        self.heartbeats.pop(node_id, None)
+        self._remember_departure(node_id, why)
+        if node.node_rank is not None:  # in self.members: keep it there, marked
+            self._set(node, Role.MEMBER, Liveness.LEFT if why is Departure.LEFT else Liveness.DEAD)
+        else:
+            self._forget(node_id)
+        if self.state is JobState.COMPLETE:
+            if not self._alive_members():
+                self._open_next_round()
+                self._check_completion(now)
+        elif self.state is JobState.OPEN:
+            self._check_completion(now)
+
+    def _last_call(self, now: float) -> bool:
+        deadline = self.last_call_deadline
+        if deadline is None or now < deadline:
+            return False
+        self._form_round()
+        return True
+
+    def _close(self, now: float) -> None:
+        self.state = JobState.CLOSED
+        self.closed_at = now
+        self.last_call_deadline = None
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _adopt_or_check(self, settings: JobSettings, node_id: str) -> None:
+        if settings == self.settings or self.state is JobState.CLOSED:
+            return
+        if self.idle():
+            self.settings = settings
+            return
+        raise SettingsConflict(
+            f"node {node_id} joins job {self.rdzv_id} with {_describe(settings)}, but the job runs with "
+            f"{_describe(self.settings)}: give every node the same --nnodes and --rdzv-conf, or use a new rdzv_id"
+        )
+
+    def _add_node(self, node_id: str, addr: str, nproc: int, role: Role, now: float) -> None:
+        self.arrivals += 1
+        node = self.nodes[node_id] = Node(node_id, addr, nproc, self.arrivals, now, role)
+        self.counts[(role, node.liveness)] += 1
+        self.pending_since[node_id] = now
+        self.departed.pop(node_id, None)
+        self.heartbeats[node_id] = now
+        self.heartbeats.move_to_end(node_id)
+
+    def _set(self, node: Node, role: Role, liveness: Liveness = Liveness.ALIVE) -> None:
+        """The one place a node changes role: keeps ``counts`` and ``pending_since`` exact."""
+        was_pending = node.pending
+        self.counts[(node.role, node.liveness)] -= 1
+        node.role, node.liveness = role, liveness
+        self.counts[(role, liveness)] += 1
+        if was_pending and not node.pending:
+            self.pending_since.pop(node.node_id, None)
+        elif node.pending and not was_pending:
+            self.pending_since[node.node_id] = node.joined_at
+
+    def _forget(self, node_id: str) -> None:
+        node = self.nodes.pop(node_id)
+        self.counts[(node.role, node.liveness)] -= 1
+        self.pending_since.pop(node_id, None)
+        self.heartbeats.pop(node_id, None)
+
+    def _rejoin(self, node: Node, addr: str, nproc: int, now: float) -> None:
+        node.addr, node.nproc_per_node, node.joined_at = addr, nproc, now
+        self._set(node, Role.CANDIDATE)
+        self.departed.pop(node.node_id, None)
+        self.heartbeats[node.node_id] = now
+        self.heartbeats.move_to_end(node.node_id)
+
+    def _open_next_round(self) -> None:
+        self.state = JobState.OPEN
+        self.round += 1
+        self.last_call_deadline = None
+        for node_id in list(self.pending_since):
+            node = self.nodes[node_id]
+            if node.role is Role.WAITING:
+                self._set(node, Role.CANDIDATE)
+
+    def _check_completion(self, now: float) -> None:
+        """Apply rule 2 after any change to an OPEN job."""
+        joined = self._count(Role.CANDIDATE)
+        in_line = joined + self._count(Role.STANDBY)
+        max_nodes = self.settings.max_nodes
+        expected = self._alive_members() > 0
+        if joined >= max_nodes or (in_line >= max_nodes and not expected):
+            self._form_round()
+        elif in_line >= self.settings.min_nodes:
+            if self.last_call_deadline is None:
+                self.last_call_deadline = now + self.settings.last_call_timeout
+                if self.settings.last_call_timeout == 0:
+                    self._form_round()
+        else:
+            self.last_call_deadline = None
+
+    def _form_round(self) -> None:
+        previous = set(self.members)
+        candidates = []
+        for node in self.nodes.values():
+            if node.role is Role.CANDIDATE:
+                if node.node_id in previous and node.node_rank is not None:
+                    candidates.append(Candidate(node.node_id, Tier.PREVIOUS, node.node_rank, node.nproc_per_node))
+                else:
+                    candidates.append(Candidate(node.node_id, Tier.NEW, node.arrival, node.nproc_per_node))
+            elif node.role is Role.STANDBY:
+                candidates.append(Candidate(node.node_id, Tier.STANDBY, node.arrival, node.nproc_per_node))
+        placements, overflow = place(candidates, self.settings.max_nodes)
+        for member_id in previous:
+            member = self.nodes.get(member_id)
+            if member is not None and member.role is Role.MEMBER:
+                self._forget(member_id)  # not back for this round
+        for c in overflow:
+            node = self.nodes[c.node_id]
+            self._set(node, Role.STANDBY)
+            node.node_rank = node.global_rank_start = None
+        self.members = []
+        for p in placements:
+            node = self.nodes[p.node_id]
+            self._set(node, Role.MEMBER)
+            node.node_rank, node.global_rank_start = p.node_rank, p.global_rank_start
+            self.members.append(p.node_id)
+        self.world = sum(p.nproc_per_node for p in placements)
+        self.state = JobState.COMPLETE
+        self.last_call_deadline = None
+
+    def _after_change(self, now: float) -> None:
+        self.version += 1
+        if self.idle():
+            if self.idle_since is None:
+                self.idle_since = now
+        else:
+            self.idle_since = None
+
+    def _remember_departure(self, node_id: str, why: Departure) -> None:
+        self.departures += 1
+        self.departed[node_id] = why.value
+        self.departed.move_to_end(node_id)
+        while len(self.departed) > MAX_DEPARTURE_REASONS:
+            self.departed.popitem(last=False)
+
+    def _count(self, role: Role) -> int:
+        """Nodes in a pending ``role`` (they are always ALIVE)."""
+        return self.counts[(role, Liveness.ALIVE)]
+
+    def _alive_members(self) -> int:
+        """Members of the last formed round that are alive and have not re-joined."""
+        return self.counts[(Role.MEMBER, Liveness.ALIVE)]
+
+    def idle(self) -> bool:
+        return not self.pending_since and self._alive_members() == 0
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def num_nodes_waiting(self, round_: int) -> int:
+        """Rule 4, for an agent whose formed round is ``round_``."""
+        if self.state is JobState.CLOSED:
+            return 0
+        if self.state is JobState.COMPLETE and self.round == round_:
+            return self._count(Role.WAITING) + self.counts[(Role.MEMBER, Liveness.DEAD)]
+        return max(1, self._count(Role.CANDIDATE) + self._count(Role.WAITING))
+
+    def assignment(self, node_id: str, min_round: int) -> Assignment | None:
+        """The node's place once it is a live member of a formed round >= ``min_round``.
+
+        None while it is still in line. Raises :class:`JobClosed`, :class:`JoinTimeout`
+        (it waited too long and was removed) or :class:`NodeNotFound`.
+        """
+        if self.state is JobState.CLOSED:
+            raise JobClosed(f"job {self.rdzv_id} is closed")
+        node = self.nodes.get(node_id)
+        if node is None or (node.role is Role.MEMBER and node.liveness is not Liveness.ALIVE):
+            reason = self.departed.get(node_id)
+            if reason == Departure.JOIN_TIMEOUT.value:
+                raise JoinTimeout(
+                    f"node {node_id} waited longer than join_timeout={self.settings.join_timeout}s for a round "
+                    f"of job {self.rdzv_id} to form (min_nodes={self.settings.min_nodes})"
+                )
+            raise NodeNotFound(f"node {node_id} is not in job {self.rdzv_id} ({reason or 'never joined'}); join again")
+        if node.pending or self.state is not JobState.COMPLETE or self.round < min_round:
+            return None
+        assert node.node_rank is not None and node.global_rank_start is not None
+        master = self.nodes[self.members[0]]
+        return Assignment(
+            round=self.round,
+            node_rank=node.node_rank,
+            num_nodes=len(self.members),
+            world_size=self.world_size(),
+            nproc_per_node=node.nproc_per_node,
+            global_rank_start=node.global_rank_start,
+            master_addr=master.addr,
+        )
+
+    def world_size(self) -> int:
+        return self.world if self.state is JobState.COMPLETE else 0
+
+    def heartbeat(self, node_id: str, now: float) -> None:
+        """Soft-state beat; ignored for unknown, dead or departed nodes."""
+        if node_id in self.heartbeats:
+            self.heartbeats[node_id] = now
+            self.heartbeats.move_to_end(node_id)
+
+    def expired(self, now: float) -> list[str]:
+        """Nodes whose last beat is older than the TTL (oldest first; O(expired))."""
+        ttl = self.settings.heartbeat_ttl
+        out = []
+        for node_id, beat in self.heartbeats.items():
+            if beat + ttl > now:
+                break
+            out.append(node_id)
+        return out
+
+    def join_timed_out(self, now: float) -> list[str]:
+        """Pending nodes that joined ``join_timeout`` ago or more (O(timed out))."""
+        limit = now - self.settings.join_timeout
+        out = []
+        for node_id, joined_at in self.pending_since.items():
+            if joined_at > limit:
+                break
+            out.append(node_id)
+        return out
+
+    def next_deadline(self) -> float | None:
+        """The earliest time at which the timer may have something to do for this job."""
+        times = []
+        if self.last_call_deadline is not None:
+            times.append(self.last_call_deadline)
+        if self.heartbeats:
+            times.append(next(iter(self.heartbeats.values())) + self.settings.heartbeat_ttl)
+        if self.pending_since:
+            times.append(next(iter(self.pending_since.values())) + self.settings.join_timeout)
+        return min(times) if times else None
+
+    def reset_heartbeats(self, now: float) -> None:
+        """After a restart: every live node gets one full TTL of grace."""
+        self.heartbeats = OrderedDict(
+            (n.node_id, now) for n in self.nodes.values() if n.pending or (n.role is Role.MEMBER and n.liveness is Liveness.ALIVE)
+        )
+
+    def describe(self, now: float) -> dict[str, Any]:
+        """The membership document of ``GET /v1/jobs/{rdzv_id}`` (DESIGN.md)."""
+
+        def entry(node: Node) -> dict[str, Any]:
+            beat = self.heartbeats.get(node.node_id)
+            start = node.global_rank_start
+            ranks = list(range(start, start + node.nproc_per_node)) if start is not None and node.role is Role.MEMBER else []
+            return {
+                "node_id": node.node_id,
+                "addr": node.addr,
+                "node_rank": node.node_rank if node.role is Role.MEMBER else None,
+                "nproc_per_node": node.nproc_per_node,
+                "global_ranks": ranks,
+                "alive": node.liveness is Liveness.ALIVE,
+                "status": node.liveness.value if node.role is Role.MEMBER else node.role.value,
+                "last_heartbeat_age_s": None if beat is None else round(max(0.0, now - beat), 3),
+            }
+
+        by_arrival = sorted(self.nodes.values(), key=lambda n: n.arrival)
+        members = [self.nodes[m] for m in self.members if m in self.nodes]
+        return {
+            "rdzv_id": self.rdzv_id,
+            "state": self.state.value,
+            "round": self.round,
+            "min_nodes": self.settings.min_nodes,
+            "max_nodes": self.settings.max_nodes,
+            "num_nodes": len(members) if self.state is JobState.COMPLETE else 0,
+            "world_size": self.world_size(),
+            "nodes": [entry(n) for n in members],
+            "joining": [entry(n) for n in by_arrival if n.role is Role.CANDIDATE],
+            "waiting": [entry(n) for n in by_arrival if n.role is Role.WAITING],
+            "standby": [entry(n) for n in by_arrival if n.role is Role.STANDBY],
+            "num_nodes_waiting": self.num_nodes_waiting(self.round),
+            "last_call_timeout": self.settings.last_call_timeout,
+            "join_timeout": self.settings.join_timeout,
+            "heartbeat_ttl": self.settings.heartbeat_ttl,
+        }
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "rdzv_id": self.rdzv_id,
+            "state": self.state.value,
+            "round": self.round,
+            "num_nodes": len(self.members) if self.state is JobState.COMPLETE else 0,
+            "world_size": self.world_size(),
+            "min_nodes": self.settings.min_nodes,
+            "max_nodes": self.settings.max_nodes,
+            "pending": sum(1 for n in self.nodes.values() if n.pending),
+        }
+
+    # -- snapshot ----------------------------------------------------------------------------
+
+    def to_snapshot(self) -> dict[str, Any]:
+        s = self.settings
+        return {
+            "rdzv_id": self.rdzv_id,
+            "settings": [s.min_nodes, s.max_nodes, s.last_call_timeout, s.join_timeout, s.heartbeat_ttl],
+            "state": self.state.value,
+            "round": self.round,
+            "nodes": [
+                [n.node_id, n.addr, n.nproc_per_node, n.arrival, n.joined_at, n.role.value, n.liveness.value,
+                 n.node_rank, n.global_rank_start]
+                for n in self.nodes.values()
+            ],
+            "members": list(self.members),
+            "last_call_deadline": self.last_call_deadline,
+            "arrivals": self.arrivals,
+            "version": self.version,
+            "idle_since": self.idle_since,
+            "closed_at": self.closed_at,
+            "departed": list(self.departed.items()),
+        }
+
+    @classmethod
+    def from_snapshot(cls, data: dict[str, Any]) -> Job:
+        job = cls(data["rdzv_id"], JobSettings(*data["settings"]))
+        job.state = JobState(data["state"])
+        job.round = data["round"]
+        for nid, addr, nproc, arrival, joined_at, role, liveness, rank, start in data["nodes"]:
+            job.nodes[nid] = Node(nid, addr, nproc, arrival, joined_at, Role(role), Liveness(liveness), rank, start)
+        job.members = list(data["members"])
+        job.last_call_deadline = data["last_call_deadline"]
+        job.arrivals = data["arrivals"]
+        job.version = data["version"]
+        job.idle_since = data["idle_since"]
+        job.closed_at = data["closed_at"]
+        job.departed = OrderedDict((k, v) for k, v in data["departed"])
+        job.world = sum(job.nodes[m].nproc_per_node for m in job.members if m in job.nodes)
+        for node in sorted(job.nodes.values(), key=lambda n: (n.joined_at, n.arrival)):
+            job.counts[(node.role, node.liveness)] += 1
+            if node.pending:
+                job.pending_since[node.node_id] = node.joined_at
+        return job
+
+
+def _describe(s: JobSettings) -> str:
+    return (
+        f"min_nodes={s.min_nodes} max_nodes={s.max_nodes} last_call_timeout={s.last_call_timeout} "
+        f"join_timeout={s.join_timeout} heartbeat_ttl={s.heartbeat_ttl}"
+    )
+
+
+_TRANSITIONS: dict[tuple[JobState, Event], Callable[..., Any]] = {
+    (JobState.OPEN, Event.JOIN): Job._join_open,
+    (JobState.COMPLETE, Event.JOIN): Job._join_complete,
+    (JobState.CLOSED, Event.JOIN): Job._join_closed,
+    (JobState.OPEN, Event.DEPART): Job._depart,
+    (JobState.COMPLETE, Event.DEPART): Job._depart,
+    (JobState.CLOSED, Event.DEPART): Job._depart,
+    (JobState.OPEN, Event.LAST_CALL): Job._last_call,
+    (JobState.OPEN, Event.CLOSE): Job._close,
+    (JobState.COMPLETE, Event.CLOSE): Job._close,
+}

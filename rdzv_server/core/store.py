@@ -1,0 +1,146 @@
+"""One job's key-value store, with torch ``Store`` semantics on bytes.
+
+What it owns: the keys of one job, split into key spaces: the job-wide space (scope
+``None``) and one space per round (scope = round number), so a new round never reads a
+stale round's keys and old rounds are dropped whole.
+
+Rules (those of torch's TCPStore, which callers rely on):
+- ``add`` keeps integers as decimal ASCII bytes; a missing key counts as 0; a value that
+  is not a decimal integer is :class:`NotAnInteger` and changes nothing.
+- ``compare_set``: if the key is missing, an empty ``expected`` sets ``desired``; a
+  non-empty one leaves the key missing and returns ``expected``. If the key holds
+  ``expected`` it becomes ``desired``. The call returns the value stored afterwards
+  (or ``expected`` in the missing case).
+- A missing key is ``None`` from ``get``: blocking is the server layer's business.
+- No value may grow past ``max_value_bytes`` (``append`` included); such a write is
+  :class:`ValueTooLarge` and changes nothing.
+
+What it must not know: time, I/O, rendezvous membership.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from .error import NotAnInteger, ValueTooLarge
+
+class KeyValueStore:
+    """The keys of one job."""
+
+    def __init__(self, max_value_bytes: int) -> None:
+        self.max_value_bytes = max_value_bytes
+        self._spaces: dict[int | None, dict[bytes, bytes]] = {}
+
+    # -- reads -------------------------------------------------------------------------
+
+    def get(self, scope: int | None, key: bytes) -> bytes | None:
+        space = self._spaces.get(scope)
+        return None if space is None else space.get(key)
+
+    def multi_get(self, scope: int | None, keys: Sequence[bytes]) -> list[bytes] | None:
+        """All values, or None while any key is missing."""
+        space = self._spaces.get(scope, {})
+        values = []
+        for key in keys:
+            value = space.get(key)
+            if value is None:
+                return None
+            values.append(value)
+        return values
+
+    def check(self, scope: int | None, keys: Iterable[bytes]) -> bool:
+        space = self._spaces.get(scope, {})
+        return all(key in space for key in keys)
+
+    def num_keys(self, scope: int | None) -> int:
+        return len(self._spaces.get(scope, {}))
+
+    def list_keys(self, scope: int | None, prefix: bytes) -> list[bytes]:
+        return sorted(k for k in self._spaces.get(scope, {}) if k.startswith(prefix))
+
+    def total_keys(self) -> int:
+        return sum(len(space) for space in self._spaces.values())
+
+    # -- writes ------------------------------------------------------------------------
+
+    def _space(self, scope: int | None) -> dict[bytes, bytes]:
+        space = self._spaces.get(scope)
+        if space is None:
+            space = self._spaces[scope] = {}
+        return space
+
+    def _fits(self, key: bytes, value: bytes) -> None:
+        if len(value) > self.max_value_bytes:
+            raise ValueTooLarge(
+                f"value for key {key[:64]!r} would be {len(value)} bytes; the limit is {self.max_value_bytes} "
+                "(raise it with --max-value-bytes)"
+            )
+
+    def set(self, scope: int | None, key: bytes, value: bytes) -> None:
+        self._fits(key, value)
+        self._space(scope)[key] = value
+
+    def multi_set(self, scope: int | None, keys: Sequence[bytes], values: Sequence[bytes]) -> None:
+        for key, value in zip(keys, values):
+            self._fits(key, value)
+        space = self._space(scope)
+        for key, value in zip(keys, values):
+            space[key] = value
+
+    def add(self, scope: int | None, key: bytes, amount: int) -> int:
+        space = self._space(scope)
+        current = space.get(key, b"0")
+        try:
+            number = int(current.decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            raise NotAnInteger(f"add on key {key[:64]!r}: its value {current[:32]!r} is not an integer") from None
+        number += amount
+        space[key] = str(number).encode("ascii")
+        return number
+
+    def compare_set(self, scope: int | None, key: bytes, expected: bytes, desired: bytes) -> bytes:
+        space = self._space(scope)
+        current = space.get(key)
+        if current is None:
+            if expected:
+                return expected
+            self._fits(key, desired)
+            space[key] = desired
+            return desired
+        if current == expected:
+            self._fits(key, desired)
+            space[key] = desired
+            return desired
+        return current
+
+    def append(self, scope: int | None, key: bytes, value: bytes) -> None:
+        space = self._space(scope)
+        combined = space.get(key, b"") + value
+        self._fits(key, combined)
+        space[key] = combined
+
+    def delete_key(self, scope: int | None, key: bytes) -> bool:
+        space = self._spaces.get(scope)
+        if space is None or key not in space:
+            return False
+        del space[key]
+        return True
+
+    def drop_rounds_before(self, round_: int) -> None:
+        """Forget every round key space numbered below ``round_`` (the job space stays)."""
+        for scope in [s for s in self._spaces if s is not None and s < round_]:
+            del self._spaces[scope]
+
+    # -- snapshot ----------------------------------------------------------------------
+
+    def to_snapshot(self) -> list[list[object]]:
+        return [[scope, list(space.items())] for scope, space in self._spaces.items()]
+
+    @classmethod
+    def from_snapshot(cls, data: list[list[object]], max_value_bytes: int) -> KeyValueStore:
+        store = cls(max_value_bytes)
+        for scope, items in data:
+            assert scope is None or isinstance(scope, int)
+            assert isinstance(items, list)
+            store._spaces[scope] = {bytes(k): bytes(v) for k, v in items}
+        return store
