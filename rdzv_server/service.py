@@ -32,6 +32,7 @@ from .config import ServerConfig
 from .core import command as c
 from .core.error import RdzvError
 from .core.machine import Outcome, StateMachine, key_topic, round_topic, watch_topic
+from .core.rendezvous import Job
 from .storage import FileLog, FsyncPolicy, Log, MemoryLog
 
 log = logging.getLogger("rdzv_server")
@@ -259,35 +260,51 @@ class Service:
     # -- operations the API calls ----------------------------------------------------------
 
     async def get(self, rdzv_id: str, scope: int | None, key: bytes, hold: float) -> bytes | None:
-        kv = self.machine.kv(rdzv_id)
-        return await self.long_poll(lambda: kv.get(scope, key), lambda: (key_topic(rdzv_id, scope, key),), hold)
+        self.machine.kv(rdzv_id)  # JobNotFound before parking
+        return await self.long_poll(
+            lambda: self.machine.kv(rdzv_id).get(scope, key), lambda: (key_topic(rdzv_id, scope, key),), hold
+        )
 
     async def multi_get(self, rdzv_id: str, scope: int | None, keys: tuple[bytes, ...], hold: float) -> list[bytes] | None:
-        kv = self.machine.kv(rdzv_id)
+        self.machine.kv(rdzv_id)  # JobNotFound before parking
 
         def first_missing() -> tuple[Hashable, ...]:
+            kv = self.machine.kv(rdzv_id)
             missing = next((k for k in keys if kv.get(scope, k) is None), keys[0] if keys else b"")
             return (key_topic(rdzv_id, scope, missing),)
 
-        return await self.long_poll(lambda: kv.multi_get(scope, keys), first_missing, hold)
+        return await self.long_poll(lambda: self.machine.kv(rdzv_id).multi_get(scope, keys), first_missing, hold)
 
     async def join(self, command: c.Join, rid: tuple[str, int] | None, hold: float) -> dict[str, Any]:
         result = await self.write(command, rid)
         return await self.await_round(command.rdzv_id, command.node_id, result["round"], hold)
 
     async def await_round(self, rdzv_id: str, node_id: str, round_: int, hold: float) -> dict[str, Any]:
-        self.machine.job(rdzv_id)  # JobNotFound before parking
-        assignment = await self.long_poll(
-            lambda: self.machine.assignment(rdzv_id, node_id, round_), lambda: (round_topic(rdzv_id),), hold
-        )
+        """Hold until the node has a place in a formed round >= ``round_``; a heartbeat too."""
+        job = self._beat(rdzv_id, node_id)
+        try:
+            assignment = await self.long_poll(
+                lambda: self.machine.assignment(rdzv_id, node_id, round_),
+                lambda: (round_topic(rdzv_id),),
+                min(hold, job.settings.heartbeat_ttl / 3),
+            )
+        except asyncio.CancelledError:
+            self.connection_lost(rdzv_id, node_id)
+            raise
+        self._beat(rdzv_id, node_id)
         return {"round": round_, "assignment": None if assignment is None else asdict(assignment)}
 
-    async def watch(self, rdzv_id: str, node_id: str, round_: int, known: int, hold: float) -> dict[str, Any]:
-        """Heartbeat, then hold until num_nodes_waiting != known (see wire.WatchRequest)."""
+    def _beat(self, rdzv_id: str, node_id: str) -> Job:
+        """A request from a node is a heartbeat; it also cancels a pending connection-lost check."""
         self._check_ready()
         job = self.machine.job(rdzv_id)
         job.heartbeat(node_id, self.now())
         self._cancel_lost(rdzv_id, node_id)
+        return job
+
+    async def watch(self, rdzv_id: str, node_id: str, round_: int, known: int, hold: float) -> dict[str, Any]:
+        """Heartbeat, then hold until num_nodes_waiting != known (see wire.WatchRequest)."""
+        job = self._beat(rdzv_id, node_id)
         # Hold well inside the TTL: an open watch is not itself a heartbeat.
         hold = min(hold, job.settings.heartbeat_ttl / 3)
 
@@ -303,7 +320,7 @@ class Service:
             self.connection_lost(rdzv_id, node_id)
             raise
         if rdzv_id in self.machine.jobs:
-            self.machine.heartbeat(rdzv_id, node_id, self.now())
+            self._beat(rdzv_id, node_id)
         return view if view is not None else self.machine.watch_view(rdzv_id, round_)
 
     # -- fast death detection -------------------------------------------------------------

@@ -181,8 +181,10 @@ class StateMachine:
         job = entry.job
         before_round = (job.state, job.round)
         before_watch = (job.state, job.round, job.num_nodes_waiting(job.round))
-        departures = job.departures
+        departures, runs = job.departures, job.runs
         result = change(job)
+        if job.runs != runs:  # a fresh run in a closed job: it starts with no keys
+            entry.kv = KeyValueStore(self.max_value_bytes)
         wakes: list[Hashable] = []
         # A departure of a pending node must reach its own long-poll (join_timeout); rare.
         if (job.state, job.round) != before_round or job.departures != departures:

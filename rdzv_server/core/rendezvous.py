@@ -34,9 +34,13 @@ Rules:
    collective to time out); once a later round is open or formed, at least 1.
    Standby nodes do not count: a full round keeps running.
 5. Departures: a pending node that leaves, dies or passes ``join_timeout`` is removed;
-   a member that dies or leaves is marked so; if no member is alive, the next round
-   opens for whoever is waiting.
-6. CLOSED is final: joins fail with :class:`JobClosed`; departures just forget nodes.
+   a member that dies or leaves is marked so; if no member is alive and nodes are
+   waiting, the next round opens for them.
+6. CLOSED: joins fail with :class:`JobClosed` while any node of the job is alive or
+   pending (their agents must stop). Once every node has departed, the next join starts
+   a fresh run under the same id (new settings allowed, next round number, and the
+   caller clears the keys: ``runs`` counts these restarts). torchrun closes a job when an
+   agent finishes, so this is what lets a user run the same command again.
 
 Invariants (checked by the property tests): in a formed round node ranks are exactly
 0..n-1 and global ranks are disjoint, contiguous per node and cover 0..world_size-1;
@@ -151,6 +155,7 @@ class Job:
     departed: OrderedDict[str, str] = field(default_factory=OrderedDict)
     world: int = 0  # world_size of the last formed round
     departures: int = 0  # count of departures, so callers can tell one happened
+    runs: int = 0  # fresh runs started in a closed job (rule 6)
     # Derived indexes, rebuilt on restore, so that no join costs O(nodes):
     counts: Counter[tuple[Role, Liveness]] = field(default_factory=Counter)
     pending_since: OrderedDict[str, float] = field(default_factory=OrderedDict)  # joined_at order
@@ -218,7 +223,17 @@ class Job:
         return self.round + 1
 
     def _join_closed(self, node_id: str, addr: str, nproc: int, now: float) -> int:
-        raise JobClosed(f"job {self.rdzv_id} is closed; node {node_id} cannot join (start a new rdzv_id)")
+        if not self.idle():
+            raise JobClosed(
+                f"job {self.rdzv_id} is closed; node {node_id} cannot join while nodes of the closed run remain "
+                "(wait for them to exit, or use a new --rdzv-id)"
+            )
+        for old in list(self.nodes):
+            self._forget(old)
+        self.members, self.world, self.closed_at = [], 0, None
+        self.runs += 1
+        self._open_next_round()
+        return self._join_open(node_id, addr, nproc, now)
 
     def _depart(self, node_id: str, why: Departure, now: float) -> None:
         node = self.nodes[node_id]
@@ -229,7 +244,7 @@ class Job:
         else:
             self._forget(node_id)
         if self.state is JobState.COMPLETE:
-            if not self._alive_members():
+            if not self._alive_members() and self.pending_since:
                 self._open_next_round()
                 self._check_completion(now)
         elif self.state is JobState.OPEN:
@@ -250,7 +265,7 @@ class Job:
     # -- helpers ---------------------------------------------------------------------------
 
     def _adopt_or_check(self, settings: JobSettings, node_id: str) -> None:
-        if settings == self.settings or self.state is JobState.CLOSED:
+        if settings == self.settings:
             return
         if self.idle():
             self.settings = settings
@@ -416,7 +431,11 @@ class Job:
         )
 
     def world_size(self) -> int:
-        return self.world if self.state is JobState.COMPLETE else 0
+        """Of the last formed round (also once closed); 0 while a round forms."""
+        return 0 if self.state is JobState.OPEN else self.world
+
+    def num_nodes(self) -> int:
+        return 0 if self.state is JobState.OPEN else len(self.members)
 
     def heartbeat(self, node_id: str, now: float) -> None:
         """Soft-state beat; ignored for unknown, dead or departed nodes."""
@@ -487,7 +506,7 @@ class Job:
             "round": self.round,
             "min_nodes": self.settings.min_nodes,
             "max_nodes": self.settings.max_nodes,
-            "num_nodes": len(members) if self.state is JobState.COMPLETE else 0,
+            "num_nodes": self.num_nodes(),
             "world_size": self.world_size(),
             "nodes": [entry(n) for n in members],
             "joining": [entry(n) for n in by_arrival if n.role is Role.CANDIDATE],
@@ -504,7 +523,7 @@ class Job:
             "rdzv_id": self.rdzv_id,
             "state": self.state.value,
             "round": self.round,
-            "num_nodes": len(self.members) if self.state is JobState.COMPLETE else 0,
+            "num_nodes": self.num_nodes(),
             "world_size": self.world_size(),
             "min_nodes": self.settings.min_nodes,
             "max_nodes": self.settings.max_nodes,
@@ -532,6 +551,7 @@ class Job:
             "idle_since": self.idle_since,
             "closed_at": self.closed_at,
             "departed": list(self.departed.items()),
+            "runs": self.runs,
         }
 
     @classmethod
@@ -548,6 +568,7 @@ class Job:
         job.idle_since = data["idle_since"]
         job.closed_at = data["closed_at"]
         job.departed = OrderedDict((k, v) for k, v in data["departed"])
+        job.runs = data["runs"]
         job.world = sum(job.nodes[m].nproc_per_node for m in job.members if m in job.nodes)
         for node in sorted(job.nodes.values(), key=lambda n: (n.joined_at, n.arrival)):
             job.counts[(node.role, node.liveness)] += 1

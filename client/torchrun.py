@@ -1,0 +1,365 @@
+"""torch integration: the only module of rdzv_client that imports torch.
+
+What it owns:
+- :class:`RdzvStore`, a ``torch.distributed.Store`` over one job (and optionally one
+  round's key space) of rdzv-server: what the elastic agent, ``elastic.utils.store``
+  (barrier, synchronize) and ``init_process_group(store=...)`` call;
+- :class:`RdzvServerHandler`, the torchrun ``RendezvousHandler`` of the backend
+  ``rdzv-server``; and :func:`register`, the ``torchrun.handlers`` entry point.
+
+How a torchrun agent uses the handler (TORCH-NOTES.md): ``next_rendezvous()`` joins and
+long-polls for the round, then node rank 0 publishes MASTER_ADDR/MASTER_PORT in *that
+round's* key space (every round, so a node joining a running job never waits for a
+stale round's keys). A watch thread keeps one long-poll open per node while its round
+runs: it is the heartbeat, the fast death signal (the server sees the connection drop
+when the process dies) and the source of ``num_nodes_waiting()``, which the agent calls
+every 0.1 s and which therefore costs nothing.
+
+Errors at the torch boundary are torch's: ``RendezvousTimeoutError``,
+``RendezvousClosedError``, ``RendezvousConnectionError`` (chained ``from`` ours); store
+timeouts raise ``torch.distributed.DistStoreError`` like TCPStore's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+from . import wire
+from .client import Client
+from .error import ConflictError, JobClosedError, RdzvConnectionError, RdzvError, RdzvTimeoutError
+
+log = logging.getLogger("rdzv_client")
+
+BACKEND = "rdzv-server"
+# torch's own defaults for the same --rdzv-conf keys (dynamic_rendezvous.py).
+DEFAULT_JOIN_TIMEOUT = 600.0
+DEFAULT_LAST_CALL_TIMEOUT = 30.0
+DEFAULT_CLOSE_TIMEOUT = 30.0
+# Heartbeat every 2 s, dead after 5 missed: a host that vanishes silently is noticed in 10 s
+# (a process that dies is noticed in about a second, by its dropped watch connection).
+DEFAULT_KEEP_ALIVE_INTERVAL = 2.0
+DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 5
+# TCPStore's default timeout for blocking store calls.
+DEFAULT_STORE_TIMEOUT = 300.0
+
+
+def _text(key: str | bytes) -> bytes:
+    return key.encode() if isinstance(key, str) else bytes(key)
+
+
+class RdzvStore(dist.Store):  # type: ignore[misc]
+    """A torch ``Store`` over the keys of job ``rdzv_id`` (of ``round``'s key space if given).
+
+    ``client`` is a :class:`Client` (shared, thread-safe) or an endpoint string. With
+    ``create=True`` the job is created (1 node) if it does not exist yet, for standalone
+    use as ``init_process_group(store=RdzvStore(endpoint, "job", create=True), ...)``.
+    Blocking calls (get, multi_get, wait) honour ``timeout`` / ``set_timeout`` and raise
+    ``torch.distributed.DistStoreError`` when it passes.
+    """
+
+    def __init__(
+        self,
+        client: Client | str,
+        rdzv_id: str,
+        *,
+        round: int | None = None,
+        timeout: timedelta = timedelta(seconds=DEFAULT_STORE_TIMEOUT),
+        create: bool = False,
+    ) -> None:
+        super().__init__()
+        wire.check_id("rdzv_id", rdzv_id)
+        self._owns_client = isinstance(client, str)
+        self._client = Client(client) if isinstance(client, str) else client
+        self.rdzv_id = rdzv_id
+        self.round = round
+        self.set_timeout(timeout)
+        if create:
+            try:
+                self._client.create_job(rdzv_id, min_nodes=1, max_nodes=1)
+            except ConflictError:
+                pass  # it exists (with nodes in it): use it as it is
+
+    def _seconds(self, timeout: timedelta | None = None) -> float:
+        return (timeout if timeout is not None else self.timeout).total_seconds()
+
+    def _blocking(self, call: Callable[[], Any], what: str) -> Any:
+        try:
+            return call()
+        except RdzvTimeoutError as exc:
+            raise dist.DistStoreError(f"rdzv store {what} in job {self.rdzv_id}: {exc}") from exc
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._client.set(self.rdzv_id, _text(key), _text(value), round=self.round)
+
+    def get(self, key: str) -> bytes:
+        seconds = self._seconds()
+        return self._blocking(  # type: ignore[no-any-return]
+            lambda: self._client.get(self.rdzv_id, _text(key), timeout=seconds, round=self.round), f"get({key!r})"
+        )
+
+    def add(self, key: str, amount: int) -> int:
+        return self._client.add(self.rdzv_id, _text(key), int(amount), round=self.round)
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        return self._client.compare_set(self.rdzv_id, _text(key), _text(expected), _text(desired), round=self.round)
+
+    def append(self, key: str, value: str | bytes) -> None:
+        self._client.append(self.rdzv_id, _text(key), _text(value), round=self.round)
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        seconds = self._seconds()
+        return self._blocking(  # type: ignore[no-any-return]
+            lambda: self._client.multi_get(self.rdzv_id, [_text(k) for k in keys], timeout=seconds, round=self.round),
+            f"multi_get of {len(keys)} keys",
+        )
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
+        self._client.multi_set(self.rdzv_id, [_text(k) for k in keys], [_text(v) for v in values], round=self.round)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return self._client.check(self.rdzv_id, [_text(k) for k in keys], round=self.round)
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        seconds = self._seconds(timeout)
+        self._blocking(
+            lambda: self._client.wait(self.rdzv_id, [_text(k) for k in keys], timeout=seconds, round=self.round),
+            f"wait for {len(keys)} keys",
+        )
+
+    def delete_key(self, key: str) -> bool:
+        return self._client.delete_key(self.rdzv_id, _text(key), round=self.round)
+
+    def num_keys(self) -> int:
+        return self._client.num_keys(self.rdzv_id, round=self.round)
+
+    def list_keys(self, prefix: str = "") -> list[str]:
+        return [k.decode() for k in self._client.list_keys(self.rdzv_id, _text(prefix), round=self.round)]
+
+    def has_extended_api(self) -> bool:
+        return True
+
+    # torch's C++ side (PrefixStore, gloo) calls the C++ names through the trampoline.
+    deleteKey = delete_key  # noqa: N815
+    getNumKeys = num_keys  # noqa: N815
+
+    def close(self) -> None:
+        """Close the client if this store created it."""
+        if self._owns_client:
+            self._client.close()
+
+
+class RdzvServerHandler(RendezvousHandler):  # type: ignore[misc]
+    """torchrun's rendezvous through rdzv-server. Built by :func:`create_handler`."""
+
+    def __init__(self, params: RendezvousParameters, nproc_per_node: int, client: Client | None = None) -> None:
+        if not params.endpoint:
+            raise ValueError("--rdzv-endpoint is required for --rdzv-backend=rdzv-server (HOST[:PORT] of rdzv-server)")
+        self._run_id = wire.check_id("rdzv_id", params.run_id)
+        self._min_nodes = params.min_nodes
+        self._max_nodes = params.max_nodes
+        self._nproc = nproc_per_node
+        self._join_timeout = float(params.get("join_timeout", DEFAULT_JOIN_TIMEOUT))
+        self._last_call_timeout = float(params.get("last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT))
+        self._close_timeout = float(params.get("close_timeout", DEFAULT_CLOSE_TIMEOUT))
+        self._keep_alive_interval = float(params.get("keep_alive_interval", DEFAULT_KEEP_ALIVE_INTERVAL))
+        attempts = int(params.get("keep_alive_max_attempt", DEFAULT_KEEP_ALIVE_MAX_ATTEMPT))
+        self._heartbeat_ttl = self._keep_alive_interval * attempts
+        self._store_timeout = timedelta(seconds=float(params.get("store_timeout", DEFAULT_STORE_TIMEOUT)))
+        self._addr = params.local_addr or socket.getfqdn()
+        # Unique per agent, even for several agents on one host: host, pid and a random part.
+        host = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in socket.gethostname())[:100] or "node"
+        self._node_id = params.get("node_id") or f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        wire.check_id("node_id", self._node_id)
+        self._client = client or Client(params.endpoint, retry_budget=self._close_timeout)
+        self._round: int | None = None
+        self._num_waiting = 0
+        self._closed = False
+        self._watch_stop = threading.Event()
+        self._watch_thread: threading.Thread | None = None
+
+    # -- RendezvousHandler -------------------------------------------------------------
+
+    def get_backend(self) -> str:
+        return BACKEND
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    @property
+    def node_id(self) -> str:
+        return self._node_id
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        self._stop_watch()
+        log.info(
+            "Node %s joins job %s at %s (nnodes %d:%d, nproc_per_node %d).",
+            self._node_id, self._run_id, ",".join(map(str, self._client.endpoints)),
+            self._min_nodes, self._max_nodes, self._nproc,
+        )
+        try:
+            a = self._client.join(
+                self._run_id,
+                node_id=self._node_id,
+                addr=self._addr,
+                nproc_per_node=self._nproc,
+                min_nodes=self._min_nodes,
+                max_nodes=self._max_nodes,
+                last_call_timeout=self._last_call_timeout,
+                join_timeout=self._join_timeout,
+                heartbeat_ttl=self._heartbeat_ttl,
+                timeout=self._join_timeout + self._keep_alive_interval,
+            )
+        except RdzvError as exc:
+            raise _torch_error(exc, f"node {self._node_id} could not join job {self._run_id}") from exc
+        self._round = a.round
+        self._num_waiting = 0
+        self._start_watch(a.round)
+        store = RdzvStore(self._client, self._run_id, round=a.round, timeout=self._store_timeout)
+        try:
+            bootstrap = RendezvousStoreInfo.build(a.node_rank, store, local_addr=self._addr)
+        except (RdzvError, dist.DistStoreError) as exc:
+            raise _torch_error(exc, f"node {self._node_id} could not exchange the master address") from exc
+        log.info(
+            "Node %s is node_rank %d of %d in round %d of job %s (world_size %d, master %s:%d).",
+            self._node_id, a.node_rank, a.num_nodes, a.round, self._run_id, a.world_size,
+            bootstrap.master_addr, bootstrap.master_port,
+        )
+        return RendezvousInfo(store, a.node_rank, a.num_nodes, bootstrap)
+
+    def is_closed(self) -> bool:
+        if self._closed:
+            return True
+        try:
+            job = self._client.job(self._run_id)
+        except RdzvError as exc:
+            raise _torch_error(exc, f"could not read the state of job {self._run_id}") from exc
+        return bool(job.get("state") == "closed")
+
+    def set_closed(self) -> None:
+        try:
+            self._client.close_job(self._run_id)
+        except RdzvError as exc:
+            raise _torch_error(exc, f"could not close job {self._run_id}") from exc
+        self._closed = True
+
+    def num_nodes_waiting(self) -> int:
+        # Kept current by the watch thread's long-poll: the agent calls this every 0.1 s.
+        return self._num_waiting
+
+    def shutdown(self) -> bool:
+        """The agent is done (its run succeeded or failed for good): leave and close the job.
+
+        Closing is what torch's own backends do: the other agents' next re-rendezvous fails
+        with RendezvousClosedError instead of waiting for a round that cannot form.
+        """
+        self._stop_watch()
+        try:
+            self._client.leave(self._run_id, self._node_id)
+            self._client.close_job(self._run_id)
+            return True
+        except RdzvError as exc:
+            log.warning("Node %s could not leave job %s cleanly: %s", self._node_id, self._run_id, exc)
+            return False
+        finally:
+            self._closed = True
+
+    @property
+    def use_agent_store(self) -> bool:
+        # Workers build their own TCPStore at MASTER_ADDR:MASTER_PORT (worker rank 0 hosts it).
+        return False
+
+    # -- the watch thread ----------------------------------------------------------------
+
+    def _start_watch(self, round_: int) -> None:
+        self._watch_stop = threading.Event()
+        self._watch_thread = threading.Thread(
+            target=self._watch, args=(round_, self._watch_stop), name=f"rdzv-watch-{round_}", daemon=True
+        )
+        self._watch_thread.start()
+
+    def _stop_watch(self) -> None:
+        # The thread ends after its current long-poll; nothing waits for it.
+        self._watch_stop.set()
+
+    def _watch(self, round_: int, stop: threading.Event) -> None:
+        known = -1
+        while not stop.is_set():
+            try:
+                seen = self._client.watch(
+                    self._run_id, self._node_id, round=round_, known=known, hold=self._keep_alive_interval
+                )
+            except RdzvError as exc:
+                log.warning("Node %s: heartbeat to job %s failed (%s); retrying.", self._node_id, self._run_id, exc)
+                stop.wait(self._keep_alive_interval)
+                continue
+            if stop.is_set():
+                return
+            if seen.num_nodes_waiting != known and seen.num_nodes_waiting > 0:
+                log.info(
+                    "Node %s: job %s has %d node(s) waiting (round %d, state %s): the agent will re-rendezvous.",
+                    self._node_id, self._run_id, seen.num_nodes_waiting, seen.round, seen.state,
+                )
+            known = seen.num_nodes_waiting
+            self._num_waiting = known
+            self._closed = seen.closed
+
+
+def _torch_error(exc: BaseException, context: str) -> RendezvousError:
+    message = f"{context}: {exc}"
+    if isinstance(exc, JobClosedError):
+        return RendezvousClosedError(message)
+    if isinstance(exc, (RdzvTimeoutError, dist.DistStoreError)):
+        return RendezvousTimeoutError(message)
+    if isinstance(exc, RdzvConnectionError):
+        return RendezvousConnectionError(message)
+    return RendezvousError(message)
+
+
+def _launch_config_nproc() -> int | None:
+    """nproc_per_node of the torchrun agent creating us.
+
+    ``RendezvousParameters`` does not carry it, but torch creates the handler inside
+    ``launch_agent(config, ...)`` (torchrun and ``elastic_launch`` alike); read it there.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        config = frame.f_locals.get("config")
+        if frame.f_code.co_name == "launch_agent" and hasattr(config, "nproc_per_node"):
+            return int(config.nproc_per_node)
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def create_handler(params: RendezvousParameters) -> RdzvServerHandler:
+    """torch's creator for the ``rdzv-server`` backend.
+
+    nproc_per_node comes from ``--rdzv-conf nproc_per_node=K`` if given, else from the
+    agent's launch config, else 1 (it only feeds the membership view's global ranks).
+    """
+    nproc = params.get("nproc_per_node") or _launch_config_nproc() or 1
+    return RdzvServerHandler(params, int(nproc))
+
+
+def register() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """The ``torchrun.handlers`` entry point: torch calls it with no arguments."""
+    return create_handler

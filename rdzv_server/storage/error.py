@@ -1,0 +1,47 @@
+"""The storage errors: one class per cause, all under :class:`StorageError`.
+
+What it owns: the exceptions the storage package raises, so the service can tell "the data
+directory cannot be trusted" (refuse to start) from "the disk stopped taking writes" (stop
+acknowledging and shut down) without parsing messages.
+
+What it must not know: HTTP. The service maps these to wire codes; nothing here carries one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class StorageError(Exception):
+    """Base class of every error the storage package raises on purpose."""
+
+
+class LogCorruptError(StorageError):
+    """Data on disk that recovery will not paper over: acknowledged writes could be lost.
+
+    Raised for a bad frame in a segment that is not the last one, a gap or overlap between
+    segments, a snapshot-to-log gap, or a frame whose CRC matches but whose payload does not
+    decode. ``path`` and ``offset`` name the first byte that could not be trusted.
+    """
+
+    def __init__(self, message: str, path: Path, offset: int) -> None:
+        super().__init__(f"{message} (file {path}, offset {offset})")
+        self.path = path
+        self.offset = offset
+
+
+class LogFailedError(StorageError):
+    """A write or fsync failed, so this log acknowledges nothing from then on.
+
+    The original ``OSError`` is the ``__cause__``. The log is not retried: after a failed
+    fsync the kernel may already have dropped the dirty pages, so a later fsync that
+    succeeds would prove nothing about the records written before it.
+    """
+
+
+class LogClosedError(StorageError):
+    """An append or snapshot was asked of a log that is closing or closed (a caller bug)."""
+
+
+class DataDirLockedError(StorageError):
+    """Another process holds the data directory; two writers would interleave their logs."""

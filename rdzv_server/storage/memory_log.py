@@ -1,0 +1,62 @@
+"""The log for ``--memory``: the :class:`~.log.Log` interface with nothing kept.
+
+What it owns: standing in for :class:`~.file_log.FileLog` in tests and throwaway runs.
+Appends are acknowledged at once (their futures are already done) and a restart starts
+empty.
+
+It still encodes every record and state with msgpack and drops the bytes, so a record
+the file log would reject fails the same way here: tests that run in memory catch a state
+machine emitting something unencodable (a set, an object) before a durable server does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgpack
+
+from .error import LogClosedError
+
+
+class MemoryLog:
+    """A :class:`~.log.Log` that keeps nothing; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._last_index = 0
+        self._cut_index = 0
+        self._closed = False
+
+    @property
+    def records_since_snapshot(self) -> int:
+        """Records appended since the last :meth:`snapshot` call."""
+        return self._last_index - self._cut_index
+
+    def append(self, record: dict[str, Any]) -> asyncio.Future[None]:
+        """Return an already-resolved future.
+
+        Raises ``TypeError`` for a record msgpack cannot encode and
+        :class:`~.error.LogClosedError` after :meth:`close`.
+        """
+        if self._closed:
+            raise LogClosedError("The in-memory log is closed; cannot append.")
+        msgpack.packb(record, use_bin_type=True)
+        self._last_index += 1
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        future.set_result(None)
+        return future
+
+    async def snapshot(self, state: dict[str, Any]) -> None:
+        """Reset :attr:`records_since_snapshot`; the state is checked, then dropped.
+
+        Raises ``TypeError`` for a state msgpack cannot encode and
+        :class:`~.error.LogClosedError` after :meth:`close`.
+        """
+        if self._closed:
+            raise LogClosedError("The in-memory log is closed; cannot snapshot.")
+        msgpack.packb(state, use_bin_type=True)
+        self._cut_index = self._last_index
+
+    async def close(self) -> None:
+        """Refuse further appends (idempotent)."""
+        self._closed = True
