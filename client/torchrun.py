@@ -350,6 +350,28 @@ def _launch_config_nproc() -> int | None:
     return None
 
 
+# Each handler keeps one long-poll open; handlers sharing a process share one client.
+SHARED_CLIENT_CONNECTIONS = 8192
+_shared_clients: dict[tuple[str, int], Client] = {}
+_shared_lock = threading.Lock()
+
+
+def _shared_client(endpoint: str, retry_budget: float) -> Client:
+    """One client (one loop thread, one connection pool) per endpoint per process.
+
+    torchrun makes one handler per process; tools that simulate many nodes in one
+    process (benchmarks, tests) then do not pay one event-loop thread per node.
+    """
+    key = (endpoint, os.getpid())
+    with _shared_lock:
+        client = _shared_clients.get(key)
+        if client is None:
+            client = _shared_clients[key] = Client(
+                endpoint, retry_budget=retry_budget, connection_limit=SHARED_CLIENT_CONNECTIONS
+            )
+        return client
+
+
 def create_handler(params: RendezvousParameters) -> RdzvServerHandler:
     """torch's creator for the ``rdzv-server`` backend.
 
@@ -357,7 +379,10 @@ def create_handler(params: RendezvousParameters) -> RdzvServerHandler:
     agent's launch config, else 1 (it only feeds the membership view's global ranks).
     """
     nproc = params.get("nproc_per_node") or _launch_config_nproc() or 1
-    return RdzvServerHandler(params, int(nproc))
+    if not params.endpoint:
+        raise ValueError("--rdzv-endpoint is required for --rdzv-backend=rdzv-server (HOST[:PORT] of rdzv-server)")
+    retry_budget = float(params.get("close_timeout", DEFAULT_CLOSE_TIMEOUT))
+    return RdzvServerHandler(params, int(nproc), client=_shared_client(params.endpoint, retry_budget))
 
 
 def register() -> Callable[[RendezvousParameters], RendezvousHandler]:
