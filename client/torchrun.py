@@ -33,6 +33,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import Store
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -67,7 +68,7 @@ def _text(key: str | bytes) -> bytes:
     return key.encode() if isinstance(key, str) else bytes(key)
 
 
-class RdzvStore(dist.Store):  # type: ignore[misc]
+class RdzvStore(Store):
     """A torch ``Store`` over the keys of job ``rdzv_id`` (of ``round``'s key space if given).
 
     ``client`` is a :class:`Client` (shared, thread-safe) or an endpoint string. With
@@ -100,7 +101,9 @@ class RdzvStore(dist.Store):  # type: ignore[misc]
                 pass  # it exists (with nodes in it): use it as it is
 
     def _seconds(self, timeout: timedelta | None = None) -> float:
-        return (timeout if timeout is not None else self.timeout).total_seconds()
+        # `timeout` is the native Store property; torch's stub only declares it on subclasses.
+        current: timedelta = self.timeout  # type: ignore[attr-defined]
+        return (timeout if timeout is not None else current).total_seconds()
 
     def _blocking(self, call: Callable[[], Any], what: str) -> Any:
         try:
@@ -168,7 +171,7 @@ class RdzvStore(dist.Store):  # type: ignore[misc]
             self._client.close()
 
 
-class RdzvServerHandler(RendezvousHandler):  # type: ignore[misc]
+class RdzvServerHandler(RendezvousHandler):
     """torchrun's rendezvous through rdzv-server. Built by :func:`create_handler`."""
 
     def __init__(self, params: RendezvousParameters, nproc_per_node: int, client: Client | None = None) -> None:
@@ -344,8 +347,9 @@ def _launch_config_nproc() -> int | None:
     frame = sys._getframe(1)
     while frame is not None:
         config = frame.f_locals.get("config")
-        if frame.f_code.co_name == "launch_agent" and hasattr(config, "nproc_per_node"):
-            return int(config.nproc_per_node)
+        nproc = getattr(config, "nproc_per_node", None)
+        if frame.f_code.co_name == "launch_agent" and nproc is not None:
+            return int(nproc)
         frame = frame.f_back  # type: ignore[assignment]
     return None
 

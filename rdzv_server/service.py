@@ -174,7 +174,7 @@ class Service:
     def _replay(self, record: dict[str, Any]) -> None:
         rid = record.get("rid")
         try:
-            self.machine.apply(c.from_record(record["cmd"]), record["now"], tuple(rid) if rid else None)  # type: ignore[arg-type]
+            self.machine.apply(c.from_record(record["cmd"]), record["now"], (rid[0], rid[1]) if rid else None)
         except RdzvError as exc:  # a logged command applied once already; it cannot fail now
             raise RuntimeError(f"log replay diverged at {record!r}: {exc}") from exc
 

@@ -131,9 +131,9 @@ class _StateCollector:
 
     def collect(self) -> Any:
         jobs = self.svc.machine.jobs.values()
-        by_state = {"open": 0, "complete": 0, "closed": 0}
+        by_state: dict[str, int] = {"open": 0, "complete": 0, "closed": 0}
         nodes = GaugeMetricFamily("rdzv_nodes", "Nodes known to the server, by role or liveness.", labels=["status"])
-        counts: dict[str, float] = {}
+        counts: dict[str, int] = {}
         for e in jobs:
             by_state[e.job.state.value] += 1
             for (role, liveness), n in e.job.counts.items():

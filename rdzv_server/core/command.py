@@ -141,5 +141,5 @@ COMMANDS: dict[str, type[Command]] = {
 
 def from_record(record: dict[str, Any]) -> Command:
     """Rebuild a command from its log record (lists come back as tuples)."""
-    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in record.items() if k != "op"}
+    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in record.items() if k != "op"}
     return COMMANDS[record["op"]](**fields)

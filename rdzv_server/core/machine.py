@@ -154,7 +154,11 @@ class StateMachine:
         )
 
     def _close(self, cmd: c.Close, now: float) -> Outcome:
-        return self._membership_change(self._entry(cmd.rdzv_id), lambda job: {"closed": job.close(now) is None})
+        def close(job: Job) -> dict[str, Any]:
+            job.close(now)
+            return {}
+
+        return self._membership_change(self._entry(cmd.rdzv_id), close)
 
     def _last_call(self, cmd: c.LastCall, now: float) -> Outcome:
         entry = self.jobs.get(cmd.rdzv_id)

@@ -19,8 +19,10 @@ often as the disk allows whenever anything is queued. ``BATCH`` caps the rate: i
 a write no sooner than ``batch_window_s`` (2 ms by default) after the previous one
 started, so there are at most 500 fsyncs a second however the load arrives, each
 covering everything gathered meanwhile. A record arriving after a quiet spell is written
-at once, as under ``ALWAYS``; under load each record waits up to one window longer, for
-far fewer fsyncs (less I/O competing with, say, training checkpoints on the same disk).
+at once, as under ``ALWAYS``; under load each record waits up to one window longer in
+exchange for a bounded fsync rate (less I/O competing with, say, training checkpoints on
+the same disk). In a closed loop, where every client waits for its ack before writing
+again, ``ALWAYS`` already groups all outstanding records and ``BATCH`` only adds latency.
 
 Invariants:
 - Records reach the disk in ``append`` order: one task hands them to one thread in order.
@@ -29,8 +31,8 @@ Invariants:
   pending and later future fails with :class:`LogFailedError` and nothing is retried.
 - A snapshot at index ``i`` first rotates the log (the writer fsyncs the segment holding
   ``i``, whatever the policy, and creates ``log-<i+1>``, fsyncing the directory), then
-  writes the snapshot file. So a snapshot on disk implies every record it covers is on
-  disk and the log continues at ``i + 1``.
+  writes the snapshot file. So a snapshot on disk implies every record it covers was
+  written and fsynced before it, and the log continues at ``i + 1``.
 - Retention keeps one generation back: after snapshot ``i`` is durable, the previous
   snapshot ``p`` and the segments after ``p`` are kept; older snapshots and segments
   wholly covered by ``p`` are deleted. If snapshot ``i`` is later found damaged, recovery
@@ -152,10 +154,9 @@ class FileLog:
         self._writer: asyncio.Task[None] | None = None
         # One thread, so writes happen one after another in the order they were handed over.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rdzv-log-writer")
-        self._snapshot_lock = asyncio.Lock()
+        self._snapshot_task: asyncio.Future[None] | None = None  # the latest cut's
         self._failure: BaseException | None = None
         self._closing = False
-        self._closed = False
 
     @classmethod
     def open(
@@ -225,34 +226,57 @@ class FileLog:
         self._wake_writer()
         return future
 
-    async def snapshot(self, state: dict[str, Any]) -> None:
-        """Store ``state`` as of every record appended so far; see :meth:`.log.Log.snapshot`."""
+    def snapshot(self, state: dict[str, Any]) -> asyncio.Future[None]:
+        """Cut now at the last appended record; see :meth:`.log.Log.snapshot`.
+
+        The returned task writes the snapshot file and then deletes what it makes
+        redundant; it finishes after every snapshot cut before it.
+        """
         if self._closing:
             raise LogClosedError(f"The log in {self._data_dir} is closed; cannot snapshot.")
+        loop = asyncio.get_running_loop()
         if self._failure is not None:
-            raise self._failed_error()
-        # The cut, all before the first await: the index, the encoded state, and the
-        # rotation queued behind exactly the records the state includes. Encoding here also
-        # means the caller may mutate its objects as soon as this coroutine first yields.
+            failed: asyncio.Future[None] = loop.create_future()
+            failed.set_exception(self._failed_error())
+            return failed
+        # The cut, all synchronous: the index, the encoded state, and the rotation queued
+        # behind exactly the records the state includes. Encoding here also frees the
+        # caller to mutate its objects as soon as this returns.
         index = self._last_index
         blob = encode_snapshot(index, state)
         self._cut_index = index
         rotated: asyncio.Future[None] | None = None
         if self._segment_first <= index:
-            rotated = asyncio.get_running_loop().create_future()
+            rotated = loop.create_future()
             self._rotations.append(_Rotation(len(self._frames), index + 1, rotated))
             self._segment_first = index + 1
             self._segment_firsts.append(index + 1)
             self._wake_writer()
-        # FIFO: snapshots finish in cut order, so retention never runs ahead of a snapshot.
-        async with self._snapshot_lock:
-            if rotated is not None:
-                await rotated
-            await asyncio.to_thread(write_snapshot, self._data_dir, index, blob, self._fsync)
-            previous, self._snapshot_index = self._snapshot_index, index
-            if previous is not None and previous != index:
-                covered = self._release_covered(previous)
-                await asyncio.to_thread(_delete_files, self._data_dir, covered, (previous, index))
+        task = loop.create_task(
+            self._finish_snapshot(index, blob, rotated, self._snapshot_task),
+            name=f"rdzv-snapshot {index} {self._data_dir}",
+        )
+        self._snapshot_task = task
+        return task
+
+    async def _finish_snapshot(
+        self,
+        index: int,
+        blob: bytes,
+        rotated: asyncio.Future[None] | None,
+        before: asyncio.Future[None] | None,
+    ) -> None:
+        if before is not None:
+            # Finish in cut order, so retention never deletes what a later cut still needs;
+            # the earlier one's outcome is its own caller's to handle.
+            await asyncio.wait([before])
+        if rotated is not None:
+            await rotated
+        await asyncio.to_thread(write_snapshot, self._data_dir, index, blob, self._fsync)
+        previous, self._snapshot_index = self._snapshot_index, index
+        if previous is not None and previous != index:
+            covered = self._release_covered(previous)
+            await asyncio.to_thread(_delete_files, self._data_dir, covered, (previous, index))
 
     async def close(self) -> None:
         """Write and fsync everything pending, close files, release the directory lock.
@@ -268,8 +292,10 @@ class FileLog:
             if self._writer is not None:
                 self._wake_writer()
                 await self._writer
-            async with self._snapshot_lock:
-                pass  # wait for snapshots already cut to finish their files and retention
+            if self._snapshot_task is not None:
+                # Snapshots already cut finish their files and retention (the last one
+                # finishes after all the others); their errors belong to their callers.
+                await asyncio.wait([self._snapshot_task])
             if self._failure is None:
                 try:
                     # Even under NEVER: a clean shutdown leaves nothing for the OS to lose.
@@ -283,7 +309,6 @@ class FileLog:
             self._segment.close()
             self._executor.shutdown(wait=True)
             self._lock.release()
-            self._closed = True
 
     # ----------------------------------------------------------------------- writer
 

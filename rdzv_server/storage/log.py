@@ -15,8 +15,10 @@ Contract every implementation keeps:
 - The future ``append`` returns resolves only once the record is durable under the fsync
   policy, and never resolves successfully after a write or fsync has failed.
 - ``snapshot(state)`` covers exactly the records appended before the call: the caller takes
-  the state and calls ``snapshot`` with no append in between, and the cut is made before
-  the method's first ``await``.
+  the state and calls ``snapshot`` with no append in between. ``snapshot`` is a plain
+  method that makes the cut before it returns a future for the rest, so the cut does not
+  drift even when the caller hands that future to ``ensure_future`` and appends more
+  before the event loop runs it (an ``async def`` would only start on the next turn).
 """
 
 from __future__ import annotations
@@ -79,12 +81,16 @@ class Log(Protocol):
         """
         ...
 
-    async def snapshot(self, state: dict[str, Any]) -> None:
-        """Store ``state`` as of every record appended so far, then drop what it covers.
+    def snapshot(self, state: dict[str, Any]) -> asyncio.Future[None]:
+        """Cut at every record appended so far; the future resolves once ``state`` is stored.
 
-        Raises :class:`~.error.LogFailedError` after a write failure and
-        :class:`~.error.LogClosedError` once closing; an ``OSError`` writing the snapshot
-        file itself propagates and leaves the log usable (the records are still durable).
+        The cut (and the encoding of ``state``, so the caller may mutate it afterwards)
+        happens before this returns; the future then writes the snapshot atomically and
+        drops the files it makes redundant. Raises at once what msgpack raises for a state
+        it cannot encode, and :class:`~.error.LogClosedError` once closing. The future
+        fails with :class:`~.error.LogFailedError` after a write failure, and with the
+        ``OSError`` of writing the snapshot file itself, which leaves the log usable (the
+        records are still durable in the log).
         """
         ...
 

@@ -46,16 +46,19 @@ class MemoryLog:
         future.set_result(None)
         return future
 
-    async def snapshot(self, state: dict[str, Any]) -> None:
-        """Reset :attr:`records_since_snapshot`; the state is checked, then dropped.
+    def snapshot(self, state: dict[str, Any]) -> asyncio.Future[None]:
+        """Reset :attr:`records_since_snapshot`; return an already-resolved future.
 
-        Raises ``TypeError`` for a state msgpack cannot encode and
-        :class:`~.error.LogClosedError` after :meth:`close`.
+        The state is encoded, then dropped. Raises ``TypeError`` for a state msgpack
+        cannot encode and :class:`~.error.LogClosedError` after :meth:`close`.
         """
         if self._closed:
             raise LogClosedError("The in-memory log is closed; cannot snapshot.")
         msgpack.packb(state, use_bin_type=True)
         self._cut_index = self._last_index
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        future.set_result(None)
+        return future
 
     async def close(self) -> None:
         """Refuse further appends (idempotent)."""

@@ -76,7 +76,6 @@ def recover(data_dir: Path, fsync: Callable[[int], None]) -> RecoveryOutcome:
             if parse_snapshot_name(name[: -len(TEMP_SUFFIX)]) is not None:
                 path.unlink()
             continue
-            continue
         snapshot_index = parse_snapshot_name(name)
         if snapshot_index is not None:
             snapshots[snapshot_index] = path
