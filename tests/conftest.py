@@ -77,16 +77,19 @@ class ServerProcess:
         """SIGTERM and wait: returns the exit code."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
+        code = self.proc.wait(timeout)
+        self.close()
+        return code
 
     def restart(self) -> None:
-        self.kill()
+        self.close()
         self.start()
 
     def close(self) -> None:
         self.kill()
         if self.proc is not None and self.proc.stdout is not None:
             self.proc.stdout.close()
+            self.proc.stdout = None
 
 
 @pytest.fixture
