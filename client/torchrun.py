@@ -233,6 +233,8 @@ class RdzvServerHandler(RendezvousHandler):
                 timeout=self._join_timeout + self._keep_alive_interval,
             )
         except RdzvError as exc:
+            if isinstance(exc, RdzvTimeoutError):
+                self._leave_quietly()  # do not hold a place in a round we stopped waiting for
             raise _torch_error(exc, f"node {self._node_id} could not join job {self._run_id}") from exc
         self._round = a.round
         self._num_waiting = 0
@@ -285,6 +287,12 @@ class RdzvServerHandler(RendezvousHandler):
             return False
         finally:
             self._closed = True
+
+    def _leave_quietly(self) -> None:
+        try:
+            self._client.leave(self._run_id, self._node_id)
+        except RdzvError as exc:
+            log.warning("Node %s could not leave job %s: %s", self._node_id, self._run_id, exc)
 
     @property
     def use_agent_store(self) -> bool:

@@ -101,11 +101,20 @@ class WireError(ValueError):
 
 def pack(obj: Any) -> bytes:
     """Encode a plain object (dicts, lists, str, bytes, numbers, None) as msgpack."""
-    return msgpack.packb(obj, use_bin_type=True)
+    packed: bytes = msgpack.packb(obj, use_bin_type=True)
+    return packed
 
 
-def unpack(data: bytes, max_bytes: int) -> Any:
-    """Decode one msgpack object; raise :class:`WireError` on garbage, trailing bytes or size."""
+# Replies may list many keys (list_keys, multi_get); requests are bounded by MAX_KEYS_PER_REQUEST.
+MAX_REPLY_ITEMS = 10_000_000
+
+
+def unpack(data: bytes, max_bytes: int, *, max_items: int = MAX_KEYS_PER_REQUEST * 2) -> Any:
+    """Decode one msgpack object; raise :class:`WireError` on garbage, trailing bytes or size.
+
+    ``max_items`` bounds every array; the server keeps the request default, the client
+    decodes replies with :data:`MAX_REPLY_ITEMS`.
+    """
     if len(data) > max_bytes:
         raise WireError(f"body of {len(data)} bytes exceeds the limit of {max_bytes}")
     try:
@@ -113,10 +122,9 @@ def unpack(data: bytes, max_bytes: int) -> Any:
             data,
             raw=False,
             strict_map_key=True,
-            max_buffer_size=max_bytes,
             max_bin_len=max_bytes,
             max_str_len=max_bytes,
-            max_array_len=MAX_KEYS_PER_REQUEST * 2,
+            max_array_len=max_items,
             max_map_len=64,
             max_ext_len=0,
         )
@@ -639,7 +647,9 @@ class Assignment:
     def from_wire(cls, body: object) -> Assignment:
         if not isinstance(body, dict):
             raise WireError("assignment must be a map")
-        return from_mapping(cls, body)
+        # Replies are read leniently: a newer server may add fields an older client ignores.
+        names = {f.name for f in dataclasses.fields(cls)}
+        return from_mapping(cls, {k: v for k, v in body.items() if k in names})
 
 
 def error_body(code: ErrorCode, message: str) -> dict[str, str]:

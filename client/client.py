@@ -1,0 +1,990 @@
+"""The rdzv-server client: :class:`AsyncClient` (asyncio) and :class:`Client` (threads).
+
+What it owns:
+- endpoint parsing (``host``, ``host:port``, ``[v6]:port``, ``http://…``, comma-separated
+  lists for failover);
+- client policy: per-request timeouts, retries with capped exponential backoff and full
+  jitter inside a bounded retry budget, failover across endpoints, and the request ids
+  (``rid``) that make a retried write apply exactly once;
+- the client side of long-polls: the *client* owns a blocking call's deadline and re-polls
+  with the time that remains;
+- a small transport seam (:class:`Transport`) with one aiohttp implementation.
+
+What it must not know: torch (the torch ``Store`` and the torchrun handler wrap this
+module), the server's internals. It shares only :mod:`rdzv_client.wire` with the server.
+
+Rules it keeps:
+- Only failures that say "try again shortly" are retried: no HTTP answer at all
+  (refused, reset, timed out, truncated) and 502/503/504 (``not_ready`` while a server
+  recovers, ``shutting_down``). A 4xx is the caller's mistake and is raised at once.
+- A write gets its ``rid`` once, before the first attempt, and every retry resends that
+  same ``rid``; so a write whose answer was lost is not applied twice.
+- Retrying stops at the retry budget (counted from the first failure of a call) or at the
+  call's own deadline, whichever comes first, with :class:`RdzvConnectionError`.
+- :class:`Client` runs one private event loop in one daemon thread and submits every call
+  to it; it never starts a loop per call, and any number of threads may share it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import os
+import random
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Protocol, TypeVar, Union
+
+import aiohttp
+
+from . import wire
+from .error import (
+    BadRequestError,
+    RdzvConnectionError,
+    RdzvError,
+    RdzvTimeoutError,
+    ServerError,
+    error_from_body,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: A key or value: ``str`` is sent as its UTF-8 bytes.
+KeyLike = Union[str, bytes]
+
+# A restarting server loads its snapshot and replays its log well within 30 s; past that,
+# something is wrong that waiting longer will not fix.
+DEFAULT_RETRY_BUDGET = 30.0
+# Beyond a request's own hold, an answer this late means the server or the path is stuck.
+DEFAULT_REQUEST_TIMEOUT = 30.0
+# The server caps long-polls near 30 s; asking for longer only keeps a possibly dead
+# connection open longer before the client notices.
+DEFAULT_MAX_HOLD = 30.0
+# First retry comes quickly: a restarted server is usually listening again in well under 1 s.
+DEFAULT_BACKOFF_BASE = 0.05
+# Never sleep so long that a recovered server sits idle waiting for us.
+DEFAULT_BACKOFF_CAP = 2.0
+# Every blocking call holds one connection; torch agents run a handful at once, so 128
+# leaves room for many threads sharing one Client without queueing behind long-polls.
+DEFAULT_CONNECTION_LIMIT = 128
+# Store replies are small; 64 KiB reads take a typical reply in one go.
+DEFAULT_READ_BUFSIZE = 64 * 1024
+# Bounds what a misbehaving peer can make us buffer; far above any sane multi_get reply.
+DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+# How long close() waits for the loop thread to finish closing connections.
+DEFAULT_CLOSE_TIMEOUT = 10.0
+# A long-poll that came back "not yet" before its hold ended did not hold (a server
+# shutting down, a proxy); pausing this long keeps such a loop from spinning.
+EARLY_ANSWER_PAUSE = 0.05
+# The job settings a node proposes; these equal torch's own defaults and the wire's.
+DEFAULT_LAST_CALL_TIMEOUT = 30.0  # torch: last_call_timeout 30 s
+DEFAULT_JOIN_TIMEOUT = 600.0  # torch: join_timeout 600 s
+DEFAULT_HEARTBEAT_TTL = 15.0  # torch: heartbeat 5 s x 3 attempts
+
+# Statuses that mean "this server (or the proxy before it) cannot answer right now".
+RETRY_STATUSES = frozenset({502, 503, 504})
+
+# The field of each long-poll request that says how long the server may hold it.
+_HOLD_FIELD: dict[type[wire.Request], str] = {
+    wire.GetRequest: "timeout",
+    wire.MultiGetRequest: "timeout",
+    wire.WaitRequest: "timeout",
+    wire.JoinRequest: "hold",
+    wire.AwaitRoundRequest: "hold",
+    wire.WatchRequest: "hold",
+}
+
+
+# --------------------------------------------------------------------------- endpoints
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """One server address."""
+
+    host: str
+    port: int = wire.DEFAULT_PORT
+    scheme: str = "http"
+
+    @property
+    def url(self) -> str:
+        """The base URL, e.g. ``http://[::1]:29400``."""
+        return f"{self.scheme}://{self}"
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+def _parse_port(text: str, spec: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise ValueError(f"endpoint {spec!r} has no valid port: {text!r} is not 1-65535")
+    return int(text)
+
+
+def _parse_endpoint(spec: str) -> Endpoint:
+    text = spec
+    scheme = "http"
+    if "://" in text:
+        scheme, _, text = text.partition("://")
+        scheme = scheme.lower()
+        if scheme not in ("http", "https"):
+            raise ValueError(f"endpoint {spec!r}: only http:// and https:// are supported")
+        text = text.rstrip("/")
+        if "/" in text:
+            raise ValueError(f"endpoint {spec!r}: give only scheme, host and port, no path")
+    port = wire.DEFAULT_PORT
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep:
+            raise ValueError(f"endpoint {spec!r}: '[' without a closing ']'")
+        if rest:
+            if not rest.startswith(":"):
+                raise ValueError(f"endpoint {spec!r}: expected ':PORT' after ']'")
+            port = _parse_port(rest[1:], spec)
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+        port = _parse_port(port_text, spec)
+    else:
+        host = text  # a bare name, or a bare IPv6 address (several colons) on the default port
+    if not host or any(c.isspace() or c in "/[]@?#" for c in host):
+        raise ValueError(f"endpoint {spec!r} has no valid host")
+    return Endpoint(host=host, port=port, scheme=scheme)
+
+
+def parse_endpoints(spec: str) -> tuple[Endpoint, ...]:
+    """Parse ``"a:29400,b:29400"`` (any of ``host``, ``host:port``, ``[v6]:port``, ``http://host:port``).
+
+    Raises :class:`ValueError` naming the bad entry.
+    """
+    parts = [part.strip() for part in spec.split(",")]
+    if not any(parts):
+        raise ValueError("no rdzv-server endpoint given: expected HOST[:PORT][,HOST[:PORT]...]")
+    if not all(parts):
+        raise ValueError(f"endpoint list {spec!r} has an empty entry")
+    return tuple(_parse_endpoint(part) for part in parts)
+
+
+def backoff_delay(
+    attempt: int,
+    rng: random.Random,
+    *,
+    base: float = DEFAULT_BACKOFF_BASE,
+    cap: float = DEFAULT_BACKOFF_CAP,
+) -> float:
+    """Full-jitter backoff: uniform in ``[0, min(cap, base * 2**attempt)]`` (attempt counts from 0).
+
+    Jitter spreads the retries of many nodes that lost the same server at the same moment.
+    """
+    return rng.uniform(0.0, min(cap, base * 2.0 ** min(attempt, 62)))
+
+
+# --------------------------------------------------------------------------- transport
+
+
+@dataclasses.dataclass(frozen=True)
+class Response:
+    """An HTTP answer as the transport hands it up."""
+
+    status: int
+    content_type: str
+    body: bytes
+
+
+class TransportError(Exception):
+    """The request got no complete HTTP answer: refused, reset, timed out or truncated."""
+
+
+class Transport(Protocol):
+    """The seam below client policy: one HTTP exchange, no retries, no interpretation."""
+
+    async def send(
+        self, method: str, url: str, body: bytes | None, headers: Mapping[str, str], timeout: float
+    ) -> Response:
+        """Send one request; raise :class:`TransportError` when no full answer arrives in ``timeout``."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class AiohttpTransport:
+    """:class:`Transport` over one aiohttp session with persistent connections.
+
+    The session is opened on first use, inside the event loop that uses it; a transport
+    belongs to that one loop.
+    """
+
+    def __init__(
+        self,
+        *,
+        connection_limit: int = DEFAULT_CONNECTION_LIMIT,
+        read_bufsize: int = DEFAULT_READ_BUFSIZE,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+    ) -> None:
+        self._connection_limit = connection_limit
+        self._read_bufsize = read_bufsize
+        self._max_response_bytes = max_response_bytes
+        self._session: aiohttp.ClientSession | None = None
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=self._connection_limit, limit_per_host=0)
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                read_bufsize=self._read_bufsize,
+                timeout=aiohttp.ClientTimeout(total=DEFAULT_REQUEST_TIMEOUT),
+                trust_env=False,  # a rendezvous on a cluster network must not go through a proxy
+                auto_decompress=False,  # the server never compresses; refuse to inflate
+            )
+        return self._session
+
+    async def send(
+        self, method: str, url: str, body: bytes | None, headers: Mapping[str, str], timeout: float
+    ) -> Response:
+        session = self._open()
+        try:
+            async with session.request(
+                method, url, data=body, headers=dict(headers), timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as resp:
+                data = await self._read(resp)
+                return Response(resp.status, resp.content_type, data)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise TransportError(str(exc) or type(exc).__name__) from exc
+
+    async def _read(self, resp: aiohttp.ClientResponse) -> bytes:
+        limit = self._max_response_bytes
+        if resp.content_length is not None and resp.content_length <= limit:
+            return await resp.read()
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in resp.content.iter_any():
+            size += len(chunk)
+            if size > limit:
+                raise ServerError(f"the server's reply exceeds the client's limit of {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclasses.dataclass(frozen=True)
+class WatchResult:
+    """What a watch (heartbeat + long-poll) saw."""
+
+    round: int
+    state: str
+    num_nodes_waiting: int
+    closed: bool
+
+
+class _Unavailable(Exception):
+    """An answer that says "try again shortly" (502/503/504); only the retry loop sees it."""
+
+    def __init__(self, error: RdzvError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _as_bytes(name: str, value: KeyLike) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise TypeError(f"{name} must be str or bytes, not {type(value).__name__}")
+
+
+def _reply_field(reply: object, name: str, kind: type[T], op: str) -> T:
+    value = reply.get(name) if isinstance(reply, dict) else None
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ServerError(f"the server's {op} reply has no valid {name!r} field: {reply!r:.200}")
+    return value
+
+
+def _reply_bytes_list(reply: object, name: str, op: str, length: int | None = None) -> list[bytes]:
+    values = _reply_field(reply, name, list, op)
+    if not all(isinstance(v, bytes) for v in values) or (length is not None and len(values) != length):
+        raise ServerError(f"the server's {op} reply has an invalid {name!r} list")
+    return values
+
+
+def _decode_body(resp: Response, max_bytes: int) -> Any:
+    if resp.content_type == wire.CONTENT_TYPE_MSGPACK:
+        return wire.unpack(resp.body, max_bytes, max_items=wire.MAX_REPLY_ITEMS)
+    if resp.content_type == wire.CONTENT_TYPE_JSON:
+        return wire.load_json(resp.body, max_bytes)
+    raise wire.WireError(f"unexpected content type {resp.content_type!r}")
+
+
+def _answer(resp: Response, max_bytes: int) -> Any:
+    """The decoded body of a 2xx answer; otherwise raise the error it stands for."""
+    ok = 200 <= resp.status < 300
+    try:
+        body = _decode_body(resp, max_bytes)
+    except wire.WireError as exc:
+        if ok:
+            raise ServerError(f"the server sent a reply this client cannot read: {exc}") from exc
+        # Not the server's error body (a proxy, a plain-text page): keep its first words.
+        text = resp.body[:200].decode("utf-8", errors="replace").strip()
+        body = {"message": f"HTTP {resp.status}: {text}" if text else ""}
+    if ok:
+        return body
+    error = error_from_body(resp.status, body)
+    if resp.status in RETRY_STATUSES:
+        raise _Unavailable(error)
+    raise error
+
+
+def _validated(rdzv_id: str, req: wire.Request | None) -> None:
+    """Reject what the server would reject, before spending a round trip on it."""
+    try:
+        wire.check_id("rdzv_id", rdzv_id)
+        validate = getattr(req, "validate", None)
+        if validate is not None:
+            validate()
+    except wire.WireError as exc:
+        raise BadRequestError(str(exc), code=exc.code) from exc
+
+
+# --------------------------------------------------------------------------- async client
+
+
+class AsyncClient:
+    """An asyncio client of rdzv-server. Use it from one event loop; close it with :meth:`aclose`.
+
+    ``endpoint`` is ``HOST[:PORT]`` or a comma-separated list of them (failover, in order).
+    Every method may raise :class:`RdzvConnectionError` (no server reachable within
+    ``retry_budget``), :class:`BadRequestError` (invalid ids, keys or sizes) and
+    :class:`ServerError`; the others are listed per method.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        retry_budget: float = DEFAULT_RETRY_BUDGET,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+        max_hold: float = DEFAULT_MAX_HOLD,
+        connection_limit: int = DEFAULT_CONNECTION_LIMIT,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        client_id: str | None = None,
+        transport: Transport | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        if retry_budget < 0 or request_timeout <= 0 or max_hold < 0:
+            raise ValueError("retry_budget and max_hold must be >= 0 and request_timeout > 0")
+        self._endpoints = parse_endpoints(endpoint)
+        self._current = 0
+        self._retry_budget = retry_budget
+        self._request_timeout = request_timeout
+        self._max_hold = max_hold
+        self._max_response_bytes = max_response_bytes
+        self._client_id = client_id or uuid.uuid4().hex[:16]
+        if not 0 < len(self._client_id) <= wire.MAX_CLIENT_ID_CHARS:
+            raise ValueError(f"client_id must be 1..{wire.MAX_CLIENT_ID_CHARS} characters")
+        self._seq = itertools.count(1)
+        self._transport: Transport = transport or AiohttpTransport(
+            connection_limit=connection_limit, max_response_bytes=max_response_bytes
+        )
+        self._rng = rng or random.Random()
+
+    @property
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        return self._endpoints
+
+    @property
+    def client_id(self) -> str:
+        """The first half of every ``rid`` this client sends."""
+        return self._client_id
+
+    async def aclose(self) -> None:
+        """Close the connections; the client must not be used afterwards."""
+        await self._transport.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    # ----------------------------------------------------------------- the exchange
+
+    def next_rid(self) -> tuple[str, int]:
+        """A fresh request id ``(client_id, seq)`` for one write (all its retries share it)."""
+        return (self._client_id, next(self._seq))
+
+    async def request(self, rdzv_id: str, req: wire.Request, *, deadline: float | None = None) -> dict[str, Any]:
+        """Send one operation and return the server's reply map, retrying as the module says.
+
+        A write without a ``rid`` gets one here; a write that has one keeps it (sending
+        the same ``rid`` twice applies the write once). ``deadline`` (``time.monotonic()``)
+        bounds retries and shrinks the hold of a long-poll request that is retried.
+        """
+        _validated(rdzv_id, req)
+        if req.writes and getattr(req, "rid", None) is None:
+            req = dataclasses.replace(req, rid=self.next_rid())  # type: ignore[call-arg]
+        path = wire.op_path(rdzv_id, req.op)
+        field = _HOLD_FIELD.get(type(req))
+        headers = {"Content-Type": wire.CONTENT_TYPE_MSGPACK, "Accept": wire.CONTENT_TYPE_MSGPACK}
+
+        async def attempt(endpoint: Endpoint) -> Any:
+            this = req
+            hold = 0.0
+            if field is not None:
+                hold = float(getattr(req, field))
+                if deadline is not None:
+                    hold = max(0.0, min(hold, deadline - time.monotonic()))
+                    this = dataclasses.replace(req, **{field: hold})
+            body = wire.pack(wire.to_mapping(this))
+            resp = await self._transport.send("POST", endpoint.url + path, body, headers, hold + self._request_timeout)
+            return _answer(resp, self._max_response_bytes)
+
+        reply = await self._with_retries(f"{req.op} on job {rdzv_id}", attempt, deadline)
+        if not isinstance(reply, dict):
+            raise ServerError(f"the server's {req.op} reply is not a map: {reply!r:.200}")
+        return reply
+
+    async def _get_json(self, path: str, what: str) -> Any:
+        headers = {"Accept": wire.CONTENT_TYPE_JSON}
+
+        async def attempt(endpoint: Endpoint) -> Any:
+            resp = await self._transport.send("GET", endpoint.url + path, None, headers, self._request_timeout)
+            return _answer(resp, self._max_response_bytes)
+
+        return await self._with_retries(what, attempt, None)
+
+    async def _with_retries(
+        self, what: str, attempt: Callable[[Endpoint], Awaitable[T]], deadline: float | None
+    ) -> T:
+        tries = 0
+        give_up_at: float | None = None
+        while True:
+            index = self._current
+            endpoint = self._endpoints[index]
+            try:
+                return await attempt(endpoint)
+            except (TransportError, _Unavailable) as exc:
+                failure: Exception = exc.error if isinstance(exc, _Unavailable) else exc
+                code = exc.error.code if isinstance(exc, _Unavailable) else None
+            tries += 1
+            if self._current == index:  # fail over, unless a concurrent call already did
+                self._current = (index + 1) % len(self._endpoints)
+            now = time.monotonic()
+            if give_up_at is None:
+                give_up_at = now + self._retry_budget
+                if deadline is not None:
+                    give_up_at = min(give_up_at, deadline)
+            if now >= give_up_at:
+                raise RdzvConnectionError(self._unreachable(what, tries, failure), code=code) from failure
+            delay = min(backoff_delay(tries - 1, self._rng), give_up_at - now)
+            (log.warning if tries == 1 else log.debug)(
+                "Request for %s to rdzv-server at %s failed (%s); retrying in %.2f s (attempt %d).",
+                what,
+                endpoint,
+                failure,
+                delay,
+                tries,
+            )
+            await asyncio.sleep(delay)
+
+    def _unreachable(self, what: str, tries: int, failure: Exception) -> str:
+        where = ", ".join(str(e) for e in self._endpoints)
+        return (
+            f"could not complete {what}: no rdzv-server at {where} answered within the retry "
+            f"budget of {self._retry_budget:g} s ({tries} attempts; last failure: {failure}); "
+            "check that rdzv-server is running there, that this host can reach it "
+            "(firewall, hostname), and that the endpoint is right"
+        )
+
+    async def _pause_if_early(self, sent: float, hold: float, deadline: float) -> None:
+        now = time.monotonic()
+        if now - sent < hold and now < deadline:
+            await asyncio.sleep(min(EARLY_ANSWER_PAUSE, deadline - now))
+
+    async def _poll(self, rdzv_id: str, req: wire.Request, timeout: float, what: str) -> dict[str, Any]:
+        """Re-send a long-poll ``req`` until its reply says ``found``; the deadline is ours."""
+        field = _HOLD_FIELD[type(req)]
+        deadline = time.monotonic() + timeout
+        while True:
+            sent = time.monotonic()
+            hold = max(0.0, min(deadline - sent, self._max_hold))
+            reply = await self.request(rdzv_id, dataclasses.replace(req, **{field: hold}), deadline=deadline)
+            if _reply_field(reply, "found", bool, req.op):
+                return reply
+            if time.monotonic() >= deadline:
+                raise RdzvTimeoutError(f"{what} within {timeout:g} s")
+            await self._pause_if_early(sent, hold, deadline)
+
+    # ----------------------------------------------------------------- store
+
+    async def set(self, rdzv_id: str, key: KeyLike, value: KeyLike, *, round: int | None = None) -> None:
+        """Store ``value`` under ``key``."""
+        await self.request(rdzv_id, wire.SetRequest(key=_as_bytes("key", key), value=_as_bytes("value", value), round=round))
+
+    async def get(self, rdzv_id: str, key: KeyLike, *, timeout: float, round: int | None = None) -> bytes:
+        """The value of ``key``, waiting up to ``timeout`` s for it to be set.
+
+        Raises :class:`RdzvTimeoutError` when the key is still missing at the deadline.
+        """
+        k = _as_bytes("key", key)
+        req = wire.GetRequest(key=k, round=round)
+        reply = await self._poll(rdzv_id, req, timeout, f"key {k!r} of job {rdzv_id} was not set")
+        return _reply_field(reply, "value", bytes, "get")
+
+    async def add(self, rdzv_id: str, key: KeyLike, amount: int, *, round: int | None = None) -> int:
+        """Add ``amount`` to the integer at ``key`` (missing counts as 0); return the new value.
+
+        Raises :class:`ConflictError` (``not_an_integer``) when the key holds something else.
+        """
+        reply = await self.request(rdzv_id, wire.AddRequest(key=_as_bytes("key", key), amount=amount, round=round))
+        return _reply_field(reply, "value", int, "add")
+
+    async def compare_set(
+        self, rdzv_id: str, key: KeyLike, expected: KeyLike, desired: KeyLike, *, round: int | None = None
+    ) -> bytes:
+        """Set ``key`` to ``desired`` if it holds ``expected``; return the value now stored."""
+        req = wire.CompareSetRequest(
+            key=_as_bytes("key", key),
+            expected=_as_bytes("expected", expected),
+            desired=_as_bytes("desired", desired),
+            round=round,
+        )
+        return _reply_field(await self.request(rdzv_id, req), "value", bytes, "compare_set")
+
+    async def append(self, rdzv_id: str, key: KeyLike, value: KeyLike, *, round: int | None = None) -> None:
+        """Append ``value`` to the bytes at ``key`` (creating it)."""
+        req = wire.AppendRequest(key=_as_bytes("key", key), value=_as_bytes("value", value), round=round)
+        await self.request(rdzv_id, req)
+
+    async def multi_get(
+        self, rdzv_id: str, keys: Sequence[KeyLike], *, timeout: float, round: int | None = None
+    ) -> list[bytes]:
+        """The values of ``keys`` in order, waiting up to ``timeout`` s for all of them.
+
+        Raises :class:`RdzvTimeoutError` when some key is still missing at the deadline.
+        """
+        ks = tuple(_as_bytes("key", k) for k in keys)
+        req = wire.MultiGetRequest(keys=ks, round=round)
+        reply = await self._poll(rdzv_id, req, timeout, f"some of {len(ks)} keys of job {rdzv_id} were not set")
+        return _reply_bytes_list(reply, "values", "multi_get", len(ks))
+
+    async def multi_set(
+        self, rdzv_id: str, keys: Sequence[KeyLike], values: Sequence[KeyLike], *, round: int | None = None
+    ) -> None:
+        """Set every ``keys[i]`` to ``values[i]`` in one atomic step."""
+        req = wire.MultiSetRequest(
+            keys=tuple(_as_bytes("key", k) for k in keys),
+            values=tuple(_as_bytes("value", v) for v in values),
+            round=round,
+        )
+        await self.request(rdzv_id, req)
+
+    async def check(self, rdzv_id: str, keys: Sequence[KeyLike], *, round: int | None = None) -> bool:
+        """Whether every one of ``keys`` exists (does not wait)."""
+        req = wire.CheckRequest(keys=tuple(_as_bytes("key", k) for k in keys), round=round)
+        return _reply_field(await self.request(rdzv_id, req), "result", bool, "check")
+
+    async def wait(self, rdzv_id: str, keys: Sequence[KeyLike], *, timeout: float, round: int | None = None) -> None:
+        """Return once every one of ``keys`` exists.
+
+        Raises :class:`RdzvTimeoutError` when some key is still missing after ``timeout`` s.
+        """
+        ks = tuple(_as_bytes("key", k) for k in keys)
+        req = wire.WaitRequest(keys=ks, round=round)
+        await self._poll(rdzv_id, req, timeout, f"waited for {len(ks)} keys of job {rdzv_id}: not all were set")
+
+    async def delete_key(self, rdzv_id: str, key: KeyLike, *, round: int | None = None) -> bool:
+        """Delete ``key``; return whether it existed."""
+        req = wire.DeleteKeyRequest(key=_as_bytes("key", key), round=round)
+        return _reply_field(await self.request(rdzv_id, req), "deleted", bool, "delete_key")
+
+    async def num_keys(self, rdzv_id: str, *, round: int | None = None) -> int:
+        """How many keys the job (or the job's ``round``) holds."""
+        return _reply_field(await self.request(rdzv_id, wire.NumKeysRequest(round=round)), "count", int, "num_keys")
+
+    async def list_keys(self, rdzv_id: str, prefix: KeyLike = b"", *, round: int | None = None) -> list[bytes]:
+        """The keys that start with ``prefix``."""
+        req = wire.ListKeysRequest(prefix=_as_bytes("prefix", prefix), round=round)
+        return _reply_bytes_list(await self.request(rdzv_id, req), "keys", "list_keys")
+
+    # ----------------------------------------------------------------- jobs and rendezvous
+
+    async def create_job(
+        self,
+        rdzv_id: str,
+        *,
+        min_nodes: int,
+        max_nodes: int,
+        last_call_timeout: float = DEFAULT_LAST_CALL_TIMEOUT,
+        join_timeout: float = DEFAULT_JOIN_TIMEOUT,
+        heartbeat_ttl: float = DEFAULT_HEARTBEAT_TTL,
+    ) -> None:
+        """Create the job with these settings; a no-op when it exists with the same ones.
+
+        Raises :class:`ConflictError` (``settings_conflict``) when it exists with others.
+        """
+        req = wire.CreateJobRequest(
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            last_call_timeout=last_call_timeout,
+            join_timeout=join_timeout,
+            heartbeat_ttl=heartbeat_ttl,
+        )
+        await self.request(rdzv_id, req)
+
+    async def join(
+        self,
+        rdzv_id: str,
+        *,
+        node_id: str,
+        addr: str,
+        nproc_per_node: int,
+        min_nodes: int,
+        max_nodes: int,
+        last_call_timeout: float = DEFAULT_LAST_CALL_TIMEOUT,
+        join_timeout: float = DEFAULT_JOIN_TIMEOUT,
+        heartbeat_ttl: float = DEFAULT_HEARTBEAT_TTL,
+        timeout: float,
+    ) -> wire.Assignment:
+        """Join the job's next round and wait (up to ``timeout`` s) for it to form.
+
+        Raises :class:`JoinTimeoutError` (the job's ``join_timeout`` passed on the server),
+        :class:`JobClosedError`, :class:`ConflictError` (settings differ from the job's),
+        :class:`RdzvTimeoutError` (this call's own ``timeout`` passed).
+        """
+        deadline = time.monotonic() + timeout
+        sent = time.monotonic()
+        hold = max(0.0, min(timeout, self._max_hold))
+        req = wire.JoinRequest(
+            node_id=node_id,
+            addr=addr,
+            nproc_per_node=nproc_per_node,
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            last_call_timeout=last_call_timeout,
+            join_timeout=join_timeout,
+            heartbeat_ttl=heartbeat_ttl,
+            hold=hold,
+        )
+        reply = await self.request(rdzv_id, req, deadline=deadline)
+        round_ = _reply_field(reply, "round", int, "join")
+        while True:
+            assignment = reply.get("assignment")
+            if assignment is not None:
+                try:
+                    return wire.Assignment.from_wire(assignment)
+                except wire.WireError as exc:
+                    raise ServerError(f"the server sent an invalid assignment: {exc}") from exc
+            if time.monotonic() >= deadline:
+                raise RdzvTimeoutError(
+                    f"node {node_id} got no place in a round of job {rdzv_id} within {timeout:g} s"
+                )
+            await self._pause_if_early(sent, hold, deadline)
+            sent = time.monotonic()
+            hold = max(0.0, min(deadline - sent, self._max_hold))
+            poll = wire.AwaitRoundRequest(node_id=node_id, round=round_, hold=hold)
+            reply = await self.request(rdzv_id, poll, deadline=deadline)
+
+    async def watch(
+        self, rdzv_id: str, node_id: str, *, round: int, known: int = -1, hold: float = 0.0
+    ) -> WatchResult:
+        """Heartbeat ``node_id``, then wait up to ``hold`` s (capped at ``max_hold``) for the
+        job's ``num_nodes_waiting`` to differ from ``known``.
+
+        Raises :class:`NotFoundError` when the job or the node is unknown to the server.
+        """
+        req = wire.WatchRequest(node_id=node_id, round=round, known=known, hold=max(0.0, min(hold, self._max_hold)))
+        reply = await self.request(rdzv_id, req)
+        return WatchResult(
+            round=_reply_field(reply, "round", int, "watch"),
+            state=_reply_field(reply, "state", str, "watch"),
+            num_nodes_waiting=_reply_field(reply, "num_nodes_waiting", int, "watch"),
+            closed=_reply_field(reply, "closed", bool, "watch"),
+        )
+
+    async def leave(self, rdzv_id: str, node_id: str) -> None:
+        """``node_id`` leaves the job gracefully: the other nodes do not restart for it."""
+        await self.request(rdzv_id, wire.LeaveRequest(node_id=node_id))
+
+    async def close_job(self, rdzv_id: str) -> None:
+        """Close the job: later joins fail with :class:`JobClosedError`."""
+        await self.request(rdzv_id, wire.CloseRequest())
+
+    async def jobs(self) -> list[dict[str, Any]]:
+        """Every job the server knows, each a map with ``rdzv_id``, ``state``, ``round``, ``num_nodes``…"""
+        body = await self._get_json("/v1/jobs", "listing jobs")
+        jobs = _reply_field(body, "jobs", list, "jobs")
+        if not all(isinstance(j, dict) for j in jobs):
+            raise ServerError("the server's job list holds something that is not a map")
+        return jobs
+
+    async def job(self, rdzv_id: str) -> dict[str, Any]:
+        """The membership document of one job (see DESIGN.md). Raises :class:`NotFoundError`."""
+        _validated(rdzv_id, None)
+        body = await self._get_json(f"/v1/jobs/{rdzv_id}", f"reading job {rdzv_id}")
+        if not isinstance(body, dict):
+            raise ServerError(f"the server's membership document of job {rdzv_id} is not a map")
+        return body
+
+    async def healthy(self) -> bool:
+        """Whether the first endpoint that answers says its process is up (one try each, no retry budget)."""
+        return await self._probe("/healthz")
+
+    async def ready(self) -> bool:
+        """Whether the first endpoint that answers has recovered its store and accepts requests."""
+        return await self._probe("/readyz")
+
+    async def _probe(self, path: str) -> bool:
+        for endpoint in self._endpoints:
+            try:
+                resp = await self._transport.send("GET", endpoint.url + path, None, {}, self._request_timeout)
+            except TransportError:
+                continue
+            return resp.status == 200
+        return False
+
+
+# --------------------------------------------------------------------------- sync client
+
+
+class Client:
+    """A thread-safe blocking client of rdzv-server, with the methods of :class:`AsyncClient`.
+
+    It owns one event loop running in one daemon thread; every call is submitted to that
+    loop, so any number of threads may share one ``Client`` and its connections. Close it
+    with :meth:`close` (or use it as a context manager). Calls after :meth:`close`, from
+    another process after ``fork``, or from the client's own loop thread raise
+    :class:`RuntimeError`. Errors are those of the matching :class:`AsyncClient` method.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        retry_budget: float = DEFAULT_RETRY_BUDGET,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+        max_hold: float = DEFAULT_MAX_HOLD,
+        connection_limit: int = DEFAULT_CONNECTION_LIMIT,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        client_id: str | None = None,
+        transport: Transport | None = None,
+    ) -> None:
+        self._async = AsyncClient(
+            endpoint,
+            retry_budget=retry_budget,
+            request_timeout=request_timeout,
+            max_hold=max_hold,
+            connection_limit=connection_limit,
+            max_response_bytes=max_response_bytes,
+            client_id=client_id,
+            transport=transport,
+        )
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="rdzv-client-loop", daemon=True)
+        self._thread.start()
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    @property
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        return self._async.endpoints
+
+    @property
+    def client_id(self) -> str:
+        return self._async.client_id
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        with self._lock:
+            problem = None
+            if self._closed:
+                problem = "this rdzv Client is closed"
+            elif os.getpid() != self._pid:
+                problem = "this rdzv Client was created in another process; create a new one after fork"
+            elif threading.get_ident() == self._thread.ident:
+                problem = "a blocking rdzv Client call from the client's own event loop thread would deadlock"
+            if problem is not None:
+                coro.close()
+                raise RuntimeError(problem)
+            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError as exc:
+            raise RdzvError("the rdzv Client was closed while this call was in flight") from exc
+        except BaseException:
+            future.cancel()  # KeyboardInterrupt in the caller: do not leave the call running
+            raise
+
+    def close(self) -> None:
+        """Cancel calls in flight, close the connections and stop the loop thread (idempotent)."""
+        with self._lock:
+            if self._closed or os.getpid() != self._pid:
+                self._closed = True
+                return
+            if threading.get_ident() == self._thread.ident:
+                raise RuntimeError("an rdzv Client cannot be closed from its own event loop thread")
+            self._closed = True
+            shutdown = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
+        try:
+            shutdown.result(timeout=DEFAULT_CLOSE_TIMEOUT)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=DEFAULT_CLOSE_TIMEOUT)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+    async def _shutdown(self) -> None:
+        me = asyncio.current_task()
+        others = [t for t in asyncio.all_tasks() if t is not me]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+        await self._async.aclose()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- the methods
+
+    def next_rid(self) -> tuple[str, int]:
+        return self._async.next_rid()
+
+    def request(self, rdzv_id: str, req: wire.Request) -> dict[str, Any]:
+        return self._run(self._async.request(rdzv_id, req))
+
+    def set(self, rdzv_id: str, key: KeyLike, value: KeyLike, *, round: int | None = None) -> None:
+        self._run(self._async.set(rdzv_id, key, value, round=round))
+
+    def get(self, rdzv_id: str, key: KeyLike, *, timeout: float, round: int | None = None) -> bytes:
+        return self._run(self._async.get(rdzv_id, key, timeout=timeout, round=round))
+
+    def add(self, rdzv_id: str, key: KeyLike, amount: int, *, round: int | None = None) -> int:
+        return self._run(self._async.add(rdzv_id, key, amount, round=round))
+
+    def compare_set(
+        self, rdzv_id: str, key: KeyLike, expected: KeyLike, desired: KeyLike, *, round: int | None = None
+    ) -> bytes:
+        return self._run(self._async.compare_set(rdzv_id, key, expected, desired, round=round))
+
+    def append(self, rdzv_id: str, key: KeyLike, value: KeyLike, *, round: int | None = None) -> None:
+        self._run(self._async.append(rdzv_id, key, value, round=round))
+
+    def multi_get(
+        self, rdzv_id: str, keys: Sequence[KeyLike], *, timeout: float, round: int | None = None
+    ) -> list[bytes]:
+        return self._run(self._async.multi_get(rdzv_id, keys, timeout=timeout, round=round))
+
+    def multi_set(
+        self, rdzv_id: str, keys: Sequence[KeyLike], values: Sequence[KeyLike], *, round: int | None = None
+    ) -> None:
+        self._run(self._async.multi_set(rdzv_id, keys, values, round=round))
+
+    def check(self, rdzv_id: str, keys: Sequence[KeyLike], *, round: int | None = None) -> bool:
+        return self._run(self._async.check(rdzv_id, keys, round=round))
+
+    def wait(self, rdzv_id: str, keys: Sequence[KeyLike], *, timeout: float, round: int | None = None) -> None:
+        self._run(self._async.wait(rdzv_id, keys, timeout=timeout, round=round))
+
+    def delete_key(self, rdzv_id: str, key: KeyLike, *, round: int | None = None) -> bool:
+        return self._run(self._async.delete_key(rdzv_id, key, round=round))
+
+    def num_keys(self, rdzv_id: str, *, round: int | None = None) -> int:
+        return self._run(self._async.num_keys(rdzv_id, round=round))
+
+    def list_keys(self, rdzv_id: str, prefix: KeyLike = b"", *, round: int | None = None) -> list[bytes]:
+        return self._run(self._async.list_keys(rdzv_id, prefix, round=round))
+
+    def create_job(
+        self,
+        rdzv_id: str,
+        *,
+        min_nodes: int,
+        max_nodes: int,
+        last_call_timeout: float = DEFAULT_LAST_CALL_TIMEOUT,
+        join_timeout: float = DEFAULT_JOIN_TIMEOUT,
+        heartbeat_ttl: float = DEFAULT_HEARTBEAT_TTL,
+    ) -> None:
+        self._run(
+            self._async.create_job(
+                rdzv_id,
+                min_nodes=min_nodes,
+                max_nodes=max_nodes,
+                last_call_timeout=last_call_timeout,
+                join_timeout=join_timeout,
+                heartbeat_ttl=heartbeat_ttl,
+            )
+        )
+
+    def join(
+        self,
+        rdzv_id: str,
+        *,
+        node_id: str,
+        addr: str,
+        nproc_per_node: int,
+        min_nodes: int,
+        max_nodes: int,
+        last_call_timeout: float = DEFAULT_LAST_CALL_TIMEOUT,
+        join_timeout: float = DEFAULT_JOIN_TIMEOUT,
+        heartbeat_ttl: float = DEFAULT_HEARTBEAT_TTL,
+        timeout: float,
+    ) -> wire.Assignment:
+        return self._run(
+            self._async.join(
+                rdzv_id,
+                node_id=node_id,
+                addr=addr,
+                nproc_per_node=nproc_per_node,
+                min_nodes=min_nodes,
+                max_nodes=max_nodes,
+                last_call_timeout=last_call_timeout,
+                join_timeout=join_timeout,
+                heartbeat_ttl=heartbeat_ttl,
+                timeout=timeout,
+            )
+        )
+
+    def watch(self, rdzv_id: str, node_id: str, *, round: int, known: int = -1, hold: float = 0.0) -> WatchResult:
+        return self._run(self._async.watch(rdzv_id, node_id, round=round, known=known, hold=hold))
+
+    def leave(self, rdzv_id: str, node_id: str) -> None:
+        self._run(self._async.leave(rdzv_id, node_id))
+
+    def close_job(self, rdzv_id: str) -> None:
+        self._run(self._async.close_job(rdzv_id))
+
+    def jobs(self) -> list[dict[str, Any]]:
+        return self._run(self._async.jobs())
+
+    def job(self, rdzv_id: str) -> dict[str, Any]:
+        return self._run(self._async.job(rdzv_id))
+
+    def healthy(self) -> bool:
+        return self._run(self._async.healthy())
+
+    def ready(self) -> bool:
+        return self._run(self._async.ready())

@@ -1,0 +1,145 @@
+"""The client's error tree, and the one table that maps wire error codes onto it.
+
+What it owns: every exception class the client raises on purpose, and
+:func:`error_from_body`, the single place where a server's ``{"error", "message"}``
+answer becomes one of them.
+
+What it must not know: HTTP libraries, retries, torch. The mapping onto torch's
+rendezvous errors belongs to the client's torch module; this module only says *why* a
+call failed.
+
+The tree::
+
+    RdzvError                       every error below; .code (wire code or None), .message
+    ├── RdzvConnectionError         no endpoint answered within the retry budget
+    ├── RdzvTimeoutError            a blocking call's own deadline passed (also a TimeoutError)
+    │   └── JoinTimeoutError        the job's join_timeout passed before a round formed (408)
+    ├── JobClosedError              the job was closed (410)
+    ├── BadRequestError             the request is invalid; fix the call, do not retry (4xx)
+    ├── UnauthorizedError           the server wants credentials this client did not send (401)
+    ├── NotFoundError               no such job, node or route (404)
+    ├── ConflictError               the request contradicts stored state (409)
+    └── ServerError                 the server failed, or answered something malformed (5xx)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from .wire import ErrorCode
+
+
+class RdzvError(Exception):
+    """Base of every error the client raises on purpose.
+
+    ``code`` is the server's wire error code when the server sent one, else ``None``
+    (the failure happened on this side: a timeout, an unreachable server).
+    """
+
+    def __init__(self, message: str, *, code: ErrorCode | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+    def __str__(self) -> str:
+        if self.code is None:
+            return self.message
+        return f"{self.message} ({self.code.value})"
+
+
+class RdzvConnectionError(RdzvError):
+    """No endpoint could be reached (or stayed not ready) within the client's retry budget."""
+
+
+class RdzvTimeoutError(RdzvError, TimeoutError):
+    """A blocking call (get, multi_get, wait, join) ran out of its own ``timeout``."""
+
+
+class JoinTimeoutError(RdzvTimeoutError):
+    """The job's ``join_timeout`` passed before a round with this node formed."""
+
+
+class JobClosedError(RdzvError):
+    """The job is closed: no new rounds form and joins fail."""
+
+
+class BadRequestError(RdzvError):
+    """The request itself is invalid (an id, a key, a size, a media type); retrying cannot help."""
+
+
+class UnauthorizedError(RdzvError):
+    """The server requires credentials this client did not present."""
+
+
+class NotFoundError(RdzvError):
+    """The job, the node or the route does not exist."""
+
+
+class ConflictError(RdzvError):
+    """The request contradicts stored state: other job settings, a non-integer counter."""
+
+
+class ServerError(RdzvError):
+    """The server failed (5xx) or answered something this client cannot read."""
+
+
+# One row per wire code. A test checks that every ErrorCode has a row.
+ERROR_CLASSES: dict[ErrorCode, type[RdzvError]] = {
+    ErrorCode.BAD_REQUEST: BadRequestError,
+    ErrorCode.INVALID_ID: BadRequestError,
+    ErrorCode.UNSUPPORTED_MEDIA_TYPE: BadRequestError,
+    ErrorCode.BODY_TOO_LARGE: BadRequestError,
+    ErrorCode.VALUE_TOO_LARGE: BadRequestError,
+    ErrorCode.METHOD_NOT_ALLOWED: BadRequestError,
+    ErrorCode.NOT_FOUND: NotFoundError,
+    ErrorCode.JOB_NOT_FOUND: NotFoundError,
+    ErrorCode.NODE_NOT_FOUND: NotFoundError,
+    ErrorCode.SETTINGS_CONFLICT: ConflictError,
+    ErrorCode.NOT_AN_INTEGER: ConflictError,
+    ErrorCode.JOB_CLOSED: JobClosedError,
+    ErrorCode.JOIN_TIMEOUT: JoinTimeoutError,
+    ErrorCode.UNAUTHORIZED: UnauthorizedError,
+    ErrorCode.NOT_READY: ServerError,
+    ErrorCode.SHUTTING_DOWN: ServerError,
+    ErrorCode.INTERNAL: ServerError,
+}
+
+
+def _class_for_status(status: int) -> type[RdzvError]:
+    # Only for codes this client does not know (a newer server, or a proxy in between).
+    if status == 401:
+        return UnauthorizedError
+    if status == 404:
+        return NotFoundError
+    if status == 409:
+        return ConflictError
+    if status == 410:
+        return JobClosedError
+    if 400 <= status < 500:
+        return BadRequestError
+    if status >= 500:
+        return ServerError
+    return RdzvError
+
+
+def error_from_body(status: int, body: object) -> RdzvError:
+    """The error a non-2xx answer stands for; never raises.
+
+    ``body`` is the decoded error body, ideally ``{"error": CODE, "message": TEXT}``;
+    anything else (a proxy's HTML page, garbage) still yields an error chosen by status.
+    """
+    raw_code: object = None
+    message: object = None
+    if isinstance(body, Mapping):
+        raw_code = body.get("error")
+        message = body.get("message")
+    try:
+        code: ErrorCode | None = ErrorCode(raw_code) if isinstance(raw_code, str) else None
+    except ValueError:
+        code = None
+    if not isinstance(message, str) or not message:
+        message = f"the server answered HTTP {status}"
+    if code is None and isinstance(raw_code, str):
+        message = f"{message} (unknown error code {raw_code!r})"
+    cls = ERROR_CLASSES[code] if code is not None else _class_for_status(status)
+    return cls(message, code=code)

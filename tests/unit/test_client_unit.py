@@ -1,0 +1,527 @@
+"""Unit tests of the client that need no server: parsing, error mapping, backoff, retry
+policy over a scripted transport, the sync client's guards, and rdzvctl's tables."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any, TypeAlias, Union
+
+import pytest
+
+import rdzv_client
+from rdzv_client import ctl, wire
+from rdzv_client.client import (
+    DEFAULT_HEARTBEAT_TTL,
+    DEFAULT_JOIN_TIMEOUT,
+    DEFAULT_LAST_CALL_TIMEOUT,
+    AsyncClient,
+    Client,
+    Endpoint,
+    Response,
+    TransportError,
+    backoff_delay,
+    parse_endpoints,
+)
+from rdzv_client.error import (
+    ERROR_CLASSES,
+    BadRequestError,
+    ConflictError,
+    JobClosedError,
+    JoinTimeoutError,
+    NotFoundError,
+    RdzvConnectionError,
+    RdzvError,
+    RdzvTimeoutError,
+    ServerError,
+    UnauthorizedError,
+    error_from_body,
+)
+
+# --------------------------------------------------------------------------- endpoints
+
+PORT = wire.DEFAULT_PORT
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("host", [Endpoint("host", PORT)]),
+        ("host:1234", [Endpoint("host", 1234)]),
+        ("10.0.0.1:29500", [Endpoint("10.0.0.1", 29500)]),
+        ("[::1]:5000", [Endpoint("::1", 5000)]),
+        ("[::1]", [Endpoint("::1", PORT)]),
+        ("fe80::1", [Endpoint("fe80::1", PORT)]),
+        ("http://host:80", [Endpoint("host", 80)]),
+        ("http://host:80/", [Endpoint("host", 80)]),
+        ("https://host", [Endpoint("host", PORT, "https")]),
+        ("HTTP://[::1]:7", [Endpoint("::1", 7)]),
+        ("a:1, b:2 ,c", [Endpoint("a", 1), Endpoint("b", 2), Endpoint("c", PORT)]),
+    ],
+)
+def test_endpoint_specs_parse_to_host_port_scheme(spec: str, expected: list[Endpoint]) -> None:
+    assert list(parse_endpoints(spec)) == expected
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["", " ", "a,,b", "host:", "host:0", "host:65536", "host:x", "[::1", "[::1]x", "ftp://host", "http://h:1/v1", "a b:1"],
+)
+def test_bad_endpoint_specs_raise_value_error(spec: str) -> None:
+    with pytest.raises(ValueError):
+        parse_endpoints(spec)
+
+
+def test_endpoint_url_brackets_ipv6() -> None:
+    assert Endpoint("::1", 5).url == "http://[::1]:5"
+    assert str(Endpoint("h", 5)) == "h:5"
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_every_wire_code_maps_to_an_error_class() -> None:
+    assert set(ERROR_CLASSES) == set(wire.ErrorCode)
+
+
+@pytest.mark.parametrize(
+    ("code", "cls"),
+    [
+        (wire.ErrorCode.BAD_REQUEST, BadRequestError),
+        (wire.ErrorCode.INVALID_ID, BadRequestError),
+        (wire.ErrorCode.VALUE_TOO_LARGE, BadRequestError),
+        (wire.ErrorCode.BODY_TOO_LARGE, BadRequestError),
+        (wire.ErrorCode.UNSUPPORTED_MEDIA_TYPE, BadRequestError),
+        (wire.ErrorCode.METHOD_NOT_ALLOWED, BadRequestError),
+        (wire.ErrorCode.NOT_FOUND, NotFoundError),
+        (wire.ErrorCode.JOB_NOT_FOUND, NotFoundError),
+        (wire.ErrorCode.NODE_NOT_FOUND, NotFoundError),
+        (wire.ErrorCode.SETTINGS_CONFLICT, ConflictError),
+        (wire.ErrorCode.NOT_AN_INTEGER, ConflictError),
+        (wire.ErrorCode.JOB_CLOSED, JobClosedError),
+        (wire.ErrorCode.JOIN_TIMEOUT, JoinTimeoutError),
+        (wire.ErrorCode.UNAUTHORIZED, UnauthorizedError),
+        (wire.ErrorCode.NOT_READY, ServerError),
+        (wire.ErrorCode.SHUTTING_DOWN, ServerError),
+        (wire.ErrorCode.INTERNAL, ServerError),
+    ],
+)
+def test_error_body_maps_code_to_class(code: wire.ErrorCode, cls: type[RdzvError]) -> None:
+    err = error_from_body(wire.HTTP_STATUS[code], wire.error_body(code, "why"))
+    assert type(err) is cls
+    assert err.code is code
+    assert err.message == "why"
+    assert str(err) == f"why ({code.value})"
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "cls"),
+    [
+        (404, {"error": "brand_new", "message": "m"}, NotFoundError),
+        (409, None, ConflictError),
+        (410, "garbage", JobClosedError),
+        (401, None, UnauthorizedError),
+        (418, None, BadRequestError),
+        (502, None, ServerError),
+        (302, None, RdzvError),
+    ],
+)
+def test_unknown_codes_map_by_status(status: int, body: object, cls: type[RdzvError]) -> None:
+    err = error_from_body(status, body)
+    assert type(err) is cls
+    assert err.code is None
+    assert str(status) in err.message or "brand_new" in err.message
+
+
+def test_timeouts_are_builtin_timeouts() -> None:
+    assert issubclass(RdzvTimeoutError, TimeoutError)
+    assert issubclass(JoinTimeoutError, RdzvTimeoutError)
+    assert isinstance(RdzvTimeoutError("late"), TimeoutError)
+    assert str(RdzvTimeoutError("late")) == "late"
+
+
+# --------------------------------------------------------------------------- backoff
+
+
+def test_backoff_is_full_jitter_under_an_exponential_cap() -> None:
+    rng = random.Random(7)
+    for attempt in range(0, 80):
+        ceiling = min(2.0, 0.05 * 2**attempt)
+        samples = [backoff_delay(attempt, rng, base=0.05, cap=2.0) for _ in range(200)]
+        assert all(0.0 <= s <= ceiling for s in samples)
+        assert max(samples) > ceiling * 0.8  # spread over the whole range, not pinned low
+        assert min(samples) < ceiling * 0.2
+
+
+# --------------------------------------------------------------------------- package surface
+
+
+def test_public_names_are_exactly_these() -> None:
+    assert sorted(rdzv_client.__all__) == sorted(
+        [
+            "Assignment",
+            "AsyncClient",
+            "BadRequestError",
+            "Client",
+            "ConflictError",
+            "JobClosedError",
+            "JoinTimeoutError",
+            "NotFoundError",
+            "RdzvConnectionError",
+            "RdzvError",
+            "RdzvTimeoutError",
+            "ServerError",
+            "UnauthorizedError",
+            "WatchResult",
+        ]
+    )
+    for name in rdzv_client.__all__:
+        assert getattr(rdzv_client, name) is not None
+
+
+def test_importing_the_client_does_not_import_torch() -> None:
+    code = "import rdzv_client, rdzv_client.ctl, sys; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_client_default_settings_equal_the_wire_defaults() -> None:
+    fields = {f.name: f.default for f in dataclasses.fields(wire.JoinRequest)}
+    assert fields["last_call_timeout"] == DEFAULT_LAST_CALL_TIMEOUT
+    assert fields["join_timeout"] == DEFAULT_JOIN_TIMEOUT
+    assert fields["heartbeat_ttl"] == DEFAULT_HEARTBEAT_TTL
+
+
+# --------------------------------------------------------------------------- retry policy
+
+
+def ok(**fields: Any) -> Response:
+    return Response(200, wire.CONTENT_TYPE_MSGPACK, wire.pack(fields))
+
+
+def failed(code: wire.ErrorCode, message: str = "no") -> Response:
+    return Response(wire.HTTP_STATUS[code], wire.CONTENT_TYPE_MSGPACK, wire.pack(wire.error_body(code, message)))
+
+
+Step: TypeAlias = Union[Response, Exception]
+
+
+class ScriptedTransport:
+    """Answers each request with the next step of a script and records what was sent."""
+
+    def __init__(self, *steps: Step) -> None:
+        self.steps = list(steps)
+        self.sent: list[tuple[str, dict[str, Any] | None, float]] = []
+        self.closed = False
+
+    async def send(
+        self, method: str, url: str, body: bytes | None, headers: Mapping[str, str], timeout: float
+    ) -> Response:
+        self.sent.append((url, wire.unpack(body, 1 << 20) if body else None, timeout))
+        step = self.steps.pop(0)
+        if isinstance(step, Exception):
+            raise step
+        return step
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def client_over(transport: ScriptedTransport, endpoint: str = "a:1", budget: float = 5.0) -> AsyncClient:
+    return AsyncClient(endpoint, retry_budget=budget, transport=transport, rng=random.Random(1))
+
+
+async def test_a_retried_write_resends_the_same_rid() -> None:
+    t = ScriptedTransport(
+        TransportError("connection reset"),
+        failed(wire.ErrorCode.NOT_READY),
+        failed(wire.ErrorCode.SHUTTING_DOWN),
+        ok(value=5),
+    )
+    c = client_over(t)
+    assert await c.add("job", "k", 5) == 5
+    rids = [body["rid"] for _, body, _ in t.sent if body is not None]
+    assert len(rids) == 4 and all(r == rids[0] for r in rids)
+    assert rids[0][0] == c.client_id
+    t.steps.append(ok(value=6))
+    assert await c.add("job", "k", 1) == 6
+    last = t.sent[-1][1]
+    assert last is not None and last["rid"] != rids[0]  # a new write, a new rid
+
+
+async def test_client_errors_are_raised_without_retry() -> None:
+    t = ScriptedTransport(failed(wire.ErrorCode.NOT_AN_INTEGER, "k holds b'x'"), ok())
+    with pytest.raises(ConflictError) as info:
+        await client_over(t).add("job", "k", 1)
+    assert info.value.code is wire.ErrorCode.NOT_AN_INTEGER
+    assert len(t.sent) == 1
+
+
+async def test_an_internal_server_error_is_not_retried() -> None:
+    t = ScriptedTransport(failed(wire.ErrorCode.INTERNAL), ok())
+    with pytest.raises(ServerError):
+        await client_over(t).set("job", "k", "v")
+    assert len(t.sent) == 1
+
+
+async def test_failover_moves_to_the_next_endpoint_and_stays_there() -> None:
+    t = ScriptedTransport(TransportError("refused"), ok(), ok())
+    c = client_over(t, "a:1,b:2")
+    await c.set("job", "k", "v")
+    await c.set("job", "k", "v")
+    assert [url for url, _, _ in t.sent] == [
+        "http://a:1/v1/jobs/job/set",
+        "http://b:2/v1/jobs/job/set",
+        "http://b:2/v1/jobs/job/set",
+    ]
+
+
+async def test_retries_stop_at_the_budget_with_a_connection_error() -> None:
+    t = ScriptedTransport(*[TransportError("refused")] * 10_000)
+    c = client_over(t, "a:1,b:2", budget=0.5)
+    start = time.monotonic()
+    with pytest.raises(RdzvConnectionError) as info:
+        await c.num_keys("job")
+    assert 0.45 < time.monotonic() - start < 1.5
+    assert "a:1" in str(info.value) and "b:2" in str(info.value) and "running" in str(info.value)
+    assert isinstance(info.value.__cause__, TransportError)
+
+
+async def test_a_server_that_stays_not_ready_ends_as_a_connection_error_with_its_code() -> None:
+    t = ScriptedTransport(*[failed(wire.ErrorCode.NOT_READY)] * 10_000)
+    with pytest.raises(RdzvConnectionError) as info:
+        await client_over(t, budget=0.2).num_keys("job")
+    assert info.value.code is wire.ErrorCode.NOT_READY
+
+
+async def test_invalid_ids_and_keys_fail_before_any_request() -> None:
+    t = ScriptedTransport()
+    c = client_over(t)
+    with pytest.raises(BadRequestError) as info:
+        await c.set("../etc", "k", "v")
+    assert info.value.code is wire.ErrorCode.INVALID_ID
+    with pytest.raises(BadRequestError):
+        await c.set("job", "", "v")
+    with pytest.raises(BadRequestError):
+        await c.multi_set("job", ["a", "b"], ["1"])
+    with pytest.raises(BadRequestError):
+        await c.job("bad id")
+    assert t.sent == []
+
+
+async def test_a_malformed_reply_is_a_server_error() -> None:
+    t = ScriptedTransport(ok(valu=1), Response(200, "text/html", b"<html>"))
+    c = client_over(t)
+    with pytest.raises(ServerError):
+        await c.add("job", "k", 1)
+    with pytest.raises(ServerError):
+        await c.add("job", "k", 1)
+
+
+async def test_a_non_wire_error_page_keeps_its_status_and_text() -> None:
+    t = ScriptedTransport(Response(404, "text/plain", b"404: Not Found"))
+    with pytest.raises(NotFoundError) as info:
+        await client_over(t).num_keys("job")
+    assert "Not Found" in info.value.message
+
+
+class HoldingTransport:
+    """A server that never has the key: holds each long-poll for its timeout, then says not found."""
+
+    def __init__(self) -> None:
+        self.holds: list[float] = []
+
+    async def send(
+        self, method: str, url: str, body: bytes | None, headers: Mapping[str, str], timeout: float
+    ) -> Response:
+        req = wire.unpack(body or b"", 1 << 20)
+        self.holds.append(req["timeout"])
+        await asyncio.sleep(req["timeout"])
+        return ok(found=False, value=None)
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_the_client_owns_the_long_poll_deadline() -> None:
+    t = HoldingTransport()
+    c = AsyncClient("a", max_hold=0.2, transport=t)
+    start = time.monotonic()
+    with pytest.raises(RdzvTimeoutError):
+        await c.get("job", "k", timeout=0.5)
+    elapsed = time.monotonic() - start
+    assert 0.5 <= elapsed < 0.9
+    assert len(t.holds) >= 3 and max(t.holds) <= 0.2  # re-polled, each hold capped
+    assert t.holds[-1] < 0.2  # the last poll asks only for what remains
+
+
+async def test_get_returns_the_value_once_found() -> None:
+    t = ScriptedTransport(ok(found=False, value=None), ok(found=True, value=b"v"))
+    assert await client_over(t).get("job", "k", timeout=5) == b"v"
+
+
+async def test_join_polls_await_round_until_an_assignment_arrives() -> None:
+    assignment: dict[str, Any] = {
+        "round": 3,
+        "node_rank": 1,
+        "num_nodes": 2,
+        "world_size": 4,
+        "nproc_per_node": 2,
+        "global_rank_start": 2,
+        "master_addr": "h0",
+    }
+    t = ScriptedTransport(ok(round=3, assignment=None), ok(round=3, assignment=assignment))
+    got = await client_over(t).join(
+        "job", node_id="n1", addr="h1", nproc_per_node=2, min_nodes=2, max_nodes=2, timeout=10
+    )
+    assert got == wire.Assignment(**assignment)
+    assert t.sent[1][0].endswith("/await_round")
+    assert t.sent[1][1] is not None and t.sent[1][1]["round"] == 3 and t.sent[1][1]["node_id"] == "n1"
+
+
+async def test_join_timeout_from_the_server_ends_join() -> None:
+    t = ScriptedTransport(ok(round=0, assignment=None), failed(wire.ErrorCode.JOIN_TIMEOUT))
+    with pytest.raises(JoinTimeoutError):
+        await client_over(t).join("job", node_id="n", addr="h", nproc_per_node=1, min_nodes=2, max_nodes=2, timeout=9)
+
+
+# --------------------------------------------------------------------------- sync client guards
+
+
+def test_sync_client_calls_after_close_raise_and_close_is_idempotent() -> None:
+    t = ScriptedTransport(ok(count=3))
+    c = Client("a", transport=t)
+    assert c.num_keys("job") == 3
+    c.close()
+    c.close()
+    assert t.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        c.num_keys("job")
+
+
+def test_sync_client_refuses_calls_from_its_own_loop_thread() -> None:
+    with Client("a", transport=ScriptedTransport()) as c:
+        async def call_back_in() -> str:
+            try:
+                c.num_keys("job")
+            except RuntimeError as exc:
+                return str(exc)
+            return "no error"
+
+        future = asyncio.run_coroutine_threadsafe(call_back_in(), c._loop)
+        assert "deadlock" in future.result(timeout=5)
+
+
+def test_sync_client_close_cancels_calls_in_flight() -> None:
+    import threading
+
+    c = Client("a", transport=HoldingTransport(), max_hold=30)
+    errors: list[BaseException] = []
+
+    def blocked() -> None:
+        try:
+            c.get("job", "k", timeout=30)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            errors.append(exc)
+
+    th = threading.Thread(target=blocked)
+    th.start()
+    time.sleep(0.2)
+    c.close()
+    th.join(timeout=5)
+    assert not th.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], RdzvError) and "closed" in str(errors[0])
+
+
+# --------------------------------------------------------------------------- rdzvctl tables
+
+MEMBERSHIP: dict[str, Any] = {
+    "rdzv_id": "train-1",
+    "state": "complete",
+    "round": 2,
+    "min_nodes": 1,
+    "max_nodes": 3,
+    "num_nodes": 2,
+    "world_size": 6,
+    "nodes": [
+        {
+            "node_id": "node-a",
+            "addr": "10.0.0.1",
+            "node_rank": 0,
+            "nproc_per_node": 2,
+            "global_ranks": [0, 1],
+            "alive": True,
+            "last_heartbeat_age_s": 0.43,
+        },
+        {
+            "node_id": "node-bb",
+            "addr": "10.0.0.2",
+            "node_rank": 1,
+            "nproc_per_node": 4,
+            "global_ranks": [2, 3, 4, 5],
+            "alive": False,
+            "last_heartbeat_age_s": 31.0,
+        },
+    ],
+    "waiting": [{"node_id": "node-c", "addr": "10.0.0.3", "nproc_per_node": 2, "alive": True, "last_heartbeat_age_s": 1}],
+    "joining": [],
+    "standby": [{"node_id": "node-d", "addr": "10.0.0.4", "nproc_per_node": 2, "alive": True}],
+}
+
+
+def test_show_formats_an_aligned_membership_table() -> None:
+    assert ctl.format_membership(MEMBERSHIP) == "\n".join(
+        [
+            "job train-1  state complete  round 2  nodes 2 (1..3)  world_size 6",
+            "",
+            "NODE_RANK  NODE_ID  ADDR      NPROC  RANKS  ALIVE  HEARTBEAT",
+            "0          node-a   10.0.0.1  2      0-1    yes    0.4s",
+            "1          node-bb  10.0.0.2  4      2-5    no     31.0s",
+            "",
+            "waiting (1):",
+            "  NODE_ID  ADDR      NPROC  ALIVE  HEARTBEAT",
+            "  node-c   10.0.0.3  2      yes    1.0s",
+            "",
+            "standby (1):",
+            "  NODE_ID  ADDR      NPROC  ALIVE  HEARTBEAT",
+            "  node-d   10.0.0.4  2      yes    -",
+        ]
+    )
+
+
+def test_show_of_an_empty_job_says_so() -> None:
+    doc = dict(MEMBERSHIP, nodes=[], waiting=[], standby=[], num_nodes=0, world_size=0, state="open")
+    assert ctl.format_membership(doc).splitlines()[-1] == "no nodes in the current round"
+
+
+def test_jobs_formats_a_table() -> None:
+    jobs = [
+        {"rdzv_id": "a", "state": "open", "round": 0, "num_nodes": 1, "world_size": None},
+        {"rdzv_id": "long-job", "state": "complete", "round": 12, "num_nodes": 16, "world_size": 128},
+    ]
+    assert ctl.format_jobs(jobs).splitlines() == [
+        "RDZV_ID   STATE     ROUND  NODES  WORLD_SIZE",
+        "a         open      0      1      -",
+        "long-job  complete  12     16     128",
+    ]
+    assert ctl.format_jobs([]) == "no jobs"
+
+
+@pytest.mark.parametrize(
+    ("ranks", "text"), [([], "-"), ([4], "4"), ([0, 1], "0-1"), ([0, 1, 2, 5], "0-2,5"), ([1, 3], "1,3")]
+)
+def test_global_ranks_print_as_ranges(ranks: list[int], text: str) -> None:
+    assert ctl.format_ranks(ranks) == text
+
+
+def test_ctl_usage_errors_exit_2() -> None:
+    with pytest.raises(SystemExit) as info:
+        ctl.main(["--endpoint", "h:notaport", "jobs"])
+    assert info.value.code == ctl.EXIT_USAGE
+    with pytest.raises(SystemExit) as info:
+        ctl.main(["kv", "get", "job"])
+    assert info.value.code == ctl.EXIT_USAGE
