@@ -150,8 +150,8 @@ def load_json(data: bytes, max_bytes: int) -> Any:
         raise WireError(f"body of {len(data)} bytes exceeds the limit of {max_bytes}")
     try:
         return json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise WireError(f"body is not valid JSON: {exc}") from exc
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise WireError(f"body is not valid JSON: {str(exc)[:200]}") from exc
 
 
 # --------------------------------------------------------------------------- validation
@@ -176,7 +176,10 @@ def _as_bytes(name: str, value: object) -> bytes:
     if isinstance(value, bytes):
         return value
     if isinstance(value, str):
-        return value.encode()
+        try:
+            return value.encode()
+        except UnicodeEncodeError as exc:
+            raise WireError(f"field {name!r} is not valid Unicode text: {exc}") from exc
     raise WireError(f"field {name!r} must be bytes or a string, not {type(value).__name__}")
 
 
@@ -203,6 +206,8 @@ def _convert(name: str, hint: Any, value: object) -> Any:
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise WireError(f"field {name!r} must be an integer, not {type(value).__name__}")
+        if not -(2**63) <= value < 2**63:
+            raise WireError(f"field {name!r} must fit a signed 64-bit integer")
         return value
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -292,8 +297,8 @@ def _rid_check(rid: tuple[Any, ...] | None) -> None:
         return
     if len(rid) != 2 or not isinstance(rid[0], str) or isinstance(rid[1], bool) or not isinstance(rid[1], int):
         raise WireError("rid must be [client_id: str, seq: int]")
-    if not 0 < len(rid[0]) <= MAX_CLIENT_ID_CHARS or rid[1] < 0:
-        raise WireError(f"rid client_id must be 1..{MAX_CLIENT_ID_CHARS} chars and seq >= 0")
+    if not 0 < len(rid[0]) <= MAX_CLIENT_ID_CHARS or not 0 <= rid[1] < 2**63:
+        raise WireError(f"rid client_id must be 1..{MAX_CLIENT_ID_CHARS} chars and 0 <= seq < 2**63")
 
 
 # `rid` is [client_id: str, seq: int]; checked by _convert_rid.

@@ -28,6 +28,7 @@ DRAIN_TIMEOUT = 10.0
 
 async def serve(config: ServerConfig, stop: asyncio.Event) -> None:
     svc = Service(config)
+    svc.on_fatal = lambda exc: stop.set()
     app = create_app(svc)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=DRAIN_TIMEOUT, access_log=None)
     await runner.setup()
@@ -46,6 +47,8 @@ async def serve(config: ServerConfig, stop: asyncio.Event) -> None:
         svc.begin_stop()
         await runner.cleanup()
         await svc.close()
+    if svc.fatal_error is not None:
+        raise SystemExit(f"rdzv-server: stopped because the log failed: {svc.fatal_error}")
 
 
 def run(config: ServerConfig) -> int:

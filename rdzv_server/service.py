@@ -21,10 +21,11 @@ What it must not know: HTTP, the wire format (the API translates).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import logging
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import asdict
 from typing import Any, TypeVar
 
@@ -127,6 +128,10 @@ class Service:
         self._snapshotting = False
         self._stopping = False
         self._lost: dict[tuple[str, str], asyncio.TimerHandle] = {}
+        self._open_polls: dict[tuple[str, str], int] = {}
+        #: Called once when the server must stop (the log failed); server.py exits non-zero.
+        self.on_fatal: Callable[[BaseException], None] | None = None
+        self.fatal_error: BaseException | None = None
 
     # -- clock ---------------------------------------------------------------------------
 
@@ -197,6 +202,15 @@ class Service:
                 pass
         await self._log.close()
 
+    def _fatal(self, exc: BaseException) -> None:
+        if self.fatal_error is not None:
+            return
+        self.fatal_error = exc
+        log.critical("The log failed (%s): stopping, so that no write it did not record is ever served.", exc)
+        self.begin_stop()
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
+
     # -- writes -------------------------------------------------------------------------
 
     def _check_ready(self) -> None:
@@ -214,9 +228,16 @@ class Service:
             await self._sync()
             return outcome.result
         record = {"cmd": command.to_record(), "now": now, "rid": list(rid) if rid else None}
-        fut = self._log.append(record)
-        self._last_append = fut
-        await asyncio.shield(fut)
+        try:
+            fut = self._log.append(record)
+            self._last_append = fut
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # Memory now holds a change the log does not: serving on would break durability.
+            self._fatal(exc)
+            raise
         self.waiters.wake(outcome.wakes)
         self._schedule(command.rdzv_id)
         self._maybe_snapshot()
@@ -282,15 +303,12 @@ class Service:
     async def await_round(self, rdzv_id: str, node_id: str, round_: int, hold: float) -> dict[str, Any]:
         """Hold until the node has a place in a formed round >= ``round_``; a heartbeat too."""
         job = self._beat(rdzv_id, node_id)
-        try:
+        with self._node_poll(rdzv_id, node_id):
             assignment = await self.long_poll(
                 lambda: self.machine.assignment(rdzv_id, node_id, round_),
                 lambda: (round_topic(rdzv_id),),
                 min(hold, job.settings.heartbeat_ttl / 3),
             )
-        except asyncio.CancelledError:
-            self.connection_lost(rdzv_id, node_id)
-            raise
         self._beat(rdzv_id, node_id)
         return {"round": round_, "assignment": None if assignment is None else asdict(assignment)}
 
@@ -314,22 +332,43 @@ class Service:
             view = self.machine.watch_view(rdzv_id, round_)
             return view if view["num_nodes_waiting"] != known or view["closed"] else None
 
-        try:
+        with self._node_poll(rdzv_id, node_id):
             view = await self.long_poll(changed, lambda: (watch_topic(rdzv_id),), hold)
-        except asyncio.CancelledError:
-            self.connection_lost(rdzv_id, node_id)
-            raise
         if rdzv_id in self.machine.jobs:
             self._beat(rdzv_id, node_id)
         return view if view is not None else self.machine.watch_view(rdzv_id, round_)
 
     # -- fast death detection -------------------------------------------------------------
 
-    def connection_lost(self, rdzv_id: str, node_id: str) -> None:
-        """A node's watch connection dropped: dead unless it calls again within the grace."""
+    @contextlib.contextmanager
+    def _node_poll(self, rdzv_id: str, node_id: str) -> Iterator[None]:
+        """Track a node's open long-poll; its connection dropping may mean the node died."""
+        key = (rdzv_id, node_id)
+        started = self.now()
+        self._open_polls[key] = self._open_polls.get(key, 0) + 1
+        try:
+            yield
+        except asyncio.CancelledError:
+            self._close_poll(key)
+            self.connection_lost(rdzv_id, node_id, started)
+            raise
+        except BaseException:
+            self._close_poll(key)
+            raise
+        self._close_poll(key)
+
+    def _close_poll(self, key: tuple[str, str]) -> None:
+        left = self._open_polls.get(key, 1) - 1
+        if left:
+            self._open_polls[key] = left
+        else:
+            self._open_polls.pop(key, None)
+
+    def connection_lost(self, rdzv_id: str, node_id: str, since: float) -> None:
+        """A node's long-poll (sent at ``since``) dropped: dead unless it calls again within the grace."""
         if self._stopping:
             return
-        lost_at = self.now()
+        lost_at = since
         loop = asyncio.get_running_loop()
         self._cancel_lost(rdzv_id, node_id)
         self._lost[(rdzv_id, node_id)] = loop.call_later(
@@ -347,8 +386,8 @@ class Service:
         if entry is None or self._stopping:
             return
         beat = entry.job.heartbeats.get(node_id)
-        if beat is None or beat > lost_at:
-            return  # already gone, or it came back
+        if beat is None or beat > lost_at or self._open_polls.get((rdzv_id, node_id)):
+            return  # already gone, or it came back (a newer request, or another poll still open)
         log.info("Node %s of job %s dropped its connection and did not return: marking it dead.", node_id, rdzv_id)
         await self._apply_timer_command(c.Expire(rdzv_id, (node_id,), "dead"))
 

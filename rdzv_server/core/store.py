@@ -24,6 +24,9 @@ from collections.abc import Iterable, Sequence
 
 from .error import NotAnInteger, ValueTooLarge
 
+# TCPStore counters are int64; so are ours, so a result never outgrows the wire.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
 class KeyValueStore:
     """The keys of one job."""
 
@@ -95,6 +98,8 @@ class KeyValueStore:
         except (UnicodeDecodeError, ValueError):
             raise NotAnInteger(f"add on key {key[:64]!r}: its value {current[:32]!r} is not an integer") from None
         number += amount
+        if not INT64_MIN <= number <= INT64_MAX:
+            raise NotAnInteger(f"add on key {key[:64]!r}: the result {number} does not fit a signed 64-bit integer")
         space[key] = str(number).encode("ascii")
         return number
 

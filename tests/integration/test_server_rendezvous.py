@@ -1,0 +1,465 @@
+"""The rendezvous rules over HTTP, driven by the real async client against a real process:
+round completion (max_nodes at once, min_nodes after the last call), node and global
+ranks, the membership document, settings conflicts, waiting and standby nodes, rank
+stability across rounds, liveness (TTL and dropped watch connections), graceful leave,
+close, join_timeout, and the operator routes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+from conftest import ServerProcess
+from rdzv_client import (
+    AsyncClient,
+    ConflictError,
+    JobClosedError,
+    JoinTimeoutError,
+    WatchResult,
+    wire,
+)
+
+# "Well before" bound for things that should happen promptly, far below the timeouts that
+# would otherwise make them happen.
+PROMPTLY = 3.0
+DISCONNECT_GRACE = 0.5
+
+
+def new_job() -> str:
+    return f"rdzv-{uuid.uuid4().hex[:12]}"
+
+
+def start_server(tmp_path_factory: pytest.TempPathFactory, *args: str) -> ServerProcess:
+    srv = ServerProcess(tmp_path_factory.mktemp("rdzv-server"), durable=False, args=args)
+    srv.start()
+    return srv
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One memory-only server for the module (a start costs ~0.5 s); every test uses its own job."""
+    srv = start_server(tmp_path_factory)
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def grace_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server with a short disconnect grace, for the fast death path."""
+    srv = start_server(tmp_path_factory, "--disconnect-grace", str(DISCONNECT_GRACE))
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+async def aclient(server: ServerProcess) -> AsyncIterator[AsyncClient]:
+    async with AsyncClient(server.endpoint, retry_budget=10.0) as c:
+        yield c
+
+
+def joiner(aclient: AsyncClient, rdzv_id: str, **settings: Any) -> Callable[..., Awaitable[wire.Assignment]]:
+    """A join function for one job with fixed settings: ``await join("node-a", nproc=2)``."""
+
+    async def join(node_id: str, nproc: int = 1, timeout: float = 20.0) -> wire.Assignment:
+        return await aclient.join(
+            rdzv_id, node_id=node_id, addr=f"{node_id}.local", nproc_per_node=nproc, timeout=timeout, **settings
+        )
+
+    return join
+
+
+async def cancel(*tasks: asyncio.Task[Any]) -> None:
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+
+async def until(predicate: Callable[[], Awaitable[bool]], within: float, what: str) -> None:
+    """Poll ``predicate`` every 50 ms until it holds, failing after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while not await predicate():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what}: not within {within} s")
+        await asyncio.sleep(0.05)
+
+
+async def watch_until_waiting(aclient: AsyncClient, rdzv_id: str, node_id: str, round_: int, within: float) -> WatchResult:
+    """Heartbeat-and-watch as an agent does until num_nodes_waiting > 0 (bounded)."""
+    deadline = time.monotonic() + within
+    while True:
+        seen = await aclient.watch(rdzv_id, node_id, round=round_, known=0, hold=max(0.0, deadline - time.monotonic()))
+        if seen.num_nodes_waiting > 0:
+            return seen
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{node_id} never saw num_nodes_waiting > 0 within {within} s")
+
+
+def by_rank(assignments: dict[str, wire.Assignment]) -> list[str]:
+    return sorted(assignments, key=lambda n: assignments[n].node_rank)
+
+
+def http_get(url: str) -> tuple[int, str, bytes]:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.status, resp.headers.get("Content-Type", ""), resp.read()
+
+
+# --------------------------------------------------------------------------- completion
+
+
+async def test_a_round_completes_at_once_when_max_nodes_have_joined(aclient: AsyncClient) -> None:
+    job = new_job()
+    join = joiner(aclient, job, min_nodes=2, max_nodes=3, last_call_timeout=30.0)
+    start = time.monotonic()
+    got = await asyncio.gather(join("a"), join("b"), join("c"))
+    assert time.monotonic() - start < PROMPTLY  # not the 30 s last call
+    assert sorted(a.node_rank for a in got) == [0, 1, 2]
+    assert {a.round for a in got} == {got[0].round}
+    assert all(a.num_nodes == 3 and a.world_size == 3 for a in got)
+
+
+async def test_a_round_completes_at_min_nodes_after_the_last_call(aclient: AsyncClient) -> None:
+    job = new_job()
+    join = joiner(aclient, job, min_nodes=2, max_nodes=4, last_call_timeout=0.5)
+    start = time.monotonic()
+    got = await asyncio.gather(join("a"), join("b"))
+    elapsed = time.monotonic() - start
+    assert 0.45 <= elapsed < 0.5 + PROMPTLY
+    assert sorted(a.node_rank for a in got) == [0, 1]
+    assert all(a.num_nodes == 2 for a in got)
+    doc = await aclient.job(job)
+    assert doc["state"] == "complete" and doc["num_nodes"] == 2
+
+
+async def test_node_ranks_and_global_ranks_with_heterogeneous_nproc_per_node(aclient: AsyncClient) -> None:
+    job = new_job()
+    join = joiner(aclient, job, min_nodes=4, max_nodes=4, last_call_timeout=30.0)
+    nproc = {"n-a": 3, "n-b": 1, "n-c": 4, "n-d": 2}
+    results = await asyncio.gather(*(join(n, nproc=k) for n, k in nproc.items()))
+    got = dict(zip(nproc, results))
+    order = by_rank(got)
+    assert [got[n].node_rank for n in order] == [0, 1, 2, 3]
+    start = 0
+    for n in order:  # global ranks are the prefix sums of nproc_per_node in node_rank order
+        assert got[n].global_rank_start == start
+        assert got[n].nproc_per_node == nproc[n]
+        start += nproc[n]
+    assert {a.world_size for a in results} == {10}
+    assert {a.num_nodes for a in results} == {4}
+    assert {a.master_addr for a in results} == {f"{order[0]}.local"}
+
+    doc = await aclient.job(job)
+    assert doc["rdzv_id"] == job
+    assert doc["state"] == "complete"
+    assert doc["round"] == results[0].round
+    assert (doc["min_nodes"], doc["max_nodes"]) == (4, 4)
+    assert doc["num_nodes"] == 4 and doc["world_size"] == 10
+    assert doc["waiting"] == [] and doc["standby"] == []
+    assert [n["node_id"] for n in doc["nodes"]] == order
+    covered: list[int] = []
+    for entry in doc["nodes"]:
+        a = got[entry["node_id"]]
+        assert entry["addr"] == f"{entry['node_id']}.local"
+        assert entry["node_rank"] == a.node_rank
+        assert entry["nproc_per_node"] == nproc[entry["node_id"]]
+        assert entry["global_ranks"] == list(range(a.global_rank_start, a.global_rank_start + a.nproc_per_node))
+        assert entry["alive"] is True
+        assert isinstance(entry["last_heartbeat_age_s"], (int, float)) and 0 <= entry["last_heartbeat_age_s"] < 10
+        covered += entry["global_ranks"]
+    assert covered == list(range(10))
+
+
+async def test_conflicting_settings_are_a_409_settings_conflict(server: ServerProcess, aclient: AsyncClient) -> None:
+    job = new_job()
+    await joiner(aclient, job, min_nodes=1, max_nodes=1)("first")
+    with pytest.raises(ConflictError) as info:
+        await joiner(aclient, job, min_nodes=1, max_nodes=2)("second", timeout=5)
+    assert info.value.code is wire.ErrorCode.SETTINGS_CONFLICT
+    body = {"node_id": "third", "addr": "h", "nproc_per_node": 1, "min_nodes": 1, "max_nodes": 3}
+    url = server.url + wire.op_path(job, "join")
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as resp:
+        assert resp.status == 409
+        answer = await resp.json()
+    assert answer["error"] == "settings_conflict" and answer["message"]
+    doc = await aclient.job(job)
+    assert [n["node_id"] for n in doc["nodes"]] == ["first"]
+    assert doc["max_nodes"] == 1
+
+
+# --------------------------------------------------------------------------- later rounds
+
+
+async def test_a_late_node_is_waiting_members_see_it_and_the_next_round_takes_it(aclient: AsyncClient) -> None:
+    job = new_job()
+    join = joiner(aclient, job, min_nodes=2, max_nodes=3, last_call_timeout=0.3)
+    first = dict(zip(("a", "b"), await asyncio.gather(join("a"), join("b"))))
+    round_ = first["a"].round
+    assert (await aclient.watch(job, "a", round=round_, known=-1)).num_nodes_waiting == 0
+    watching = asyncio.ensure_future(aclient.watch(job, "a", round=round_, known=0, hold=10))
+    await asyncio.sleep(0.2)
+    assert not watching.done()
+    start = time.monotonic()
+    late = asyncio.ensure_future(join("c"))
+    try:
+        seen = await asyncio.wait_for(watching, PROMPTLY)  # the long-poll is woken by the arrival
+        assert seen.num_nodes_waiting == 1 and seen.state == "complete"
+        assert time.monotonic() - start < PROMPTLY
+        doc = await aclient.job(job)
+        assert [n["node_id"] for n in doc["waiting"]] == ["c"]
+        assert doc["standby"] == [] and doc["num_nodes"] == 2
+        assert (await aclient.watch(job, "b", round=round_)).num_nodes_waiting == 1
+        assert not late.done()  # c waits for the next round
+        # The members' agents restart and re-join: the next round has all three.
+        second = dict(zip(("b", "a"), await asyncio.gather(join("b"), join("a"))))
+        second["c"] = await asyncio.wait_for(late, PROMPTLY)
+    finally:
+        await cancel(late, watching)
+    assert {a.round for a in second.values()} == {round_ + 1}
+    assert {n: a.node_rank for n, a in second.items()} == {
+        "a": first["a"].node_rank,
+        "b": first["b"].node_rank,
+        "c": 2,
+    }
+    assert (await aclient.watch(job, "c", round=round_ + 1)).num_nodes_waiting == 0
+
+
+async def test_members_that_re_join_keep_their_ranks_whatever_their_arrival_order(aclient: AsyncClient) -> None:
+    job = new_job()
+    join = joiner(aclient, job, min_nodes=3, max_nodes=3, last_call_timeout=30.0)
+    names = ["p", "q", "r"]
+    first = dict(zip(names, await asyncio.gather(*(join(n) for n in names))))
+    order = by_rank(first)
+    # Re-join in reverse rank order: arrival order alone would reverse the ranks.
+    tasks = []
+    for n in reversed(order):
+        tasks.append(asyncio.ensure_future(join(n)))
+        await asyncio.sleep(0.1)
+    try:
+        second = dict(zip(reversed(order), await asyncio.wait_for(asyncio.gather(*tasks), 10)))
+    finally:
+        await cancel(*tasks)
+    assert {a.round for a in second.values()} == {first["p"].round + 1}
+    assert {n: a.node_rank for n, a in second.items()} == {n: a.node_rank for n, a in first.items()}
+    assert {n: a.global_rank_start for n, a in second.items()} == {n: a.global_rank_start for n, a in first.items()}
+
+
+async def test_a_node_beyond_max_nodes_is_standby_and_does_not_restart_the_round(aclient: AsyncClient) -> None:
+    job = new_job()
+    join = joiner(aclient, job, min_nodes=2, max_nodes=2)
+    first = await asyncio.gather(join("a"), join("b"))
+    spare = asyncio.ensure_future(join("spare"))
+    try:
+
+        async def is_standby() -> bool:
+            return [n["node_id"] for n in (await aclient.job(job))["standby"]] == ["spare"]
+
+        await until(is_standby, PROMPTLY, "the spare node is listed as standby")
+        assert (await aclient.watch(job, "a", round=first[0].round)).num_nodes_waiting == 0
+        assert (await aclient.job(job))["waiting"] == []
+    finally:
+        await cancel(spare)
+
+
+# --------------------------------------------------------------------------- liveness
+
+
+async def test_a_member_that_stops_heartbeating_is_dead_after_the_ttl(aclient: AsyncClient) -> None:
+    job = new_job()
+    ttl = 1.0
+    join = joiner(aclient, job, min_nodes=2, max_nodes=2, heartbeat_ttl=ttl)
+    before_join = time.monotonic()  # the silent node's last heartbeat is after this
+    got = await asyncio.gather(join("silent"), join("survivor"))
+    joined = time.monotonic()  # "silent" never sends anything again
+    seen = await watch_until_waiting(aclient, job, "survivor", got[0].round, within=ttl + 5)
+    assert seen.num_nodes_waiting == 1
+    assert time.monotonic() - before_join >= ttl - 0.05  # not before its TTL
+    assert time.monotonic() - joined < ttl + PROMPTLY
+    nodes = {n["node_id"]: n for n in (await aclient.job(job))["nodes"]}
+    assert nodes["silent"]["alive"] is False
+    assert nodes["survivor"]["alive"] is True
+
+
+async def _open_raw_watch(srv: ServerProcess, rdzv_id: str, node_id: str, round_: int, hold: float) -> asyncio.StreamWriter:
+    """Send a watch request on a raw connection and leave it held open (not read)."""
+    body = json.dumps({"node_id": node_id, "round": round_, "known": 0, "hold": hold}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+    head = (
+        f"POST {wire.op_path(rdzv_id, 'watch')} HTTP/1.1\r\nHost: {srv.endpoint}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    writer.write(head.encode() + body)
+    await writer.drain()
+    with contextlib.suppress(asyncio.TimeoutError):
+        early = await asyncio.wait_for(reader.read(1), 0.3)
+        raise AssertionError(f"the watch was answered at once ({early!r}), not held")
+    return writer
+
+
+async def test_a_dropped_watch_connection_marks_the_node_dead_within_the_grace(grace_server: ServerProcess) -> None:
+    async with AsyncClient(grace_server.endpoint, retry_budget=10.0) as aclient:
+        job = new_job()
+        join = joiner(aclient, job, min_nodes=2, max_nodes=2, heartbeat_ttl=30.0)
+        got = await asyncio.gather(join("crashing"), join("survivor"))
+        writer = await _open_raw_watch(grace_server, job, "crashing", got[0].round, hold=10.0)
+        writer.transport.abort()  # the process died: the kernel resets its connection
+        start = time.monotonic()
+        seen = await watch_until_waiting(aclient, job, "survivor", got[0].round, within=10.0)
+        elapsed = time.monotonic() - start
+        assert seen.num_nodes_waiting == 1
+        assert elapsed < DISCONNECT_GRACE + 2.0  # far before the 30 s TTL
+        nodes = {n["node_id"]: n for n in (await aclient.job(job))["nodes"]}
+        assert nodes["crashing"]["alive"] is False and nodes["survivor"]["alive"] is True
+
+
+async def parked_long_polls(srv: ServerProcess) -> float:
+    """The server's ``rdzv_waiters`` gauge: long-polls it holds right now."""
+    async with aiohttp.ClientSession() as session, session.get(srv.url + "/metrics") as resp:
+        text = await resp.text()
+    (line,) = [line for line in text.splitlines() if line.startswith("rdzv_waiters ")]
+    return float(line.split()[1])
+
+
+async def test_a_watch_reconnected_within_the_grace_keeps_the_node_alive(grace_server: ServerProcess) -> None:
+    async with AsyncClient(grace_server.endpoint, retry_budget=10.0) as aclient:
+        job = new_job()
+        join = joiner(aclient, job, min_nodes=2, max_nodes=2, heartbeat_ttl=30.0)
+        got = await asyncio.gather(join("flaky"), join("survivor"))
+        round_ = got[0].round
+        baseline = await parked_long_polls(grace_server)
+        writer = await _open_raw_watch(grace_server, job, "flaky", round_, hold=10.0)
+        assert await parked_long_polls(grace_server) == baseline + 1
+        writer.transport.abort()
+
+        async def drop_seen() -> bool:
+            return await parked_long_polls(grace_server) == baseline
+
+        # The grace starts when the server notices the drop; come back right after that.
+        await until(drop_seen, PROMPTLY, "the server saw the watch connection drop")
+        await aclient.watch(job, "flaky", round=round_)
+        seen = await aclient.watch(job, "survivor", round=round_, known=0, hold=3 * DISCONNECT_GRACE)
+        assert seen.num_nodes_waiting == 0
+        nodes = {n["node_id"]: n for n in (await aclient.job(job))["nodes"]}
+        assert nodes["flaky"]["alive"] is True
+
+
+async def test_a_node_whose_other_watch_is_open_when_one_connection_drops_stays_alive(
+    grace_server: ServerProcess,
+) -> None:
+    # The agent already has a new long-poll open when the server notices the old one
+    # dropped (a watch cancelled and re-sent at once; the server may read the new request
+    # before the old connection's close). The node never stopped watching: it is alive.
+    async with AsyncClient(grace_server.endpoint, retry_budget=10.0) as aclient:
+        job = new_job()
+        join = joiner(aclient, job, min_nodes=2, max_nodes=2, heartbeat_ttl=30.0)
+        got = await asyncio.gather(join("agent"), join("survivor"))
+        round_ = got[0].round
+        baseline = await parked_long_polls(grace_server)
+        writer = await _open_raw_watch(grace_server, job, "agent", round_, hold=10.0)
+        newer = asyncio.ensure_future(aclient.watch(job, "agent", round=round_, known=0, hold=4 * DISCONNECT_GRACE))
+        try:
+
+            async def both_parked() -> bool:
+                return await parked_long_polls(grace_server) == baseline + 2
+
+            await until(both_parked, PROMPTLY, "both watches of the agent are held")
+            writer.transport.abort()
+            seen = await aclient.watch(job, "survivor", round=round_, known=0, hold=3 * DISCONNECT_GRACE)
+            assert seen.num_nodes_waiting == 0, "the agent was declared dead while its newer watch was open"
+            nodes = {n["node_id"]: n for n in (await aclient.job(job))["nodes"]}
+            assert nodes["agent"]["alive"] is True
+        finally:
+            await cancel(newer)
+
+
+async def test_a_graceful_leave_does_not_raise_num_nodes_waiting(aclient: AsyncClient) -> None:
+    job = new_job()
+    ttl = 1.0
+    join = joiner(aclient, job, min_nodes=2, max_nodes=2, heartbeat_ttl=ttl)
+    got = await asyncio.gather(join("leaver"), join("stayer"))
+    round_ = got[0].round
+    await aclient.leave(job, "leaver")
+    assert (await aclient.watch(job, "stayer", round=round_)).num_nodes_waiting == 0
+    # Past the leaver's TTL too: a departed node is not then found dead.
+    deadline = time.monotonic() + 1.5 * ttl
+    while time.monotonic() < deadline:
+        seen = await aclient.watch(job, "stayer", round=round_, known=0, hold=deadline - time.monotonic())
+        assert seen.num_nodes_waiting == 0
+    nodes = {n["node_id"]: n for n in (await aclient.job(job))["nodes"]}
+    assert nodes["leaver"]["alive"] is False and nodes["stayer"]["alive"] is True
+
+
+# --------------------------------------------------------------------------- close, timeouts
+
+
+async def test_a_closed_job_refuses_joins_and_watchers_see_it_closed(aclient: AsyncClient) -> None:
+    job = new_job()
+    got = await joiner(aclient, job, min_nodes=1, max_nodes=2, last_call_timeout=0.0)("member")
+    watching = asyncio.ensure_future(aclient.watch(job, "member", round=got.round, known=0, hold=10))
+    await asyncio.sleep(0.2)
+    try:
+        await aclient.close_job(job)
+        seen = await asyncio.wait_for(watching, PROMPTLY)  # the close wakes the long-poll
+    finally:
+        await cancel(watching)
+    assert seen.closed is True and seen.state == "closed"
+    again = await aclient.watch(job, "member", round=got.round)
+    assert again.closed is True and again.state == "closed"
+    with pytest.raises(JobClosedError) as info:
+        await joiner(aclient, job, min_nodes=1, max_nodes=2, last_call_timeout=0.0)("newcomer", timeout=5)
+    assert info.value.code is wire.ErrorCode.JOB_CLOSED
+    assert (await aclient.job(job))["state"] == "closed"
+
+
+async def test_a_node_waiting_past_join_timeout_gets_join_timeout(aclient: AsyncClient) -> None:
+    job = new_job()
+    start = time.monotonic()
+    with pytest.raises(JoinTimeoutError) as info:
+        await joiner(aclient, job, min_nodes=2, max_nodes=2, join_timeout=0.5)("alone", timeout=20)
+    assert info.value.code is wire.ErrorCode.JOIN_TIMEOUT
+    assert 0.45 <= time.monotonic() - start < 0.5 + PROMPTLY
+    doc = await aclient.job(job)
+    assert doc["joining"] == [] and doc["nodes"] == []
+
+
+# --------------------------------------------------------------------------- operator routes
+
+
+async def test_get_jobs_lists_every_job(aclient: AsyncClient) -> None:
+    formed, created = new_job(), new_job()
+    await joiner(aclient, formed, min_nodes=1, max_nodes=1)("only")
+    await aclient.create_job(created, min_nodes=2, max_nodes=5)
+    jobs = {j["rdzv_id"]: j for j in await aclient.jobs()}
+    assert jobs[formed]["state"] == "complete" and jobs[formed]["num_nodes"] == 1
+    assert jobs[created]["state"] == "open" and jobs[created]["num_nodes"] == 0
+    assert jobs[created]["max_nodes"] == 5
+    for j in (jobs[formed], jobs[created]):
+        assert {"rdzv_id", "state", "round", "num_nodes"} <= set(j)
+
+
+def test_health_readiness_metrics_and_dashboard_routes(server: ServerProcess) -> None:
+    status, ctype, body = http_get(server.url + "/healthz")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+    status, ctype, body = http_get(server.url + "/readyz")
+    assert status == 200 and json.loads(body)["status"] == "ready"
+    create = urllib.request.Request(
+        server.url + wire.op_path(new_job(), "create"), data=b"{}", headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(create, timeout=10) as resp:  # at least one operation counted
+        assert resp.status == 200
+    status, ctype, body = http_get(server.url + "/metrics")
+    text = body.decode()
+    assert status == 200 and ctype.startswith("text/plain")
+    assert "rdzv_requests_total" in text
+    assert "rdzv_jobs" in text
+    status, ctype, body = http_get(server.url + "/")
+    assert status == 200 and ctype.startswith("text/html")
+    assert b"<html" in body.lower()
