@@ -117,6 +117,9 @@ class Node:
     liveness: Liveness = Liveness.ALIVE
     node_rank: int | None = None  # in the last formed round; kept while the next one forms
     global_rank_start: int | None = None
+    # What a re-joining member brings to the next round; the last round keeps the old values.
+    next_addr: str | None = None
+    next_nproc: int | None = None
 
     @property
     def pending(self) -> bool:
@@ -178,8 +181,13 @@ class Job:
         return result
 
     def depart(self, node_id: str, why: Departure, now: float) -> bool:
-        """A node leaves, dies or times out. Returns False if it was not known (a no-op)."""
-        if node_id not in self.nodes:
+        """A node leaves, dies or times out. Returns False if that is a no-op.
+
+        A join timeout only removes a node still in line: a timer's decision made stale by
+        a command applied in between (the node got its place) must not evict a member.
+        """
+        node = self.nodes.get(node_id)
+        if node is None or (why is Departure.JOIN_TIMEOUT and not node.pending):
             return False
         self._dispatch(Event.DEPART, node_id, why, now)
         self._after_change(now)
@@ -265,8 +273,8 @@ class Job:
     # -- helpers ---------------------------------------------------------------------------
 
     def _adopt_or_check(self, settings: JobSettings, node_id: str) -> None:
-        if settings == self.settings:
-            return
+        if settings == self.settings or (self.state is JobState.CLOSED and not self.idle()):
+            return  # a closed job with live nodes refuses the join whatever its settings
         if self.idle():
             self.settings = settings
             return
@@ -302,7 +310,7 @@ class Job:
         self.heartbeats.pop(node_id, None)
 
     def _rejoin(self, node: Node, addr: str, nproc: int, now: float) -> None:
-        node.addr, node.nproc_per_node, node.joined_at = addr, nproc, now
+        node.next_addr, node.next_nproc, node.joined_at = addr, nproc, now
         self._set(node, Role.CANDIDATE)
         self.departed.pop(node.node_id, None)
         self.heartbeats[node.node_id] = now
@@ -337,6 +345,10 @@ class Job:
         previous = set(self.members)
         candidates = []
         for node in self.nodes.values():
+            if node.role is Role.CANDIDATE and node.next_nproc is not None:
+                assert node.next_addr is not None
+                node.addr, node.nproc_per_node = node.next_addr, node.next_nproc
+                node.next_addr = node.next_nproc = None
             if node.role is Role.CANDIDATE:
                 if node.node_id in previous and node.node_rank is not None:
                     candidates.append(Candidate(node.node_id, Tier.PREVIOUS, node.node_rank, node.nproc_per_node))
@@ -541,7 +553,7 @@ class Job:
             "round": self.round,
             "nodes": [
                 [n.node_id, n.addr, n.nproc_per_node, n.arrival, n.joined_at, n.role.value, n.liveness.value,
-                 n.node_rank, n.global_rank_start]
+                 n.node_rank, n.global_rank_start, n.next_addr, n.next_nproc]
                 for n in self.nodes.values()
             ],
             "members": list(self.members),
@@ -552,6 +564,7 @@ class Job:
             "closed_at": self.closed_at,
             "departed": list(self.departed.items()),
             "runs": self.runs,
+            "world": self.world,
         }
 
     @classmethod
@@ -559,8 +572,10 @@ class Job:
         job = cls(data["rdzv_id"], JobSettings(*data["settings"]))
         job.state = JobState(data["state"])
         job.round = data["round"]
-        for nid, addr, nproc, arrival, joined_at, role, liveness, rank, start in data["nodes"]:
-            job.nodes[nid] = Node(nid, addr, nproc, arrival, joined_at, Role(role), Liveness(liveness), rank, start)
+        for nid, addr, nproc, arrival, joined_at, role, liveness, rank, start, next_addr, next_nproc in data["nodes"]:
+            job.nodes[nid] = Node(
+                nid, addr, nproc, arrival, joined_at, Role(role), Liveness(liveness), rank, start, next_addr, next_nproc
+            )
         job.members = list(data["members"])
         job.last_call_deadline = data["last_call_deadline"]
         job.arrivals = data["arrivals"]
@@ -569,7 +584,7 @@ class Job:
         job.closed_at = data["closed_at"]
         job.departed = OrderedDict((k, v) for k, v in data["departed"])
         job.runs = data["runs"]
-        job.world = sum(job.nodes[m].nproc_per_node for m in job.members if m in job.nodes)
+        job.world = data["world"]
         for node in sorted(job.nodes.values(), key=lambda n: (n.joined_at, n.arrival)):
             job.counts[(node.role, node.liveness)] += 1
             if node.pending:

@@ -91,8 +91,9 @@ class KeyValueStore:
             space[key] = value
 
     def add(self, scope: int | None, key: bytes, amount: int) -> int:
-        space = self._space(scope)
-        current = space.get(key, b"0")
+        current = self.get(scope, key)
+        if current is None:
+            current = b"0"
         try:
             number = int(current.decode("ascii"))
         except (UnicodeDecodeError, ValueError):
@@ -100,29 +101,24 @@ class KeyValueStore:
         number += amount
         if not INT64_MIN <= number <= INT64_MAX:
             raise NotAnInteger(f"add on key {key[:64]!r}: the result {number} does not fit a signed 64-bit integer")
-        space[key] = str(number).encode("ascii")
+        self._space(scope)[key] = str(number).encode("ascii")
         return number
 
     def compare_set(self, scope: int | None, key: bytes, expected: bytes, desired: bytes) -> bytes:
-        space = self._space(scope)
-        current = space.get(key)
-        if current is None:
-            if expected:
-                return expected
+        current = self.get(scope, key)
+        if current is None and expected:
+            return expected
+        if current is None or current == expected:
             self._fits(key, desired)
-            space[key] = desired
-            return desired
-        if current == expected:
-            self._fits(key, desired)
-            space[key] = desired
+            self._space(scope)[key] = desired
             return desired
         return current
 
     def append(self, scope: int | None, key: bytes, value: bytes) -> None:
-        space = self._space(scope)
-        combined = space.get(key, b"") + value
+        existing = self.get(scope, key)
+        combined = value if existing is None else existing + value
         self._fits(key, combined)
-        space[key] = combined
+        self._space(scope)[key] = combined
 
     def delete_key(self, scope: int | None, key: bytes) -> bool:
         space = self._spaces.get(scope)

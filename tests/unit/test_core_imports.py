@@ -1,0 +1,137 @@
+"""core/ is the inner ring: no I/O, no clock, no randomness, no outer layer (STYLE.md §1);
+its error tree speaks the wire's error codes."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import pkgutil
+from pathlib import Path
+
+import pytest
+from rdzv_client import wire
+
+import rdzv_server.core
+from rdzv_server.core import error
+
+CORE_DIR = Path(rdzv_server.core.__file__).parent
+CORE_MODULES = sorted(CORE_DIR.rglob("*.py"))
+
+FORBIDDEN = (
+    "asyncio",
+    "aiohttp",
+    "msgpack",
+    "torch",
+    "time",
+    "datetime",
+    "random",
+    "socket",
+    "os",
+    "rdzv_server.api",
+    "rdzv_server.storage",
+    "rdzv_client",
+)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(CORE_DIR.parent.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_names(path: Path) -> list[tuple[int, str]]:
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    return imported_names_in(path.read_text(), package, str(path))
+
+
+def imported_names_in(source: str, package: str, filename: str = "<source>") -> list[tuple[int, str]]:
+    """Every module an import statement names, relative imports resolved against ``package``."""
+    out = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            out.append((node.lineno, target))
+            # `from rdzv_server import storage` names the module rdzv_server.storage
+            out += [(node.lineno, f"{target}.{alias.name}") for alias in node.names]
+    return out
+
+
+def forbidden(name: str) -> str | None:
+    for root in FORBIDDEN:
+        if name == root or name.startswith(root + "."):
+            return root
+    return None
+
+
+def test_core_has_modules_to_check() -> None:
+    names = {p.stem for p in CORE_MODULES}
+    assert {"rendezvous", "store", "rank", "machine", "command", "error"} <= names
+
+
+@pytest.mark.parametrize("path", CORE_MODULES, ids=lambda p: p.name)
+def test_core_module_imports_nothing_forbidden(path: Path) -> None:
+    bad = [f"{path.name}:{line} imports {name}" for line, name in imported_names(path) if forbidden(name)]
+    assert bad == []
+
+
+def test_the_import_checker_sees_forbidden_imports() -> None:
+    """The checker itself: absolute, dotted, aliased, from- and relative imports into an outer ring."""
+    source = (
+        "import os.path\nfrom time import monotonic\nimport asyncio as aio\n"
+        "from .. import storage\nfrom ..api import app\nfrom rdzv_client.wire import ErrorCode\n"
+        "from . import store\nfrom .rank import place\nimport collections\n"
+        "def f():\n    import random\n"
+    )
+    names = [name for _, name in imported_names_in(source, "rdzv_server.core")]
+    assert "rdzv_server.core.store" in names and "rdzv_server.core.rank" in names
+    hits = {forbidden(n) for n in names} - {None}
+    assert hits == {"os", "time", "asyncio", "random", "rdzv_server.storage", "rdzv_server.api", "rdzv_client"}
+    assert forbidden("rdzv_server.core.store") is None
+    assert forbidden("collections") is None
+    assert forbidden("timeit") is None  # a name that merely starts like a forbidden one
+
+
+def test_every_core_module_imports_cleanly() -> None:
+    for info in pkgutil.walk_packages(rdzv_server.core.__path__, "rdzv_server.core."):
+        importlib.import_module(info.name)
+
+
+def error_classes() -> list[type[error.RdzvError]]:
+    return [
+        obj
+        for _, obj in inspect.getmembers(error, inspect.isclass)
+        if issubclass(obj, error.RdzvError) and obj.__module__ == error.__name__
+    ]
+
+
+def test_the_error_tree_has_its_classes() -> None:
+    names = {cls.__name__ for cls in error_classes()}
+    assert {
+        "RdzvError", "BadRequest", "ValueTooLarge", "JobNotFound", "NodeNotFound", "SettingsConflict",
+        "NotAnInteger", "JobClosed", "JoinTimeout",
+    } <= names
+
+
+@pytest.mark.parametrize("cls", error_classes(), ids=lambda cls: cls.__name__)
+def test_every_error_code_is_a_wire_error_code_with_its_http_status(cls: type[error.RdzvError]) -> None:
+    codes = {code.value for code in wire.ErrorCode}
+    assert cls.code in codes
+    assert cls.status == wire.HTTP_STATUS[wire.ErrorCode(cls.code)]
+
+
+def test_error_codes_are_distinct_per_class() -> None:
+    leaves = [cls for cls in error_classes() if cls is not error.RdzvError]
+    assert len({cls.code for cls in leaves}) == len(leaves)
+
+
+def test_an_error_carries_its_message() -> None:
+    exc = error.JobClosed("job j is closed")
+    assert exc.message == "job j is closed" == str(exc)
+    assert (exc.code, exc.status) == ("job_closed", 410)
