@@ -5,7 +5,8 @@ What it owns:
   round's key space) of rdzv-server: what the elastic agent, ``elastic.utils.store``
   (barrier, synchronize) and ``init_process_group(store=...)`` call;
 - :class:`RdzvServerHandler`, the torchrun ``RendezvousHandler`` of the backend
-  ``rdzv-server``; and :func:`register`, the ``torchrun.handlers`` entry point.
+  ``rdzv-server``, made by :func:`create_handler` (the ``torchrun.handlers`` entry point
+  is the torch-free ``plugin.register``, which calls it).
 
 How a torchrun agent uses the handler (TORCH-NOTES.md): ``next_rendezvous()`` joins and
 long-polls for the round, then node rank 0 publishes MASTER_ADDR/MASTER_PORT in *that
@@ -93,6 +94,7 @@ class RdzvStore(Store):
         self._client = Client(client) if isinstance(client, str) else client
         self.rdzv_id = rdzv_id
         self.round = round
+        self._clones: list[RdzvStore] = []
         self.set_timeout(timeout)
         if create:
             try:
@@ -109,7 +111,7 @@ class RdzvStore(Store):
         try:
             return call()
         except RdzvTimeoutError as exc:
-            raise dist.DistStoreError(f"rdzv store {what} in job {self.rdzv_id}: {exc}") from exc
+            raise dist.DistStoreError(f"rdzv store {what} in job {self.rdzv_id}: timeout: {exc}") from exc
 
     def set(self, key: str, value: str | bytes) -> None:
         self._client.set(self.rdzv_id, _text(key), _text(value), round=self.round)
@@ -164,6 +166,18 @@ class RdzvStore(Store):
     # torch's C++ side (PrefixStore, gloo) calls the C++ names through the trampoline.
     deleteKey = delete_key  # noqa: N815
     getNumKeys = num_keys  # noqa: N815
+
+    def clone(self) -> RdzvStore:
+        """Another store over the same keys, client and timeout (torch's ``Store.clone``).
+
+        Called from C++ (``PrefixStore.clone``, process-group splitting). The clone stays
+        referenced by this store: C++ holds only the native half of a Python store, and
+        torch's trampoline fails with "Not implemented" once the Python object is gone.
+        """
+        current: timedelta = self.timeout  # type: ignore[attr-defined]
+        twin = RdzvStore(self._client, self.rdzv_id, round=self.round, timeout=current)
+        self._clones.append(twin)
+        return twin
 
     def close(self) -> None:
         """Close the client if this store created it."""
@@ -395,8 +409,3 @@ def create_handler(params: RendezvousParameters) -> RdzvServerHandler:
         raise ValueError("--rdzv-endpoint is required for --rdzv-backend=rdzv-server (HOST[:PORT] of rdzv-server)")
     retry_budget = float(params.get("close_timeout", DEFAULT_CLOSE_TIMEOUT))
     return RdzvServerHandler(params, int(nproc), client=_shared_client(params.endpoint, retry_budget))
-
-
-def register() -> Callable[[RendezvousParameters], RendezvousHandler]:
-    """The ``torchrun.handlers`` entry point: torch calls it with no arguments."""
-    return create_handler

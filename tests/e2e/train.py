@@ -1,9 +1,23 @@
 """A worker for the end-to-end tests: checks its environment, runs a gloo all_reduce,
-and writes what it saw to $RESULT_DIR/<round>-<rank>.json.
+and writes what it saw to $RESULT_DIR/<restart>-<run_id>-<rank>.json.
 
-Env knobs (set by the tests): RESULT_DIR (required), STEPS (all_reduce iterations, 1),
-STEP_SLEEP (s between iterations, 0), FAIL_ONCE_RANK (this global rank exits 1 on its
-first attempt, to exercise a worker-failure restart).
+Env knobs (set by the tests):
+- RESULT_DIR (required): where the records go.
+- STEPS (all_reduce iterations, default 1) and STEP_SLEEP (s between iterations, 0):
+  how long the worker runs.
+- STEPS_WHEN_WORLD_SIZE ("6:1" or "6:1,4:2"): override STEPS when WORLD_SIZE is the
+  given size. Membership-change restarts keep TORCHELASTIC_RESTART_COUNT at 0, so the
+  world size is what tells a test's final round from the long-running earlier ones:
+  a test makes the early rounds long and the final round short.
+- FAIL_ONCE_RANK: this global rank exits 1 on its first attempt
+  (TORCHELASTIC_RESTART_COUNT == 0), to exercise a worker-failure restart.
+- NODE_NAME: the test's name for the node (recorded, and names the heartbeat file).
+
+Besides the final record, every worker writes:
+- $RESULT_DIR/started-<world>-<master_port>-<rank>.json once its process group is up
+  (one per round the worker took part in, finished or not);
+- $RESULT_DIR/hb-<local_rank>.json after every step (replaced atomically): world size,
+  rank, step, time. A test reads it to see that training keeps making progress.
 """
 
 from __future__ import annotations
@@ -18,6 +32,21 @@ import torch
 import torch.distributed as dist
 
 
+def _write(path: Path, record: dict[str, object]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
+def _steps(world: int) -> int:
+    steps = int(os.environ.get("STEPS", "1"))
+    for item in filter(None, os.environ.get("STEPS_WHEN_WORLD_SIZE", "").split(",")):
+        size, _, count = item.partition(":")
+        if int(size) == world:
+            steps = int(count)
+    return steps
+
+
 def main() -> int:
     env = {k: os.environ[k] for k in (
         "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -27,20 +56,29 @@ def main() -> int:
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     out = Path(os.environ["RESULT_DIR"])
     restart = int(env["TORCHELASTIC_RESTART_COUNT"])
+    node = os.environ.get("NODE_NAME", "")
+    fail_rank = os.environ.get("FAIL_ONCE_RANK")
+    if fail_rank is not None and int(fail_rank) == rank and restart == 0:
+        print(f"train.py: rank {rank} fails on purpose (FAIL_ONCE_RANK)", file=sys.stderr, flush=True)
+        return 1
     dist.init_process_group("gloo", init_method="env://")
-    steps = int(os.environ.get("STEPS", "1"))
+    started = time.time()
+    _write(out / f"started-{world}-{env['MASTER_PORT']}-{rank}.json",
+           dict(env, pid=os.getpid(), host_node=node, started=started))
+    steps = _steps(world)
     pause = float(os.environ.get("STEP_SLEEP", "0"))
     total = None
-    started = time.time()
-    for _ in range(steps):
+    for step in range(steps):
         t = torch.tensor([float(rank + 1)])
         dist.all_reduce(t)
         total = t.item()
+        _write(out / f"hb-{env['LOCAL_RANK']}.json",
+               {"world": world, "rank": rank, "step": step + 1, "steps": steps, "time": time.time()})
         if pause:
             time.sleep(pause)
     record = dict(env, all_reduce=total, expected=world * (world + 1) / 2, pid=os.getpid(),
-                  host_node=os.environ.get("NODE_NAME", ""), started=started, finished=time.time())
-    (out / f"{restart}-{env['TORCHELASTIC_RUN_ID']}-{rank}.json").write_text(json.dumps(record))
+                  host_node=node, started=started, finished=time.time(), steps=steps)
+    _write(out / f"{restart}-{env['TORCHELASTIC_RUN_ID']}-{rank}.json", record)
     dist.destroy_process_group()
     return 0
 

@@ -1,0 +1,387 @@
+"""Real torchrun agents (``--rdzv-backend=rdzv-server``) and gloo workers against the real
+server on 127.0.0.1: formation, scale-up, node failure, heterogeneous nodes, a server
+restart mid-job, and rdzvctl on a formed job.
+
+Each "node" is a torchrun process group of its own (see conftest.py). Every wait is
+bounded. Workers run train.py: long rounds are made long with STEPS/STEP_SLEEP, and the
+final round is made short with STEPS_WHEN_WORLD_SIZE (membership-change restarts keep
+TORCHELASTIC_RESTART_COUNT at 0, so the world size is what identifies a round).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+# The fixtures' classes (conftest.py); annotations only.
+Cluster = Any
+Node = Any
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+# A long round: ~20 s of steps unless the agents restart the workers.
+LONG = {"STEPS": "400", "STEP_SLEEP": "0.05"}
+# Elastic tests allow restarts: when one agent stops its workers for a membership change,
+# the other nodes' workers can see their all_reduce fail before their agent sees the
+# change (a race in torch's monitor loop, whatever the backend); with --max-restarts=0
+# that agent would give up and close the job.
+ELASTIC_RESTARTS = 3
+
+
+def complete_with(n: int, after_round: int | None = None) -> Any:
+    def pred(doc: dict[str, Any]) -> bool:
+        return (
+            doc["state"] == "complete"
+            and doc["num_nodes"] == n
+            and (after_round is None or doc["round"] > after_round)
+        )
+
+    return pred
+
+
+def node_of(cluster: Cluster, entry: dict[str, Any]) -> Node:
+    """The test's Node behind a membership entry (its node_id holds the agent's pid)."""
+    return cluster.node_of(entry)
+
+
+def worker_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def check_records(records: list[dict[str, Any]], world: int, run_id: str) -> None:
+    """Every final record of one round: right sum, one record per rank 0..world-1, same master."""
+    assert sorted(int(r["RANK"]) for r in records) == list(range(world)), records
+    for r in records:
+        assert int(r["WORLD_SIZE"]) == world, r
+        assert r["all_reduce"] == r["expected"] == world * (world + 1) / 2, r
+        assert r["TORCHELASTIC_RUN_ID"] == run_id, r
+        assert r["TORCHELASTIC_USE_AGENT_STORE"] == "False", r
+        assert r["MASTER_ADDR"] == "127.0.0.1", r
+    assert len({r["MASTER_PORT"] for r in records}) == 1, records
+
+
+def check_membership_matches(cluster: Cluster, doc: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    """The server's node_rank / global_ranks per node equal what that node's workers saw."""
+    by_node: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        by_node[r["node"]].append(r)
+    assert [e["node_rank"] for e in doc["nodes"]] == list(range(doc["num_nodes"])), doc
+    assert sum(e["nproc_per_node"] for e in doc["nodes"]) == doc["world_size"], doc
+    assert len(doc["nodes"]) == len(by_node), (doc, sorted(by_node))
+    expected_start = 0
+    for entry in doc["nodes"]:
+        node = node_of(cluster, entry)
+        mine = by_node[node.name]
+        assert {int(r["GROUP_RANK"]) for r in mine} == {entry["node_rank"]}, (entry, mine)
+        ranks = sorted(int(r["RANK"]) for r in mine)
+        assert ranks == entry["global_ranks"], (entry, mine)
+        # prefix sums in node_rank order, contiguous per node
+        assert ranks == list(range(expected_start, expected_start + entry["nproc_per_node"])), (entry, ranks)
+        expected_start += entry["nproc_per_node"]
+        for r in mine:
+            assert int(r["LOCAL_WORLD_SIZE"]) == entry["nproc_per_node"], r
+            assert int(r["RANK"]) == entry["global_ranks"][0] + int(r["LOCAL_RANK"]), r
+            assert int(r["GROUP_WORLD_SIZE"]) == doc["num_nodes"], r
+        assert entry["addr"] == "127.0.0.1", entry
+
+
+def test_three_nodes(server: Any, cluster: Cluster) -> None:
+    job = "three-nodes"
+    env = {"STEPS": "30", "STEP_SLEEP": "0.1"}  # workers live ~3 s: the job is observed while it runs
+    for i in range(3):
+        cluster.start(f"n{i}", server, job, nnodes="3", nproc=2, env=env)
+
+    formed = cluster.wait_job(server, job, complete_with(3), 90, "the round of 3 nodes")
+    cluster.wait_started(world=6, count=6)
+    running = cluster.job(server, job)  # while the workers run
+    assert running is not None
+    assert running["state"] == "complete" and running["round"] == formed["round"], running
+    assert running["num_nodes"] == 3 and running["world_size"] == 6, running
+    assert running["min_nodes"] == running["max_nodes"] == 3, running
+    assert [e["node_id"] for e in running["nodes"]] == [e["node_id"] for e in formed["nodes"]]
+    assert not running["waiting"] and not running["standby"], running
+    for entry in running["nodes"]:
+        assert entry["alive"] is True, entry
+        assert entry["nproc_per_node"] == 2, entry
+        assert entry["last_heartbeat_age_s"] is not None and entry["last_heartbeat_age_s"] < 2.0, entry
+    assert {node_of(cluster, e).name for e in running["nodes"]} == {"n0", "n1", "n2"}
+
+    codes = cluster.wait_all(90)
+    assert codes == {"n0": 0, "n1": 0, "n2": 0}
+
+    records = cluster.results()
+    check_records(records, 6, job)
+    for r in records:
+        assert int(r["RANK"]) == int(r["GROUP_RANK"]) * 2 + int(r["LOCAL_RANK"]), r
+        assert int(r["LOCAL_WORLD_SIZE"]) == 2 and int(r["GROUP_WORLD_SIZE"]) == 3, r
+        assert r["TORCHELASTIC_RESTART_COUNT"] == "0", r
+    check_membership_matches(cluster, running, records)
+    after = cluster.job(server, job)
+    assert after is not None and after["state"] == "closed", after  # the agents close the job when done
+
+
+def test_scale_up(server: Any, cluster: Cluster) -> None:
+    job = "scale-up"
+    # ~20 s in the round of 2 unless restarted; 3 steps once the world is 6.
+    env = {**LONG, "STEPS_WHEN_WORLD_SIZE": "6:3"}
+    start = {"nnodes": "2:3", "nproc": 2, "env": env, "max_restarts": ELASTIC_RESTARTS}
+    a = cluster.start("a", server, job, **start)
+    b = cluster.start("b", server, job, **start)
+    first = cluster.wait_job(server, job, complete_with(2), 90, "the round of 2 nodes")
+    assert first["world_size"] == 4, first
+    cluster.wait_started(world=4, count=4)
+
+    cluster.start("c", server, job, **start)
+    # The newcomer waits for the next round; the running agents are told so.
+    cluster.wait_job(
+        server, job, lambda d: d["round"] > first["round"] or d["num_nodes_waiting"] > 0, 60,
+        "the third node to be waiting",
+    )
+    second = cluster.wait_job(server, job, complete_with(3, first["round"]), 60, "the round of 3 nodes")
+    assert second["world_size"] == 6, second
+    # Rank stability: a and b keep their relative order, the newcomer comes last.
+    old_order = [node_of(cluster, e).name for e in first["nodes"]]
+    assert [node_of(cluster, e).name for e in second["nodes"]] == old_order + ["c"], (first, second)
+
+    codes = cluster.wait_all(90)
+    assert codes == {"a": 0, "b": 0, "c": 0}, codes
+    # The running agents restarted for the newcomer (torch logs it at INFO).
+    assert any("new nodes from group_rank" in n.log_text() for n in (a, b)), "no agent saw the waiting node"
+    finals = [r for r in cluster.results() if int(r["WORLD_SIZE"]) == 6]
+    check_records(finals, 6, job)
+    check_membership_matches(cluster, second, finals)
+    # Nobody finished in the round of 2: those workers were restarted, not completed.
+    assert all(int(r["WORLD_SIZE"]) == 6 for r in cluster.results()), cluster.results()
+    assert len([r for r in cluster.started() if int(r["WORLD_SIZE"]) == 4]) == 4
+
+
+def test_node_failure(server: Any, cluster: Cluster, tmp_path: Path) -> None:
+    job = "node-failure"
+    nproc = 1
+    env = {**LONG, "STEPS_WHEN_WORLD_SIZE": f"{2 * nproc}:3"}
+    start = {"nnodes": "2:3", "nproc": nproc, "env": env, "max_restarts": ELASTIC_RESTARTS,
+                 "conf": {"last_call_timeout": "0.5"}}
+    for name in ("a", "b", "c"):
+        cluster.start(name, server, job, **start)
+    formed = cluster.wait_job(server, job, complete_with(3), 90, "the round of 3 nodes")
+    cluster.wait_started(world=3 * nproc, count=3 * nproc)
+
+    rank0 = formed["nodes"][0]
+    assert rank0["node_rank"] == 0
+    victim = node_of(cluster, rank0)
+    survivors = [n for n in cluster.nodes if n is not victim]
+
+    victim.kill()
+    killed = victim.killed_at
+    assert killed is not None and victim.returncode == -9
+    # The whole node is gone, workers included (torch gives each worker a session of its own).
+    # SIGKILL is delivered asynchronously: allow the kernel a moment.
+    worker_pids = [int(r["pid"]) for r in victim.started()]
+    cluster.wait_for(
+        lambda: True if not any(worker_alive(p) for p in worker_pids) else None, 5,
+        f"the killed node's workers {worker_pids} to die",
+    )
+    # Watch the server every 50 ms: when does it notice, when is the job whole again?
+    marked_dead = round_advanced = reformed = None
+    last = None
+    deadline = killed + 60
+    while time.monotonic() < deadline:
+        doc = cluster.job(server, job)
+        now = time.monotonic()
+        if doc is not None:
+            last = doc
+            entry = next((e for e in doc["nodes"] + doc["joining"] if e["node_id"] == rank0["node_id"]), None)
+            if marked_dead is None and entry is not None and entry["alive"] is False:
+                marked_dead = now - killed
+            if round_advanced is None and doc["round"] > formed["round"]:
+                round_advanced = now - killed
+            if complete_with(2, formed["round"])(doc):
+                reformed = now - killed
+                break
+        assert all(n.running() for n in survivors), f"a survivor exited: {survivors}"
+        time.sleep(0.05)
+    assert reformed is not None, f"no round of 2 within 60 s of the kill; last document: {last}"
+    detected = min(t for t in (marked_dead, round_advanced) if t is not None)
+    assert last is not None and last["world_size"] == 2 * nproc, last
+    assert {node_of(cluster, e).name for e in last["nodes"]} == {n.name for n in survivors}, last
+    assert rank0["node_id"] not in [e["node_id"] for e in last["nodes"]], last
+
+    # What made the survivors restart: a worker failure (gloo saw its peer die) or the server's
+    # num_nodes_waiting (dead member) — torch logs one or the other.
+    causes = {
+        n.name: ("membership" if "new nodes from group_rank" in n.log_text() else "worker failure")
+        for n in survivors
+    }
+    timings = {
+        "detection_s": round(detected, 3),
+        "marked_dead_s": None if marked_dead is None else round(marked_dead, 3),
+        "round_advanced_s": None if round_advanced is None else round(round_advanced, 3),
+        "reformation_s": round(reformed, 3),
+        "restart_cause": causes,
+        "last_call_timeout_s": 0.5,
+    }
+    out = tmp_path / "failure_timings.json"
+    out.write_text(json.dumps(timings, indent=2))
+    print(f"\n[node failure] kill->detection {detected:.3f} s (marked dead {marked_dead}, round advanced "
+          f"{round_advanced}), kill->re-formation {reformed:.3f} s; restart cause {causes}; written to {out}")
+    assert reformed < 30, timings
+
+    codes = cluster.wait_all(90, survivors)
+    assert all(rc == 0 for rc in codes.values()), codes
+    finals = [r for r in cluster.results() if int(r["WORLD_SIZE"]) == 2 * nproc]
+    check_records(finals, 2 * nproc, job)
+    check_membership_matches(cluster, last, finals)
+    assert not victim.results()
+
+
+def test_heterogeneous_nproc(server: Any, cluster: Cluster) -> None:
+    job = "hetero"
+    env = {"STEPS": "20", "STEP_SLEEP": "0.1"}
+    cluster.start("two", server, job, nnodes="2", nproc=2, env=env)
+    cluster.start("one", server, job, nnodes="2", nproc=1, env=env)
+    formed = cluster.wait_job(server, job, complete_with(2), 90, "the round of 2 nodes")
+    assert formed["world_size"] == 3, formed
+    assert sorted(e["nproc_per_node"] for e in formed["nodes"]) == [1, 2], formed
+
+    codes = cluster.wait_all(90)
+    assert codes == {"two": 0, "one": 0}, codes
+    records = cluster.results()
+    check_records(records, 3, job)
+    check_membership_matches(cluster, formed, records)
+    for entry in formed["nodes"]:
+        assert len(entry["global_ranks"]) == entry["nproc_per_node"], entry
+        assert node_of(cluster, entry).name == ("two" if entry["nproc_per_node"] == 2 else "one")
+
+
+def test_server_restart_mid_job(durable_server: Any, cluster: Cluster) -> None:
+    server = durable_server
+    job = "server-restart"
+    env = {**LONG, "STEPS": "600", "STEPS_WHEN_WORLD_SIZE": "3:3"}  # ~30 s: room for the restart and a late node
+    start = {"nnodes": "2:3", "nproc": 1, "env": env, "max_restarts": ELASTIC_RESTARTS}
+    a = cluster.start("a", server, job, **start)
+    b = cluster.start("b", server, job, **start)
+    formed = cluster.wait_job(server, job, complete_with(2), 90, "the round of 2 nodes")
+    cluster.wait_started(world=2, count=2)
+
+    def steps() -> int:
+        return sum(hb["step"] for n in (a, b) for hb in n.heartbeats().values() if hb["world"] == 2)
+
+    before = steps()
+    server.kill()
+    time.sleep(1.0)  # the server is down; training is not affected
+    assert a.running() and b.running()
+    t0 = time.monotonic()
+    server.restart()
+    restart_s = time.monotonic() - t0
+    during = steps()
+    assert during > before, "the workers made no progress while the server was down"
+
+    # Recovery resets every heartbeat to "now" (one TTL of grace). Past that TTL (0.5 s x 4),
+    # a node is still alive only if its agent's watch reconnected and beat since: same round,
+    # both alive, fresh heartbeats, and nobody restarted its workers.
+    time.sleep(3.0)
+    steady = cluster.job(server, job)
+    assert steady is not None, "the restarted server does not know the job"
+    assert steady["round"] == formed["round"] and steady["state"] == "complete", steady
+    assert steady["num_nodes"] == 2 and [e["node_id"] for e in steady["nodes"]] == [
+        e["node_id"] for e in formed["nodes"]
+    ], steady
+    for entry in steady["nodes"]:
+        assert entry["alive"] is True, steady
+        assert entry["last_heartbeat_age_s"] is not None and entry["last_heartbeat_age_s"] < 1.5, steady
+    assert a.running() and b.running()
+    assert steps() > during, "training stopped making progress after the server restart"
+    assert len(cluster.started()) == 2, "workers were restarted after the server restart"
+
+    # A re-rendezvous through the restarted server: a third node joins.
+    cluster.start("c", server, job, **start)
+    bigger = cluster.wait_job(server, job, complete_with(3, formed["round"]), 60, "the round of 3 nodes")
+    assert bigger["world_size"] == 3, bigger
+    codes = cluster.wait_all(90)
+    assert codes == {"a": 0, "b": 0, "c": 0}, codes
+    finals = [r for r in cluster.results() if int(r["WORLD_SIZE"]) == 3]
+    check_records(finals, 3, job)
+    check_membership_matches(cluster, bigger, finals)
+    print(f"\n[server restart] server back in {restart_s:.2f} s; round {formed['round']} kept; "
+          f"round {bigger['round']} formed with 3 nodes")
+
+
+def rdzvctl(endpoint: str, *args: str) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("rdzvctl")
+    argv = [exe] if exe else [sys.executable, "-m", "rdzv_client.ctl"]
+    return subprocess.run(
+        [*argv, "--endpoint", endpoint, *args], capture_output=True, text=True, timeout=30, check=False
+    )
+
+
+def test_rdzvctl_on_formed_job(server: Any, cluster: Cluster) -> None:
+    job = "ctl-job"
+    env = {"STEPS": "60", "STEP_SLEEP": "0.1"}
+    for name in ("a", "b"):
+        cluster.start(name, server, job, nnodes="2", nproc=2, env=env)
+    formed = cluster.wait_job(server, job, complete_with(2), 90, "the round of 2 nodes")
+
+    show = rdzvctl(server.endpoint, "show", job)
+    assert show.returncode == 0, show.stderr
+    lines = show.stdout.splitlines()
+    assert lines[0].startswith(f"job {job}") and "state complete" in lines[0] and "world_size 4" in lines[0], lines
+    head = next(i for i, line in enumerate(lines) if line.split()[:1] == ["NODE_RANK"])
+    assert lines[head].split() == ["NODE_RANK", "NODE_ID", "ADDR", "NPROC", "RANKS", "ALIVE", "HEARTBEAT"], lines
+    rows = [line.split() for line in lines[head + 1 : head + 3]]
+    assert [r[0] for r in rows] == ["0", "1"], lines
+    assert [r[1] for r in rows] == [e["node_id"] for e in formed["nodes"]], lines
+    assert [r[2] for r in rows] == ["127.0.0.1", "127.0.0.1"], lines
+    assert [r[3] for r in rows] == ["2", "2"], lines
+    assert [r[4] for r in rows] == ["0-1", "2-3"], lines
+    assert [r[5] for r in rows] == ["yes", "yes"], lines
+
+    jobs = rdzvctl(server.endpoint, "jobs")
+    assert jobs.returncode == 0, jobs.stderr
+    row = next(line.split() for line in jobs.stdout.splitlines() if line.split()[:1] == [job])
+    assert row[1:] == ["complete", str(formed["round"]), "2", "4"], jobs.stdout
+
+    as_json = rdzvctl(server.endpoint, "--json", "show", job)
+    assert as_json.returncode == 0, as_json.stderr
+    doc = json.loads(as_json.stdout)
+    assert doc["rdzv_id"] == job and doc["num_nodes"] == 2 and doc["world_size"] == 4, doc
+    assert [e["global_ranks"] for e in doc["nodes"]] == [[0, 1], [2, 3]], doc
+    listed = json.loads(rdzvctl(server.endpoint, "--json", "jobs").stdout)
+    assert any(j["rdzv_id"] == job and j["num_nodes"] == 2 for j in listed["jobs"]), listed
+
+    codes = cluster.wait_all(90)
+    assert codes == {"a": 0, "b": 0}, codes
+    check_records(cluster.results(), 4, job)
+
+
+def test_worker_failure_restarts_the_round(server: Any, cluster: Cluster) -> None:
+    """A worker that fails (FAIL_ONCE_RANK) costs its agent one of --max-restarts; its
+    re-join opens the next round, the other agent restarts for it, and the job finishes."""
+    job = "worker-failure"
+    env = {"FAIL_ONCE_RANK": "1", "STEPS": "3"}
+    start = {"nnodes": "2", "nproc": 1, "env": env, "max_restarts": 1}
+    cluster.start("a", server, job, **start)
+    cluster.start("b", server, job, **start)
+    codes = cluster.wait_all(120)
+    assert codes == {"a": 0, "b": 0}, codes
+    records = cluster.results()
+    check_records(records, 2, job)
+    # rank 1 ran twice: its agent counted the failure; rank 0's agent restarted for the new round
+    # (a membership change, not counted).
+    by_rank = {int(r["RANK"]): r for r in records}
+    failed_node = by_rank[1]["node"]
+    assert "fails on purpose" in next(n for n in cluster.nodes if n.name == failed_node).log_text()
+    assert by_rank[1]["TORCHELASTIC_RESTART_COUNT"] == "1", records
+    doc = cluster.job(server, job)
+    assert doc is not None and doc["round"] >= 1, doc
