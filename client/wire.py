@@ -291,7 +291,6 @@ class Request:
     writes: ClassVar[bool] = False
 
 
-
 def _rid_check(rid: tuple[Any, ...] | None) -> None:
     if rid is None:
         return

@@ -188,7 +188,7 @@ async def healthz(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     if not svc.ready:
-        return encode(request, {"error": "not_ready", "message": "recovering the log"}, status=503)
+        return encode(request, wire.error_body(wire.ErrorCode.NOT_READY, "recovering the log"), status=503)
     return encode(request, {"status": "ready", "recovery_seconds": round(svc.recovery_seconds, 3)})
 
 

@@ -28,7 +28,7 @@ _HTTP_CODES: dict[int, wire.ErrorCode] = {
 
 
 def error_response(request: web.Request, code: str, status: int, message: str) -> web.Response:
-    return encode(request, {"error": code, "message": message}, status=status)
+    return encode(request, wire.error_body(wire.ErrorCode(code), message), status=status)
 
 
 @web.middleware

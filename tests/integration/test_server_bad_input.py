@@ -17,7 +17,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from conftest import ServerProcess
+from server_process import ServerProcess
 from rdzv_client import wire
 
 JSON = "application/json"

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ServerProcess
+from server_process import ServerProcess
 from rdzv_client import Client, wire
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import ServerProcess
+from server_process import ServerProcess
 from rdzv_client import (
     AsyncClient,
     ConflictError,

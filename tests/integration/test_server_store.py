@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from conftest import ServerProcess
+from server_process import ServerProcess
 from rdzv_client import BadRequestError, Client, ConflictError, RdzvTimeoutError, wire
 
 # Generous bound for "woken by a write, not by the timeout": far below every timeout used.
