@@ -164,8 +164,8 @@ class RdzvStore(Store):
         return True
 
     # torch's C++ side (PrefixStore, gloo) calls the C++ names through the trampoline.
-    deleteKey = delete_key  # noqa: N815
-    getNumKeys = num_keys  # noqa: N815
+    deleteKey = delete_key
+    getNumKeys = num_keys
 
     def clone(self) -> RdzvStore:
         """Another store over the same keys, client and timeout (torch's ``Store.clone``).

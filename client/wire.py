@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 import re
 import types
 import typing
@@ -212,7 +213,7 @@ def _convert(name: str, hint: Any, value: object) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise WireError(f"field {name!r} must be a number, not {type(value).__name__}")
-        if value != value or value in (float("inf"), float("-inf")):
+        if not math.isfinite(value):
             raise WireError(f"field {name!r} must be a finite number")
         return float(value)
     if origin is tuple:
@@ -301,7 +302,7 @@ def _rid_check(rid: tuple[Any, ...] | None) -> None:
 
 
 # `rid` is [client_id: str, seq: int]; checked by _convert_rid.
-Rid = Union[tuple[Any, ...], None]
+Rid = tuple[Any, ...] | None
 
 
 def _convert_rid(value: object) -> tuple[Any, ...] | None:

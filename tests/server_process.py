@@ -39,9 +39,8 @@ class ServerProcess:
         cmd += ["--memory"] if self.data_dir is None else ["--data-dir", str(self.data_dir)]
         cmd += list(self.args)
         env = {k: v for k, v in os.environ.items() if not k.startswith("RDZV_")}
-        log = open(self.log_path, "a")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-        log.close()
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         self.starts += 1
         assert self.proc.stdout is not None
         sel = selectors.DefaultSelector()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
 from rdzv_client.torchrun import RdzvStore
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+
 from rdzv_client.torchrun import RdzvStore
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]

@@ -18,6 +18,7 @@ from typing import Any
 import msgpack
 import pytest
 from server_process import ServerProcess
+
 from rdzv_client import wire
 
 JSON = "application/json"

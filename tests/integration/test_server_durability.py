@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from server_process import ServerProcess
+
 from rdzv_client import Client, wire
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 from server_process import ServerProcess
+
 from rdzv_client import (
     AsyncClient,
     ConflictError,

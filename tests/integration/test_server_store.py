@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from server_process import ServerProcess
+
 from rdzv_client import BadRequestError, Client, ConflictError, RdzvTimeoutError, wire
 
 # Generous bound for "woken by a write, not by the timeout": far below every timeout used.

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from typing import Any, TypeAlias, Union
+from typing import Any, TypeAlias
 
 import pytest
 
@@ -150,7 +150,7 @@ def test_timeouts_are_builtin_timeouts() -> None:
 
 def test_backoff_is_full_jitter_under_an_exponential_cap() -> None:
     rng = random.Random(7)
-    for attempt in range(0, 80):
+    for attempt in range(80):
         ceiling = min(2.0, 0.05 * 2**attempt)
         samples = [backoff_delay(attempt, rng, base=0.05, cap=2.0) for _ in range(200)]
         assert all(0.0 <= s <= ceiling for s in samples)
@@ -207,7 +207,7 @@ def failed(code: wire.ErrorCode, message: str = "no") -> Response:
     return Response(wire.HTTP_STATUS[code], wire.CONTENT_TYPE_MSGPACK, wire.pack(wire.error_body(code, message)))
 
 
-Step: TypeAlias = Union[Response, Exception]
+Step: TypeAlias = Response | Exception
 
 
 class ScriptedTransport:

@@ -10,9 +10,9 @@ import pkgutil
 from pathlib import Path
 
 import pytest
-from rdzv_client import wire
 
 import rdzv_server.core
+from rdzv_client import wire
 from rdzv_server.core import error
 
 CORE_DIR = Path(rdzv_server.core.__file__).parent

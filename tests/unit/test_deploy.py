@@ -19,7 +19,7 @@ def _server_args(path: Path) -> list[list[str]]:
     text = path.read_text()
     found: list[list[str]] = []
     if path.name == "Containerfile":
-        found.append(json.loads(re.search(r"^CMD (\[.*\])$", text, re.M).group(1)))  # type: ignore[union-attr]
+        found.append(json.loads(re.search(r"^CMD (\[.*\])$", text, re.MULTILINE).group(1)))  # type: ignore[union-attr]
     elif path.suffix == ".yaml":
         found.append(json.loads(re.search(r"args: (\[.*\])", text).group(1)))  # type: ignore[union-attr]
     else:
