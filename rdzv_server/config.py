@@ -21,8 +21,9 @@ DEFAULT_MAX_VALUE_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 # Long-polls answer after this long at most, so proxies and dead peers never pin a request forever.
 DEFAULT_MAX_HOLD = 30.0
-# A node whose watch connection drops is dead unless it reconnects this soon (agent restarts keep it).
-DEFAULT_DISCONNECT_GRACE = 1.0
+# A live agent re-polls on its kept-alive connection at once, so a drop that lasts this long
+# means its process died; short enough that survivors hear of it within a second.
+DEFAULT_DISCONNECT_GRACE = 0.5
 # Closed and idle jobs stay visible for an hour, long enough to inspect what happened.
 DEFAULT_JOB_TTL = 3600.0
 # Records between snapshots: bounds replay time (~1 s per million records) and log size.
