@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import math
 import re
@@ -226,6 +227,12 @@ def _convert(name: str, hint: Any, value: object) -> Any:
     raise TypeError(f"unsupported field type {hint!r}")  # a bug in this module, not bad input
 
 
+@functools.cache
+def _schema(cls: type[Any]) -> tuple[dict[str, Any], dict[str, dataclasses.Field[Any]]]:
+    """Field types and fields of a dataclass, resolved once (this is on every request's path)."""
+    return typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
+
+
 def from_mapping(cls: type[T], body: object) -> T:
     """Build the request dataclass ``cls`` from a decoded body, checking every field.
 
@@ -234,8 +241,7 @@ def from_mapping(cls: type[T], body: object) -> T:
     """
     if not isinstance(body, dict):
         raise WireError(f"body must be a map, not {type(body).__name__}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    hints, fields = _schema(cls)
     unknown = set(body) - set(fields)
     if unknown:
         raise WireError(f"unknown field(s) {sorted(map(str, unknown))} for {cls.__name__}")
