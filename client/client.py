@@ -46,6 +46,7 @@ import aiohttp
 from . import wire
 from .error import (
     BadRequestError,
+    NotFoundError,
     RdzvConnectionError,
     RdzvError,
     RdzvTimeoutError,
@@ -681,9 +682,24 @@ class AsyncClient:
             heartbeat_ttl=heartbeat_ttl,
             hold=hold,
         )
-        reply = await self.request(rdzv_id, req, deadline=deadline)
-        round_ = _reply_field(reply, "round", int, "join")
+        reply: dict[str, Any] | None = None  # None: (re)send the join itself
+        round_ = -1
         while True:
+            try:
+                if reply is None:
+                    reply = await self.request(rdzv_id, dataclasses.replace(req, hold=hold), deadline=deadline)
+                    round_ = _reply_field(reply, "round", int, "join")
+                else:
+                    poll = wire.AwaitRoundRequest(node_id=node_id, round=round_, hold=hold)
+                    reply = await self.request(rdzv_id, poll, deadline=deadline)
+            except NotFoundError as exc:
+                if exc.code is not wire.ErrorCode.NODE_NOT_FOUND or time.monotonic() >= deadline:
+                    raise
+                # The server dropped this node from the line (its poll came back later than the
+                # heartbeat TTL, e.g. on an overloaded host): it is alive, so take a place again.
+                log.warning("Node %s was dropped from job %s while waiting (%s); joining again.", node_id, rdzv_id, exc)
+                reply = None
+                continue
             assignment = reply.get("assignment")
             if assignment is not None:
                 try:
@@ -697,8 +713,6 @@ class AsyncClient:
             await self._pause_if_early(sent, hold, deadline)
             sent = time.monotonic()
             hold = max(0.0, min(deadline - sent, self._max_hold))
-            poll = wire.AwaitRoundRequest(node_id=node_id, round=round_, hold=hold)
-            reply = await self.request(rdzv_id, poll, deadline=deadline)
 
     async def watch(
         self, rdzv_id: str, node_id: str, *, round: int, known: int = -1, hold: float = 0.0

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import heapq
 import logging
+import random
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import asdict
@@ -39,6 +40,9 @@ from .storage import FileLog, FsyncPolicy, Log, MemoryLog
 log = logging.getLogger("rdzv_server")
 
 T = TypeVar("T")
+
+# Node long-polls are held between this fraction and all of their hold (see _node_hold).
+HOLD_JITTER = 0.75
 
 
 class ShuttingDown(RdzvError):
@@ -129,6 +133,7 @@ class Service:
         self._stopping = False
         self._lost: dict[tuple[str, str], asyncio.TimerHandle] = {}
         self._open_polls: dict[tuple[str, str], int] = {}
+        self._rng = random.Random()
         #: Called once when the server must stop (the log failed); server.py exits non-zero.
         self.on_fatal: Callable[[BaseException], None] | None = None
         self.fatal_error: BaseException | None = None
@@ -307,10 +312,16 @@ class Service:
             assignment = await self.long_poll(
                 lambda: self.machine.assignment(rdzv_id, node_id, round_),
                 lambda: (round_topic(rdzv_id),),
-                min(hold, job.settings.heartbeat_ttl / 3),
+                self._node_hold(hold, job),
             )
         self._beat(rdzv_id, node_id)
         return {"round": round_, "assignment": None if assignment is None else asdict(assignment)}
+
+    def _node_hold(self, hold: float, job: Job) -> float:
+        """How long to hold a node's long-poll: well inside the TTL (an open poll is not itself
+        a heartbeat), and jittered so that thousands of polls parked together do not all
+        come back, and re-poll, in the same instant."""
+        return min(hold, job.settings.heartbeat_ttl / 3) * self._rng.uniform(HOLD_JITTER, 1.0)
 
     def _beat(self, rdzv_id: str, node_id: str) -> Job:
         """A request from a node is a heartbeat; it also cancels a pending connection-lost check."""
@@ -323,8 +334,7 @@ class Service:
     async def watch(self, rdzv_id: str, node_id: str, round_: int, known: int, hold: float) -> dict[str, Any]:
         """Heartbeat, then hold until num_nodes_waiting != known (see wire.WatchRequest)."""
         job = self._beat(rdzv_id, node_id)
-        # Hold well inside the TTL: an open watch is not itself a heartbeat.
-        hold = min(hold, job.settings.heartbeat_ttl / 3)
+        hold = self._node_hold(hold, job)
 
         def changed() -> dict[str, Any] | None:
             if rdzv_id not in self.machine.jobs:

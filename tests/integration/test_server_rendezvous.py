@@ -24,6 +24,7 @@ from rdzv_client import (
     ConflictError,
     JobClosedError,
     JoinTimeoutError,
+    NotFoundError,
     WatchResult,
     wire,
 )
@@ -464,3 +465,27 @@ def test_health_readiness_metrics_and_dashboard_routes(server: ServerProcess) ->
     status, ctype, body = http_get(server.url + "/")
     assert status == 200 and ctype.startswith("text/html")
     assert b"<html" in body.lower()
+
+
+async def test_a_node_dropped_from_the_line_while_still_waiting_joins_again_and_gets_its_place(
+    aclient: AsyncClient,
+) -> None:
+    # An overloaded host can poll later than the TTL: the server drops it from the line. The
+    # waiting client must take its place again rather than fail the whole rendezvous.
+    rdzv_id = new_job()
+    join = joiner(aclient, rdzv_id, min_nodes=2, max_nodes=2, heartbeat_ttl=1.5)
+    waiting = asyncio.create_task(join("a"))
+
+    async def a_in_line() -> bool:
+        try:
+            return any(n["node_id"] == "a" for n in (await aclient.job(rdzv_id))["joining"])
+        except NotFoundError:
+            return False  # not created yet
+
+    await until(a_in_line, 10, "a joins the line")
+    await aclient.leave(rdzv_id, "a")  # what the server does to a node it thinks is gone
+    await until(a_in_line, 10, "a takes its place again")
+    b = await join("b")
+    a = await asyncio.wait_for(waiting, 20)
+    assert {a.node_rank, b.node_rank} == {0, 1}
+    assert a.round == b.round
