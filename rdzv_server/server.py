@@ -24,6 +24,25 @@ log = logging.getLogger("rdzv_server")
 
 # In-flight requests get this long to finish at shutdown (long-polls are answered at once).
 DRAIN_TIMEOUT = 10.0
+# Thousands of agents connect at once when a job starts; the default backlog (128) resets
+# the rest. The kernel caps it at net.core.somaxconn.
+LISTEN_BACKLOG = 65535
+# Each node holds a connection or two: lift the soft fd limit to the hard one.
+WANTED_OPEN_FILES = 1 << 20
+
+
+def _raise_open_files_limit() -> None:
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = min(WANTED_OPEN_FILES, hard) if hard != resource.RLIM_INFINITY else WANTED_OPEN_FILES
+    if soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("Could not raise the open-files limit from %d to %d: %s", soft, target, exc)
 
 
 async def serve(config: ServerConfig, stop: asyncio.Event) -> None:
@@ -32,7 +51,7 @@ async def serve(config: ServerConfig, stop: asyncio.Event) -> None:
     app = create_app(svc)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=DRAIN_TIMEOUT, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
+    site = web.TCPSite(runner, config.host, config.port, reuse_address=True, backlog=LISTEN_BACKLOG)
     await site.start()
     try:
         await svc.start()
@@ -55,6 +74,7 @@ def run(config: ServerConfig) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    _raise_open_files_limit()
     try:
         import uvloop
 
