@@ -330,8 +330,10 @@ class RdzvServerHandler(RendezvousHandler):
         known = -1
         while not stop.is_set():
             try:
+                # Held as long as the server allows (a third of the TTL): each watch is a request the
+                # server pays for, and liveness needs only one per TTL/3.
                 seen = self._client.watch(
-                    self._run_id, self._node_id, round=round_, known=known, hold=self._keep_alive_interval
+                    self._run_id, self._node_id, round=round_, known=known, hold=self._heartbeat_ttl / 3
                 )
             except RdzvError as exc:
                 log.warning("Node %s: heartbeat to job %s failed (%s); retrying.", self._node_id, self._run_id, exc)

@@ -308,7 +308,10 @@ class Service:
     async def await_round(self, rdzv_id: str, node_id: str, round_: int, hold: float) -> dict[str, Any]:
         """Hold until the node has a place in a formed round >= ``round_``; a heartbeat too."""
         job = self._beat(rdzv_id, node_id)
-        with self._node_poll(rdzv_id, node_id):
+        # A node still in line has no workers to lose: if this poll drops, its client polls
+        # again (or joins again); the TTL and join_timeout are the backstops. Declaring it
+        # dead here only made thousands of nodes connecting at once churn.
+        with self._node_poll(rdzv_id, node_id, fast_death=False):
             assignment = await self.long_poll(
                 lambda: self.machine.assignment(rdzv_id, node_id, round_),
                 lambda: (round_topic(rdzv_id),),
@@ -351,8 +354,9 @@ class Service:
     # -- fast death detection -------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _node_poll(self, rdzv_id: str, node_id: str) -> Iterator[None]:
-        """Track a node's open long-poll; its connection dropping may mean the node died."""
+    def _node_poll(self, rdzv_id: str, node_id: str, *, fast_death: bool = True) -> Iterator[None]:
+        """Track a node's open long-poll; with ``fast_death``, its connection dropping means
+        the node died unless it polls again within the grace."""
         key = (rdzv_id, node_id)
         started = self.now()
         self._open_polls[key] = self._open_polls.get(key, 0) + 1
@@ -360,7 +364,8 @@ class Service:
             yield
         except asyncio.CancelledError:
             self._close_poll(key)
-            self.connection_lost(rdzv_id, node_id, started)
+            if fast_death:
+                self.connection_lost(rdzv_id, node_id, started)
             raise
         except BaseException:
             self._close_poll(key)
