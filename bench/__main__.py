@@ -1,0 +1,165 @@
+"""``python -m bench``: run the measurements, print the table, write JSON and plots.
+
+    python -m bench                 # everything (10-25 minutes on 2 cores)
+    python -m bench --quick         # every measurement, small (under ~2 minutes)
+    python -m bench --only formation,store --backends rdzv-server,c10d --sizes 8,64,256
+
+Measurements (one module each): ``formation`` (bench.formation), ``store``
+(bench.store), ``rerdzv`` (bench.rerdzv), ``server`` (bench.server_cost). Results go to
+``--out`` (default ``bench/out``): ``results.json``, ``*.png``, ``bench.log`` and
+``logs/`` (every service's own log). The exit status is 0 when the run completed, even
+with missed targets (the table says which); 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from . import report, target
+from .backend import BACKEND_NAMES
+from .result import Plan, Row, load_average
+
+log = logging.getLogger("bench")
+
+MEASUREMENTS = ("formation", "store", "rerdzv", "server")
+#: N=128 is where formation is compared with c10d (the 20x target).
+FULL_SIZES = (8, 64, 128, 256, 1024, 4096)
+QUICK_SIZES = (8, 64)
+FULL_RERDZV_SIZES = (8, 64, 256, 1024)
+QUICK_RERDZV_SIZES = (8,)
+#: A formation (or one phase of a re-rendezvous) that takes longer is a timeout.
+FULL_TIMEOUT = 120.0
+QUICK_TIMEOUT = 30.0
+
+
+def _csv(kind: type, allowed: Sequence[str] | None = None):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> tuple[object, ...]:
+        items = tuple(kind(x.strip()) for x in text.split(",") if x.strip())
+        if allowed is not None:
+            bad = [x for x in items if x not in allowed]
+            if bad:
+                raise argparse.ArgumentTypeError(f"unknown {', '.join(map(str, bad))}; expected some of {', '.join(allowed)}")
+        if not items:
+            raise argparse.ArgumentTypeError("empty list")
+        return items
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench", description="Benchmark rdzv-server against torch's c10d and etcd-v2 rendezvous backends.")
+    p.add_argument("--quick", action="store_true", help="a small smoke run of every measurement (< ~2 min)")
+    p.add_argument("--only", type=_csv(str, MEASUREMENTS), default=MEASUREMENTS, help="measurements: " + ",".join(MEASUREMENTS))
+    p.add_argument("--backends", type=_csv(str, BACKEND_NAMES), default=BACKEND_NAMES, help="backends: " + ",".join(BACKEND_NAMES))
+    p.add_argument("--sizes", type=_csv(int), default=None, help="formation sizes N (default 8,64,128,256,1024,4096; quick 8,64)")
+    p.add_argument("--rerdzv-sizes", type=_csv(int), default=None, help="re-rendezvous sizes (default 8,64,256,1024; quick 8)")
+    p.add_argument("--timeout", type=float, default=None, help="s per formation / re-rendezvous phase (default 120; quick 30)")
+    p.add_argument("--out", type=Path, default=Path("bench/out"), help="output directory (default %(default)s)")
+    p.add_argument("-v", "--verbose", action="store_true", help="progress on stderr too")
+    return p
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    quick = bool(args.quick)
+    return Plan(
+        quick=quick,
+        only=tuple(args.only),
+        backends=tuple(args.backends),
+        formation_sizes=tuple(args.sizes or (QUICK_SIZES if quick else FULL_SIZES)),
+        rerdzv_sizes=tuple(args.rerdzv_sizes or (QUICK_RERDZV_SIZES if quick else FULL_RERDZV_SIZES)),
+        timeout=args.timeout or (QUICK_TIMEOUT if quick else FULL_TIMEOUT),
+        out_dir=args.out,
+        store_ops=100 if quick else 2000,
+        throughput_seconds=0.5 if quick else 3.0,
+        throughput_clients=(1, 8, 64),
+        server_jobs=10 if quick else 100,
+        server_nodes=100 if quick else 1000,
+        server_sample_seconds=5.0 if quick else 20.0,
+        recovery_keys=100_000 if quick else 1_000_000,
+    )
+
+
+def run(plan: Plan) -> tuple[list[Row], dict[str, object]]:
+    """Every measurement the plan asks for, in order; each backend's failure stays its own row."""
+    from .backend import make_backends
+
+    rows: list[Row] = []
+    raw: dict[str, object] = {}
+    for name in MEASUREMENTS:
+        if name not in plan.only:
+            continue
+        started = time.monotonic()
+        log.info("== %s (load average %.1f)", name, load_average())
+        if name == "formation":
+            from . import formation
+
+            got, data = formation.measure(make_backends(list(plan.backends), durable=True), plan)
+        elif name == "store":
+            from . import store
+
+            got, data = store.measure(make_backends(list(plan.backends), durable=True), plan)
+        elif name == "rerdzv":
+            from . import rerdzv
+
+            got, data = rerdzv.measure(make_backends(list(plan.backends), durable=False), plan)
+        else:
+            from . import server_cost
+
+            if "rdzv-server" not in plan.backends:
+                continue
+            got, data = server_cost.measure(plan)
+        rows += got
+        raw[name] = {**data, "seconds": time.monotonic() - started}
+        log.info("== %s done in %.0f s", name, time.monotonic() - started)
+    return rows, raw
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    # `timeout` sends SIGTERM: unwind through every finally, which stops the services.
+    raise SystemExit(128 + signum)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    args = build_parser().parse_args(argv)
+    plan = make_plan(args)
+    plan.out_dir.mkdir(parents=True, exist_ok=True)
+    plan.log_dir.mkdir(parents=True, exist_ok=True)
+    handlers: list[logging.Handler] = [logging.FileHandler(plan.out_dir / "bench.log", mode="w")]
+    if args.verbose:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", handlers=handlers)
+    for noisy in ("rdzv_client", "torch"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    # Import torch's registry before rdzv_client.torchrun: the registry loads our entry point.
+    import torch.distributed.elastic.rendezvous.registry  # noqa: F401
+
+    started = time.monotonic()
+    meta = {
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": __import__("os").cpu_count(),
+        "load_before": load_average(),
+        "plan": {k: v for k, v in plan.__dict__.items() if k != "out_dir"},
+    }
+    rows, raw = run(plan)
+    target.judge(rows)
+    meta.update(seconds=time.monotonic() - started, load_after=load_average())
+    report.write_json(plan.out_dir / "results.json", rows, raw, meta)
+    pictures = report.plots(plan.out_dir, rows, raw)
+    print(report.table(rows))
+    print(f"\nwrote {plan.out_dir / 'results.json'}, " + ", ".join(str(p) for p in pictures))
+    print(f"took {meta['seconds']:.0f} s (load average {meta['load_before']:.1f} -> {meta['load_after']:.1f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

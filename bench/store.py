@@ -1,0 +1,268 @@
+"""Store operations through ``RendezvousInfo.store``, with a raw TCPStore as the reference.
+
+How: each backend forms a 1-node job in the bench's own process (through torch's registry,
+as torchrun would) and uses the store in the ``RendezvousInfo`` it got:
+
+- latency: ``set``, ``get``, ``add``, ``compare_set`` and ``multi_get`` (8 keys), each
+  ``plan.store_ops`` times in a row from one client after a short warm-up; p50 and p99.
+  An operation the backend's store lacks is reported as unsupported.
+- throughput: 1, 8 and 64 concurrent clients, each with its own store object onto the
+  same job's key space, alternating ``set`` and ``get`` for ``plan.throughput_seconds``
+  from a common start; clients are spread over up to 8 spawned processes (so the
+  clients' GIL is not what is measured) with threads beyond that. rdzv-server clients in
+  one process share one client connection pool, as handlers in one process do.
+
+The worker processes are spawned once and reused for every backend and client count.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing.connection
+import statistics
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .backend import Backend, StoreSpec
+from .backend.tcpstore import LABEL as TCPSTORE
+from .backend.tcpstore import TCPStoreService
+from .process import SPAWN, Timeout, Unavailable, end_processes
+from .result import Plan, Row, load_average
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+log = logging.getLogger("bench")
+
+OPS = ("set", "get", "add", "compare_set", "multi_get")
+#: Spawned client processes at most; more clients become threads in them.
+MAX_PROCESSES = 8
+#: Warm-up calls per operation before timing (connections, code paths).
+WARMUP = 20
+VALUE = b"v" * 64
+MULTI_KEYS = [f"lat/{i}" for i in range(8)]
+#: How long one throughput step may take beyond its duration (opening stores, start-up).
+STEP_SLACK = 60.0
+
+
+def measure(backends: list[Backend], plan: Plan) -> tuple[list[Row], dict[str, object]]:
+    rows: list[Row] = []
+    raw: dict[str, object] = {}
+    pool = ClientPool(min(MAX_PROCESSES, max(plan.throughput_clients)))
+    try:
+        pool.start()
+        reference = TCPStoreService()
+        try:
+            reference.start(plan.log_dir)
+            spec = reference.store_spec()
+            rows += _measure_store(TCPSTORE, spec.open(), spec, pool, plan, raw)
+        except (Unavailable, Timeout) as exc:
+            rows.append(Row.failed("store", TCPSTORE, "set p50", 1, "µs", "error", str(exc)))
+        finally:
+            reference.stop()
+        for backend in backends:
+            rows += _backend(backend, pool, plan, raw)
+    finally:
+        pool.close()
+    return rows, raw
+
+
+def _backend(backend: Backend, pool: ClientPool, plan: Plan, raw: dict[str, object]) -> list[Row]:
+    try:
+        backend.start(plan.work_dir, plan.log_dir)
+    except (Unavailable, Timeout) as exc:
+        status = "unavailable" if isinstance(exc, Unavailable) else "error"
+        return [Row.failed("store", backend.label, f"{op} p50", 1, "µs", status, str(exc)) for op in OPS]
+    handler = None
+    try:
+        spec = backend.node_spec(f"store-{uuid.uuid4().hex[:8]}", 1, 1, backend.base_conf())
+        handler = spec.handler()
+        info = handler.next_rendezvous()
+        return _measure_store(backend.label, info.store, backend.store_spec(spec, info), pool, plan, raw)
+    except Exception as exc:  # a backend's failure is a row, not the end of the run
+        log.exception("store measurement of %s failed", backend.label)
+        return [Row.failed("store", backend.label, "set p50", 1, "µs", "error", repr(exc))]
+    finally:
+        if handler is not None:
+            _quietly(handler.shutdown)
+        backend.stop()
+
+
+def _measure_store(
+    label: str, store: Store, spec: StoreSpec, pool: ClientPool, plan: Plan, raw: dict[str, object]
+) -> list[Row]:
+    rows: list[Row] = []
+    samples = latency(store, plan.store_ops)
+    for op, values in samples.items():
+        if isinstance(values, str):
+            rows.append(Row.failed("store", label, f"{op} p50", 1, "µs", "unsupported", values))
+            continue
+        rows.append(Row("store", label, f"{op} p50", 1, _pct(values, 50), "µs"))
+        rows.append(Row("store", label, f"{op} p99", 1, _pct(values, 99), "µs"))
+    raw[f"{label}/latency_us"] = {op: v if isinstance(v, str) else _summary(v) for op, v in samples.items()}
+    for clients in plan.throughput_clients:
+        try:
+            ops_per_s = pool.throughput(spec, clients, plan.throughput_seconds)
+        except (Timeout, RuntimeError) as exc:
+            status = "timeout" if isinstance(exc, Timeout) else "error"
+            rows.append(Row.failed("store", label, "throughput", clients, "ops/s", status, str(exc)))
+            continue
+        rows.append(Row("store", label, "throughput", clients, ops_per_s, "ops/s"))
+        raw[f"{label}/throughput/{clients}"] = {"ops_per_s": ops_per_s, "load": load_average()}
+        log.info("store %s throughput with %d clients: %.0f ops/s", label, clients, ops_per_s)
+    return rows
+
+
+def latency(store: Store, count: int) -> dict[str, list[float] | str]:
+    """Per operation: ``count`` latencies in µs, or why the store cannot do it."""
+    for key in MULTI_KEYS:
+        store.set(key, VALUE)
+    store.set("lat/cas", "0")
+    cas = ["0", "1"]
+    calls: dict[str, Callable[[int], object]] = {
+        "set": lambda i: store.set(MULTI_KEYS[i % 8], b"%08d" % i + VALUE),  # a new value: a real write
+        "get": lambda i: store.get(MULTI_KEYS[i % 8]),
+        "add": lambda i: store.add("lat/counter", 1),
+        "compare_set": lambda i: store.compare_set("lat/cas", cas[i % 2], cas[(i + 1) % 2]),
+        "multi_get": lambda i: store.multi_get(MULTI_KEYS),
+    }
+    out: dict[str, list[float] | str] = {}
+    for op, call in calls.items():
+        try:
+            for i in range(WARMUP):
+                call(i)
+        except Exception as exc:  # noqa: BLE001 (e.g. EtcdStore has no compare_set)
+            out[op] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+            continue
+        values = []
+        for i in range(WARMUP, WARMUP + count):
+            t = time.perf_counter_ns()
+            call(i)
+            values.append((time.perf_counter_ns() - t) / 1000.0)
+        out[op] = values
+    return out
+
+
+def _pct(values: list[float], p: int) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(p / 100 * len(ordered)) - 1)]
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {"p50": _pct(values, 50), "p90": _pct(values, 90), "p99": _pct(values, 99), "mean": statistics.fmean(values)}
+
+
+def _quietly(call: Callable[[], object]) -> None:
+    try:
+        call()
+    except Exception:  # cleanup after a measurement: nothing depends on it
+        log.debug("cleanup failed", exc_info=True)
+
+
+# --------------------------------------------------------------------------- client pool
+
+
+class ClientPool:
+    """Spawned processes that open store clients and hammer them on command (over pipes)."""
+
+    def __init__(self, processes: int) -> None:
+        self.processes = processes
+        self._pipes: list[multiprocessing.connection.Connection] = []
+        self._procs: list[multiprocessing.process.BaseProcess] = []
+
+    def start(self, timeout: float = 180.0) -> None:
+        for i in range(self.processes):
+            parent, child = SPAWN.Pipe()
+            proc = SPAWN.Process(target=_client_worker, args=(child,), name=f"bench-store-{i}", daemon=True)
+            proc.start()
+            self._pipes.append(parent)
+            self._procs.append(proc)
+        self._gather(self._pipes, timeout, "store client processes to start")
+
+    def throughput(self, spec: StoreSpec, clients: int, seconds: float) -> float:
+        """Total ops/s of ``clients`` concurrent clients over ``seconds``; raises Timeout or RuntimeError."""
+        used = self._pipes[: min(clients, self.processes)]
+        per = [clients // len(used) + (1 if i < clients % len(used) else 0) for i in range(len(used))]
+        for pipe, threads in zip(used, per):
+            pipe.send(("open", spec, threads))
+        self._gather(used, STEP_SLACK, f"{clients} store clients to connect")
+        start_at = time.monotonic() + 0.2
+        for pipe in used:
+            pipe.send(("run", start_at, seconds))
+        counts = self._gather(used, seconds + STEP_SLACK, f"{clients} store clients to finish")
+        return sum(int(c) for c in counts) / seconds
+
+    def _gather(self, pipes: list[multiprocessing.connection.Connection], timeout: float, what: str) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        out = []
+        for pipe in pipes:
+            if not pipe.poll(max(0.0, deadline - time.monotonic())):
+                raise Timeout(f"{what}: not within {timeout:g} s")
+            kind, value = pipe.recv()
+            if kind == "error":
+                raise RuntimeError(value)
+            out.append(value)
+        return out
+
+    def close(self) -> None:
+        for pipe in self._pipes:
+            _quietly(lambda p=pipe: p.send(("exit", None)))  # type: ignore[misc]
+        end_processes(self._procs, grace=5.0)
+
+
+def _client_worker(pipe: multiprocessing.connection.Connection) -> None:
+    """A pool process: ``open`` N stores, then ``run`` a set/get mix from a common start."""
+    logging.basicConfig(level=logging.ERROR)
+    import torch.distributed.elastic.rendezvous.registry  # noqa: F401  (before rdzv_client.torchrun)
+
+    pipe.send(("ok", None))
+    stores: list[Store] = []
+    while True:
+        if not pipe.poll(600.0):
+            return  # the bench is gone
+        command, *args = pipe.recv()
+        try:
+            if command == "exit":
+                return
+            if command == "open":
+                spec, threads = args
+                stores = [spec.open() for _ in range(threads)]
+                for i, store in enumerate(stores):
+                    store.set(f"tput/{i}", VALUE)
+                pipe.send(("ok", None))
+            elif command == "run":
+                start_at, seconds = args
+                pipe.send(("ok", _run_mix(stores, start_at, seconds)))
+        except Exception as exc:  # noqa: BLE001 (sent to the parent)
+            pipe.send(("error", f"{command}: {exc!r}"))
+
+
+def _run_mix(stores: list[Store], start_at: float, seconds: float) -> int:
+    counts = [0] * len(stores)
+    errors: list[BaseException] = []
+
+    def client(i: int, store: Store) -> None:
+        key = f"tput/{i}"
+        time.sleep(max(0.0, start_at - time.monotonic()))
+        end = start_at + seconds
+        n = 0
+        try:
+            while time.monotonic() < end:
+                store.set(key, b"%08d" % n + VALUE) if n % 2 == 0 else store.get(key)
+                n += 1
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+        counts[i] = n
+
+    threads = [threading.Thread(target=client, args=(i, s), daemon=True) for i, s in enumerate(stores)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + STEP_SLACK)
+    if errors:
+        raise errors[0]
+    return sum(counts)
