@@ -9,6 +9,7 @@ measurements report as a timeout, never as a crash.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.context
 import os
 import signal
@@ -18,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 # A service that is not listening after this long is broken, not slow.
 DEFAULT_START_TIMEOUT = 60.0
@@ -175,3 +176,21 @@ def end_processes(procs: Sequence[multiprocessing.process.BaseProcess], grace: f
         if proc.is_alive() and proc.pid is not None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.join(DEFAULT_STOP_GRACE)
+
+
+def gather(pipes: Sequence[multiprocessing.connection.Connection], timeout: float, what: str) -> list[Any]:
+    """One ``("ok", value)`` reply from each worker pipe, in order, all within ``timeout`` s.
+
+    Raises :class:`Timeout` when a worker is late and ``RuntimeError`` when one reports an error.
+    """
+    deadline = time.monotonic() + timeout
+    out = []
+    for pipe in pipes:
+        if not pipe.poll(max(0.0, deadline - time.monotonic())):
+            raise Timeout(f"{what}: not within {timeout:g} s")
+        kind, value = pipe.recv()
+        if kind == "error":
+            raise RuntimeError(value)
+        out.append(value)
+    return out
+

@@ -27,10 +27,9 @@ import re
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from .backend.rdzv_server import start_server
-from .process import SPAWN, Service, Timeout, Unavailable, end_processes, wait_until
+from .process import SPAWN, Service, Timeout, Unavailable, end_processes, gather, wait_until
 from .result import Plan, Row, load_average
 
 log = logging.getLogger("bench")
@@ -87,7 +86,7 @@ def _heartbeats(plan: Plan, raw: dict[str, object]) -> list[Row]:
             pipes.append(parent)
         t0 = time.monotonic()
         try:
-            _gather(pipes, JOIN_TIMEOUT, f"{scale} nodes to join")
+            gather(pipes, JOIN_TIMEOUT, f"{scale} nodes to join")
         except (Timeout, RuntimeError) as exc:
             status = "timeout" if isinstance(exc, Timeout) else "error"
             return [Row.failed("server", "rdzv-server", f"join ({label})", scale, "s", status, str(exc))]
@@ -104,7 +103,7 @@ def _heartbeats(plan: Plan, raw: dict[str, object]) -> list[Row]:
         elapsed = time.monotonic() - t_start
         for pipe in pipes:
             pipe.send("stop")
-        errors = sum(_gather(pipes, 60.0, "load processes to stop"))
+        errors = sum(gather(pipes, 60.0, "load processes to stop"))
     finally:
         end_processes(procs, grace=10.0)
         server.stop()
@@ -126,23 +125,10 @@ def _heartbeats(plan: Plan, raw: dict[str, object]) -> list[Row]:
     ]  # fmt: skip
 
 
-def _gather(pipes: list[multiprocessing.connection.Connection], timeout: float, what: str) -> list[Any]:
-    deadline = time.monotonic() + timeout
-    out = []
-    for pipe in pipes:
-        if not pipe.poll(max(0.0, deadline - time.monotonic())):
-            raise Timeout(f"{what}: not within {timeout:g} s")
-        kind, value = pipe.recv()
-        if kind == "error":
-            raise RuntimeError(value)
-        out.append(value)
-    return out
-
-
 def _gather_counts(pipes: list[multiprocessing.connection.Connection]) -> list[int]:
     for pipe in pipes:
         pipe.send("count")
-    return _gather(pipes, 30.0, "beat counts")
+    return gather(pipes, 30.0, "beat counts")
 
 
 def _load_worker(pipe: multiprocessing.connection.Connection, endpoint: str, jobs: list[str], nodes: int) -> None:

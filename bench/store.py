@@ -25,12 +25,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .backend import Backend, StoreSpec
 from .backend.tcpstore import LABEL as TCPSTORE
 from .backend.tcpstore import TCPStoreService
-from .process import SPAWN, Timeout, Unavailable, end_processes
+from .process import SPAWN, Timeout, Unavailable, end_processes, gather
 from .result import Plan, Row, load_average
 
 if TYPE_CHECKING:
@@ -181,7 +181,7 @@ class ClientPool:
             proc.start()
             self._pipes.append(parent)
             self._procs.append(proc)
-        self._gather(self._pipes, timeout, "store client processes to start")
+        gather(self._pipes, timeout, "store client processes to start")
 
     def throughput(self, spec: StoreSpec, clients: int, seconds: float) -> float:
         """Total ops/s of ``clients`` concurrent clients over ``seconds``; raises Timeout or RuntimeError."""
@@ -189,24 +189,12 @@ class ClientPool:
         per = [clients // len(used) + (1 if i < clients % len(used) else 0) for i in range(len(used))]
         for pipe, threads in zip(used, per):
             pipe.send(("open", spec, threads))
-        self._gather(used, STEP_SLACK, f"{clients} store clients to connect")
+        gather(used, STEP_SLACK, f"{clients} store clients to connect")
         start_at = time.monotonic() + 0.2
         for pipe in used:
             pipe.send(("run", start_at, seconds))
-        counts = self._gather(used, seconds + STEP_SLACK, f"{clients} store clients to finish")
+        counts = gather(used, seconds + STEP_SLACK, f"{clients} store clients to finish")
         return sum(int(c) for c in counts) / seconds
-
-    def _gather(self, pipes: list[multiprocessing.connection.Connection], timeout: float, what: str) -> list[Any]:
-        deadline = time.monotonic() + timeout
-        out = []
-        for pipe in pipes:
-            if not pipe.poll(max(0.0, deadline - time.monotonic())):
-                raise Timeout(f"{what}: not within {timeout:g} s")
-            kind, value = pipe.recv()
-            if kind == "error":
-                raise RuntimeError(value)
-            out.append(value)
-        return out
 
     def close(self) -> None:
         for pipe in self._pipes:
