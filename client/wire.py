@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import json
 import math
 import re
@@ -227,10 +226,16 @@ def _convert(name: str, hint: Any, value: object) -> Any:
     raise TypeError(f"unsupported field type {hint!r}")  # a bug in this module, not bad input
 
 
-@functools.cache
-def _schema(cls: type[Any]) -> tuple[dict[str, Any], dict[str, dataclasses.Field[Any]]]:
+_Schema = tuple[dict[str, Any], dict[str, "dataclasses.Field[Any]"]]
+_schemas: dict[type[Any], _Schema] = {}
+
+
+def _schema(cls: type[Any]) -> _Schema:
     """Field types and fields of a dataclass, resolved once (this is on every request's path)."""
-    return typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
+    schema = _schemas.get(cls)
+    if schema is None:
+        schema = _schemas[cls] = (typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)})
+    return schema
 
 
 def from_mapping(cls: type[T], body: object) -> T:
