@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from .config import ServerConfig
 from .core import command as c
-from .core.error import RdzvError
+from .core.error import NotReady, RdzvError, ShuttingDown
 from .core.machine import Outcome, StateMachine, key_topic, round_topic, watch_topic
 from .core.rendezvous import Job
 from .storage import FileLog, FsyncPolicy, Log, MemoryLog
@@ -43,16 +43,6 @@ T = TypeVar("T")
 
 # Node long-polls are held between this fraction and all of their hold (see _node_hold).
 HOLD_JITTER = 0.75
-
-
-class ShuttingDown(RdzvError):
-    code = "shutting_down"
-    status = 503
-
-
-class NotReady(RdzvError):
-    code = "not_ready"
-    status = 503
 
 
 class Waiters:

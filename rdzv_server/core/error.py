@@ -60,5 +60,19 @@ class JoinTimeout(RdzvError):
     status = 408
 
 
+class NotReady(RdzvError):
+    """The server is still recovering its log (raised by the service, not by core)."""
+
+    code = "not_ready"
+    status = 503
+
+
+class ShuttingDown(RdzvError):
+    """The server is draining for shutdown; clients retry after the restart."""
+
+    code = "shutting_down"
+    status = 503
+
+
 class IllegalTransition(Exception):
     """A state machine was asked for a transition its table does not allow: a server bug."""
