@@ -189,8 +189,7 @@ class RdzvServerHandler(RendezvousHandler):
     """torchrun's rendezvous through rdzv-server. Built by :func:`create_handler`."""
 
     def __init__(self, params: RendezvousParameters, nproc_per_node: int, client: Client | None = None) -> None:
-        if not params.endpoint:
-            raise ValueError("--rdzv-endpoint is required for --rdzv-backend=rdzv-server (HOST[:PORT] of rdzv-server)")
+        endpoint = _endpoint(params)
         self._run_id = wire.check_id("rdzv_id", params.run_id)
         self._min_nodes = params.min_nodes
         self._max_nodes = params.max_nodes
@@ -207,8 +206,7 @@ class RdzvServerHandler(RendezvousHandler):
         host = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in socket.gethostname())[:100] or "node"
         self._node_id = params.get("node_id") or f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         wire.check_id("node_id", self._node_id)
-        self._client = client or Client(params.endpoint, retry_budget=self._close_timeout)
-        self._round: int | None = None
+        self._client = client or Client(endpoint, retry_budget=self._close_timeout)
         self._num_waiting = 0
         self._closed = False
         self._watch_stop = threading.Event()
@@ -250,7 +248,6 @@ class RdzvServerHandler(RendezvousHandler):
             if isinstance(exc, RdzvTimeoutError):
                 self._leave_quietly()  # do not hold a place in a round we stopped waiting for
             raise _torch_error(exc, f"node {self._node_id} could not join job {self._run_id}") from exc
-        self._round = a.round
         self._num_waiting = 0
         self._start_watch(a.round)
         store = RdzvStore(self._client, self._run_id, round=a.round, timeout=self._store_timeout)
@@ -351,6 +348,12 @@ class RdzvServerHandler(RendezvousHandler):
             self._closed = seen.closed
 
 
+def _endpoint(params: RendezvousParameters) -> str:
+    if not params.endpoint:
+        raise ValueError("--rdzv-endpoint is required for --rdzv-backend=rdzv-server (HOST[:PORT] of rdzv-server)")
+    return str(params.endpoint)
+
+
 def _torch_error(exc: BaseException, context: str) -> RendezvousError:
     message = f"{context}: {exc}"
     if isinstance(exc, JobClosedError):
@@ -407,7 +410,5 @@ def create_handler(params: RendezvousParameters) -> RdzvServerHandler:
     agent's launch config, else 1 (it only feeds the membership view's global ranks).
     """
     nproc = params.get("nproc_per_node") or _launch_config_nproc() or 1
-    if not params.endpoint:
-        raise ValueError("--rdzv-endpoint is required for --rdzv-backend=rdzv-server (HOST[:PORT] of rdzv-server)")
     retry_budget = float(params.get("close_timeout", DEFAULT_CLOSE_TIMEOUT))
-    return RdzvServerHandler(params, int(nproc), client=_shared_client(params.endpoint, retry_budget))
+    return RdzvServerHandler(params, int(nproc), client=_shared_client(_endpoint(params), retry_budget))

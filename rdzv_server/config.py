@@ -7,7 +7,6 @@ Construction validates everything, so a bad setting stops the server before it b
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +73,3 @@ class ServerConfig:
         if self.memory:
             return None
         return self.data_dir if self.data_dir is not None else default_data_dir()
-
-    def replace(self, **changes: object) -> ServerConfig:
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -319,8 +319,7 @@ class Service:
     def _beat(self, rdzv_id: str, node_id: str) -> Job:
         """A request from a node is a heartbeat; it also cancels a pending connection-lost check."""
         self._check_ready()
-        job = self.machine.job(rdzv_id)
-        job.heartbeat(node_id, self.now())
+        job = self.machine.heartbeat(rdzv_id, node_id, self.now())
         self._cancel_lost(rdzv_id, node_id)
         return job
 

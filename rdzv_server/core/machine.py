@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import command as c
-from .error import BadRequest, JobNotFound, SettingsConflict
+from .error import BadRequest, JobNotFound
 from .rendezvous import Assignment, Departure, Job, JobSettings, JobState
 from .store import KeyValueStore
 
@@ -128,10 +128,8 @@ class StateMachine:
         entry = self.jobs.get(cmd.rdzv_id)
         if entry is None:
             self._new_job(cmd.rdzv_id, settings, now)
-        elif entry.job.settings != settings:
-            if not entry.job.idle():
-                raise SettingsConflict(f"job {cmd.rdzv_id} exists with other settings and has live nodes")
-            entry.job.settings = settings
+        else:
+            entry.job.adopt_settings(settings, "create")
         return Outcome({})
 
     def _new_job(self, rdzv_id: str, settings: JobSettings, now: float) -> Entry:
@@ -267,8 +265,11 @@ class StateMachine:
     def assignment(self, rdzv_id: str, node_id: str, min_round: int) -> Assignment | None:
         return self._entry(rdzv_id).job.assignment(node_id, min_round)
 
-    def heartbeat(self, rdzv_id: str, node_id: str, now: float) -> None:
-        self._entry(rdzv_id).job.heartbeat(node_id, now)
+    def heartbeat(self, rdzv_id: str, node_id: str, now: float) -> Job:
+        """Soft-state beat of ``node_id`` (never logged); returns its job. Raises JobNotFound."""
+        job = self._entry(rdzv_id).job
+        job.heartbeat(node_id, now)
+        return job
 
     def watch_view(self, rdzv_id: str, round_: int) -> dict[str, Any]:
         job = self._entry(rdzv_id).job

@@ -175,7 +175,8 @@ class Job:
 
     def join(self, node_id: str, addr: str, nproc_per_node: int, settings: JobSettings, now: float) -> int:
         """A node asks for a place in the next round. Returns the round it is in line for."""
-        self._adopt_or_check(settings, node_id)
+        if not (self.state is JobState.CLOSED and not self.idle()):
+            self.adopt_settings(settings, f"node {node_id}")  # a closed, live job refuses it anyway
         result: int = self._dispatch(Event.JOIN, node_id, addr, nproc_per_node, now)
         self._after_change(now)
         return result
@@ -272,14 +273,18 @@ class Job:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _adopt_or_check(self, settings: JobSettings, node_id: str) -> None:
-        if settings == self.settings or (self.state is JobState.CLOSED and not self.idle()):
-            return  # a closed job with live nodes refuses the join whatever its settings
+    def adopt_settings(self, settings: JobSettings, who: str) -> None:
+        """Rule 1: the same settings pass; other settings are adopted only while the job is idle.
+
+        Raises :class:`SettingsConflict` (and changes nothing) otherwise.
+        """
+        if settings == self.settings:
+            return
         if self.idle():
             self.settings = settings
             return
         raise SettingsConflict(
-            f"node {node_id} joins job {self.rdzv_id} with {_describe(settings)}, but the job runs with "
+            f"{who} asks job {self.rdzv_id} for {_describe(settings)}, but the job runs with "
             f"{_describe(self.settings)}: give every node the same --nnodes and --rdzv-conf, or use a new rdzv_id"
         )
 

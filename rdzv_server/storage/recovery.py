@@ -50,8 +50,8 @@ class RecoveryOutcome:
 
     ``snapshot_index`` is the snapshot the history was rebuilt from (``None``: none);
     ``segment_firsts`` are the first indices of the segments on disk, ascending;
-    ``append_first`` is the first index of the segment new records go to, which exists
-    (and ends at ``append_offset``) when ``append_exists`` is true.
+    ``append_first`` is the first index of the segment new records go to (appended at its
+    end), which exists when ``append_exists`` is true.
     """
 
     recovered: Recovered
@@ -59,7 +59,6 @@ class RecoveryOutcome:
     segment_firsts: tuple[int, ...]
     append_first: int
     append_exists: bool
-    append_offset: int
 
 
 def recover(data_dir: Path, fsync: Callable[[int], None]) -> RecoveryOutcome:
@@ -141,7 +140,6 @@ def _recover(
     records: list[dict[str, Any]] = []
     truncated_bytes = 0
     end_index = base + 1  # one past the last record replay has seen
-    end_offset = 0  # where the last replayed segment's whole frames end
     replayed = firsts[max(start, 0) :]
     for position, first in enumerate(replayed):
         path = segments[first]
@@ -174,7 +172,6 @@ def _recover(
             _truncate(path, scan.valid_end, fsync)
         records.extend(scan.records)
         end_index = first + scan.count
-        end_offset = scan.valid_end
 
     last_index = base + len(records)
     if skipped:
@@ -198,7 +195,6 @@ def _recover(
         segment_firsts=tuple(firsts),
         append_first=replayed[-1] if append_exists else last_index + 1,
         append_exists=append_exists,
-        append_offset=end_offset if append_exists else 0,
     )
 
 

@@ -135,3 +135,16 @@ def test_an_error_carries_its_message() -> None:
     exc = error.JobClosed("job j is closed")
     assert exc.message == "job j is closed" == str(exc)
     assert (exc.code, exc.status) == ("job_closed", 410)
+
+
+def test_core_assignment_mirrors_the_wire_assignment() -> None:
+    # core may not import the wire module, so it keeps its own Assignment; the service sends
+    # it with dataclasses.asdict, which only works while the two keep the same fields.
+    import dataclasses
+
+    from rdzv_client import wire
+    from rdzv_server.core.rendezvous import Assignment
+
+    core_fields = [(f.name, f.type) for f in dataclasses.fields(Assignment)]
+    wire_fields = [(f.name, f.type) for f in dataclasses.fields(wire.Assignment)]
+    assert core_fields == wire_fields
