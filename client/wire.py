@@ -3,6 +3,8 @@
 What it owns:
 - the operation table: every operation the client can ask for, its HTTP route and the
   typed request and response records it carries;
+- the stream protocol: the same operations as length-prefixed msgpack frames on a plain
+  TCP connection to the same port (see "stream protocol" below);
 - the error codes (stable strings) with their HTTP statuses;
 - msgpack framing (``use_bin_type=True``, explicit size limits) and strict validation of
   decoded bodies into frozen dataclasses.
@@ -26,6 +28,7 @@ import enum
 import json
 import math
 import re
+import struct
 import types
 import typing
 from typing import Any, ClassVar, TypeVar, Union
@@ -624,6 +627,37 @@ def decode_request(op: str, body: object) -> Request:
 def op_path(rdzv_id: str, op: str) -> str:
     """The route of an operation: ``/v1/jobs/{rdzv_id}/{op}``."""
     return f"/v1/jobs/{rdzv_id}/{op}"
+
+
+# --------------------------------------------------------------------------- stream protocol
+#
+# The same operations without HTTP, on the server's one port (the server tells the two
+# apart by the first byte: no HTTP request starts with NUL). It exists for speed: a store
+# operation over HTTP costs the server ~0.3 ms of CPU, over a stream a small fraction.
+#
+#   client -> server   STREAM_PREFACE, once, first on the connection
+#   then frames, both ways: a 4-byte unsigned big-endian length L, then L bytes of msgpack
+#   request  frame: [tag: int, op: str, rdzv_id: str, fields: map]
+#   reply    frame: [tag: int, status: int, body: map]
+#
+# ``fields`` is the HTTP request body of ``op`` and (status, body) is exactly the HTTP
+# status and body of the same request, errors included, so a client interprets both the
+# same way. ``tag`` is the client's (0 <= tag < 2**63); a client may pipeline requests and
+# the replies come in completion order (a long-poll answers late), matched by tag. A frame
+# that decodes but is not a valid request is answered with its tag (0 if none can be read)
+# and a 400; a frame longer than the server's body limit, or a wrong preface, is answered
+# with tag 0 and the connection is closed. Closing the connection cancels its requests in
+# flight, as closing an HTTP connection does (a node's dropped long-poll: see fast death).
+
+#: Sent first by a stream client; the version is the last byte before CRLF.
+STREAM_PREFACE = b"\x00RDZV1\r\n"
+FRAME_HEADER = struct.Struct(">I")
+
+
+def frame(obj: Any) -> bytes:
+    """``obj`` as one frame: length header plus msgpack."""
+    body = pack(obj)
+    return FRAME_HEADER.pack(len(body)) + body
 
 
 # --------------------------------------------------------------------------- responses
