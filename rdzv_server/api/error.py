@@ -1,14 +1,16 @@
-"""One middleware renders every failure as ``{"error": CODE, "message": TEXT}``.
+"""The one error table: every failure becomes a status and ``{"error": CODE, "message": TEXT}``.
 
-The table: core's :class:`RdzvError` carries its own code and status; a wire validation
-error is a 4xx with its code; aiohttp's own HTTP errors (unknown route, wrong method,
-body over ``client_max_size``) are mapped to our codes; anything else is a bug: a 500
-``internal`` whose traceback goes to the server log, never to the client.
+:func:`error_reply` is the table, for both protocols: core's :class:`RdzvError` carries
+its own code and status; a wire validation error is a 4xx with its code; anything else is
+a bug: a 500 ``internal`` whose traceback goes to the server log, never to the client.
+:func:`error_middleware` renders it over HTTP and adds aiohttp's own HTTP errors (unknown
+route, wrong method, body over ``client_max_size``), which only HTTP has.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -26,20 +28,24 @@ _HTTP_CODES: dict[int, wire.ErrorCode] = {
     413: wire.ErrorCode.BODY_TOO_LARGE,
 }
 
+INTERNAL_MESSAGE = "internal server error; the server log has details"
 
-def error_response(request: web.Request, code: str, status: int, message: str) -> web.Response:
-    return encode(request, wire.error_body(wire.ErrorCode(code), message), status=status)
+
+def error_reply(exc: Exception, serving: str) -> tuple[int, dict[str, Any]]:
+    """The status and body that answer ``exc``; ``serving`` names the request in the log."""
+    if isinstance(exc, RdzvError):
+        return exc.status, wire.error_body(wire.ErrorCode(exc.code), exc.message)
+    if isinstance(exc, wire.WireError):
+        code = wire.ErrorCode(exc.code)
+        return wire.HTTP_STATUS[code], wire.error_body(code, str(exc))
+    log.error("Unhandled error serving %s.", serving, exc_info=exc)
+    return 500, wire.error_body(wire.ErrorCode.INTERNAL, INTERNAL_MESSAGE)
 
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
-    except RdzvError as exc:
-        return error_response(request, exc.code, exc.status, exc.message)
-    except wire.WireError as exc:
-        code = wire.ErrorCode(exc.code)
-        return error_response(request, code.value, wire.HTTP_STATUS[code], str(exc))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -47,7 +53,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         message = exc.text or exc.reason
         if exc.status == 413:
             message = f"request body too large: {exc.text}"
-        return error_response(request, code.value, exc.status, message)
-    except Exception:
-        log.exception("Unhandled error serving %s %s", request.method, request.path)
-        return error_response(request, "internal", 500, "internal server error; the server log has details")
+        return encode(request, wire.error_body(code, message), status=exc.status)
+    except Exception as exc:  # noqa: BLE001 (error_reply logs the traceback of anything unmapped)
+        status, body = error_reply(exc, f"{request.method} {request.path}")
+        return encode(request, body, status=status)
