@@ -8,7 +8,8 @@ What it owns:
   (``rid``) that make a retried write apply exactly once;
 - the client side of long-polls: the *client* owns a blocking call's deadline and re-polls
   with the time that remains;
-- a small transport seam (:class:`Transport`) with one aiohttp implementation.
+- the choice of transport (:mod:`rdzv_client.transport`): HTTP for :class:`AsyncClient`,
+  the stream protocol over blocking sockets for :class:`Client`.
 
 What it must not know: torch (the torch ``Store`` and the torchrun handler wrap this
 module), the server's internals. It shares only :mod:`rdzv_client.wire` with the server.
@@ -21,27 +22,23 @@ Rules it keeps:
   same ``rid``; so a write whose answer was lost is not applied twice.
 - Retrying stops at the retry budget (counted from the first failure of a call) or at the
   call's own deadline, whichever comes first, with :class:`RdzvConnectionError`.
-- :class:`Client` runs one private event loop in one daemon thread and submits every call
-  to it; it never starts a loop per call, and any number of threads may share it.
+- The policy is written once, as AsyncClient's coroutines. :class:`Client` runs those
+  same coroutines in the calling thread over a transport that blocks instead of awaiting
+  (so they never suspend): no event loop, no thread hop; any number of threads may share it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import itertools
 import logging
-import os
 import random
-import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from types import TracebackType
-from typing import Any, Protocol, TypeVar, Union
-
-import aiohttp
+from typing import Any, TypeVar, Union
 
 from . import wire
 from .error import (
@@ -52,6 +49,17 @@ from .error import (
     RdzvTimeoutError,
     ServerError,
     error_from_body,
+)
+from .transport import (
+    DEFAULT_CONNECTION_LIMIT,
+    DEFAULT_MAX_RESPONSE_BYTES,
+    DEFAULT_REQUEST_TIMEOUT,
+    AiohttpTransport,
+    Answer,
+    Endpoint,
+    SocketTransport,
+    Transport,
+    TransportError,
 )
 
 log = logging.getLogger(__name__)
@@ -64,8 +72,6 @@ KeyLike = Union[str, bytes]
 # A restarting server loads its snapshot and replays its log well within 30 s; past that,
 # something is wrong that waiting longer will not fix.
 DEFAULT_RETRY_BUDGET = 30.0
-# Beyond a request's own hold, an answer this late means the server or the path is stuck.
-DEFAULT_REQUEST_TIMEOUT = 30.0
 # The server caps long-polls near 30 s; asking for longer only keeps a possibly dead
 # connection open longer before the client notices.
 DEFAULT_MAX_HOLD = 30.0
@@ -73,15 +79,6 @@ DEFAULT_MAX_HOLD = 30.0
 DEFAULT_BACKOFF_BASE = 0.05
 # Never sleep so long that a recovered server sits idle waiting for us.
 DEFAULT_BACKOFF_CAP = 2.0
-# Every blocking call holds one connection; torch agents run a handful at once, so 128
-# leaves room for many threads sharing one Client without queueing behind long-polls.
-DEFAULT_CONNECTION_LIMIT = 128
-# Store replies are small; 64 KiB reads take a typical reply in one go.
-DEFAULT_READ_BUFSIZE = 64 * 1024
-# Bounds what a misbehaving peer can make us buffer; far above any sane multi_get reply.
-DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
-# How long close() waits for the loop thread to finish closing connections.
-DEFAULT_CLOSE_TIMEOUT = 10.0
 # A long-poll that came back "not yet" before its hold ended did not hold (a server
 # shutting down, a proxy); pausing this long keeps such a loop from spinning.
 EARLY_ANSWER_PAUSE = 0.05
@@ -105,24 +102,6 @@ _HOLD_FIELD: dict[type[wire.Request], str] = {
 
 
 # --------------------------------------------------------------------------- endpoints
-
-
-@dataclasses.dataclass(frozen=True)
-class Endpoint:
-    """One server address."""
-
-    host: str
-    port: int = wire.DEFAULT_PORT
-    scheme: str = "http"
-
-    @property
-    def url(self) -> str:
-        """The base URL, e.g. ``http://[::1]:29400``."""
-        return f"{self.scheme}://{self}"
-
-    def __str__(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
 
 
 def _parse_port(text: str, spec: str) -> int:
@@ -188,97 +167,6 @@ def backoff_delay(
     return rng.uniform(0.0, min(cap, base * 2.0 ** min(attempt, 62)))
 
 
-# --------------------------------------------------------------------------- transport
-
-
-@dataclasses.dataclass(frozen=True)
-class Response:
-    """An HTTP answer as the transport hands it up."""
-
-    status: int
-    content_type: str
-    body: bytes
-
-
-class TransportError(Exception):
-    """The request got no complete HTTP answer: refused, reset, timed out or truncated."""
-
-
-class Transport(Protocol):
-    """The seam below client policy: one HTTP exchange, no retries, no interpretation."""
-
-    async def send(
-        self, method: str, url: str, body: bytes | None, headers: Mapping[str, str], timeout: float
-    ) -> Response:
-        """Send one request; raise :class:`TransportError` when no full answer arrives in ``timeout``."""
-        ...
-
-    async def aclose(self) -> None: ...
-
-
-class AiohttpTransport:
-    """:class:`Transport` over one aiohttp session with persistent connections.
-
-    The session is opened on first use, inside the event loop that uses it; a transport
-    belongs to that one loop.
-    """
-
-    def __init__(
-        self,
-        *,
-        connection_limit: int = DEFAULT_CONNECTION_LIMIT,
-        read_bufsize: int = DEFAULT_READ_BUFSIZE,
-        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
-    ) -> None:
-        self._connection_limit = connection_limit
-        self._read_bufsize = read_bufsize
-        self._max_response_bytes = max_response_bytes
-        self._session: aiohttp.ClientSession | None = None
-
-    def _open(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=self._connection_limit, limit_per_host=0)
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                read_bufsize=self._read_bufsize,
-                timeout=aiohttp.ClientTimeout(total=DEFAULT_REQUEST_TIMEOUT),
-                trust_env=False,  # a rendezvous on a cluster network must not go through a proxy
-                auto_decompress=False,  # the server never compresses; refuse to inflate
-            )
-        return self._session
-
-    async def send(
-        self, method: str, url: str, body: bytes | None, headers: Mapping[str, str], timeout: float
-    ) -> Response:
-        session = self._open()
-        try:
-            async with session.request(
-                method, url, data=body, headers=dict(headers), timeout=aiohttp.ClientTimeout(total=timeout)
-            ) as resp:
-                data = await self._read(resp)
-                return Response(resp.status, resp.content_type, data)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise TransportError(str(exc) or type(exc).__name__) from exc
-
-    async def _read(self, resp: aiohttp.ClientResponse) -> bytes:
-        limit = self._max_response_bytes
-        if resp.content_length is not None and resp.content_length <= limit:
-            return await resp.read()
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in resp.content.iter_any():
-            size += len(chunk)
-            if size > limit:
-                raise ServerError(f"the server's reply exceeds the client's limit of {limit} bytes")
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-
 # --------------------------------------------------------------------------- results
 
 
@@ -322,29 +210,12 @@ def _reply_bytes_list(reply: object, name: str, op: str, length: int | None = No
     return values
 
 
-def _decode_body(resp: Response, max_bytes: int) -> Any:
-    if resp.content_type == wire.CONTENT_TYPE_MSGPACK:
-        return wire.unpack(resp.body, max_bytes, max_items=wire.MAX_REPLY_ITEMS)
-    if resp.content_type == wire.CONTENT_TYPE_JSON:
-        return wire.load_json(resp.body, max_bytes)
-    raise wire.WireError(f"unexpected content type {resp.content_type!r}")
-
-
-def _answer(resp: Response, max_bytes: int) -> Any:
-    """The decoded body of a 2xx answer; otherwise raise the error it stands for."""
-    ok = 200 <= resp.status < 300
-    try:
-        body = _decode_body(resp, max_bytes)
-    except wire.WireError as exc:
-        if ok:
-            raise ServerError(f"the server sent a reply this client cannot read: {exc}") from exc
-        # Not the server's error body (a proxy, a plain-text page): keep its first words.
-        text = resp.body[:200].decode("utf-8", errors="replace").strip()
-        body = {"message": f"HTTP {resp.status}: {text}" if text else ""}
-    if ok:
-        return body
-    error = error_from_body(resp.status, body)
-    if resp.status in RETRY_STATUSES:
+def _answer(answer: Answer) -> Any:
+    """The body of a 2xx answer; otherwise raise the error it stands for."""
+    if 200 <= answer.status < 300:
+        return answer.body
+    error = error_from_body(answer.status, answer.body)
+    if answer.status in RETRY_STATUSES:
         raise _Unavailable(error)
     raise error
 
@@ -384,6 +255,7 @@ class AsyncClient:
         client_id: str | None = None,
         transport: Transport | None = None,
         rng: random.Random | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         if retry_budget < 0 or request_timeout <= 0 or max_hold < 0:
             raise ValueError("retry_budget and max_hold must be >= 0 and request_timeout > 0")
@@ -392,7 +264,6 @@ class AsyncClient:
         self._retry_budget = retry_budget
         self._request_timeout = request_timeout
         self._max_hold = max_hold
-        self._max_response_bytes = max_response_bytes
         self._client_id = client_id or uuid.uuid4().hex[:16]
         if not 0 < len(self._client_id) <= wire.MAX_CLIENT_ID_CHARS:
             raise ValueError(f"client_id must be 1..{wire.MAX_CLIENT_ID_CHARS} characters")
@@ -401,6 +272,7 @@ class AsyncClient:
             connection_limit=connection_limit, max_response_bytes=max_response_bytes
         )
         self._rng = rng or random.Random()
+        self._sleep = sleep
 
     @property
     def endpoints(self) -> tuple[Endpoint, ...]:
@@ -439,9 +311,7 @@ class AsyncClient:
         _validated(rdzv_id, req)
         if req.writes and getattr(req, "rid", None) is None:
             req = dataclasses.replace(req, rid=self.next_rid())  # type: ignore[call-arg]
-        path = wire.op_path(rdzv_id, req.op)
         field = _HOLD_FIELD.get(type(req))
-        headers = {"Content-Type": wire.CONTENT_TYPE_MSGPACK, "Accept": wire.CONTENT_TYPE_MSGPACK}
 
         async def attempt(endpoint: Endpoint) -> Any:
             this = req
@@ -451,9 +321,8 @@ class AsyncClient:
                 if deadline is not None:
                     hold = max(0.0, min(hold, deadline - time.monotonic()))
                     this = dataclasses.replace(req, **{field: hold})
-            body = wire.pack(wire.to_mapping(this))
-            resp = await self._transport.send("POST", endpoint.url + path, body, headers, hold + self._request_timeout)
-            return _answer(resp, self._max_response_bytes)
+            fields = wire.to_mapping(this)
+            return _answer(await self._transport.call(endpoint, rdzv_id, req.op, fields, hold + self._request_timeout))
 
         reply = await self._with_retries(f"{req.op} on job {rdzv_id}", attempt, deadline)
         if not isinstance(reply, dict):
@@ -461,11 +330,8 @@ class AsyncClient:
         return reply
 
     async def _get_json(self, path: str, what: str) -> Any:
-        headers = {"Accept": wire.CONTENT_TYPE_JSON}
-
         async def attempt(endpoint: Endpoint) -> Any:
-            resp = await self._transport.send("GET", endpoint.url + path, None, headers, self._request_timeout)
-            return _answer(resp, self._max_response_bytes)
+            return _answer(await self._transport.fetch(endpoint, path, self._request_timeout))
 
         return await self._with_retries(what, attempt, None)
 
@@ -501,7 +367,7 @@ class AsyncClient:
                 delay,
                 tries,
             )
-            await asyncio.sleep(delay)
+            await self._sleep(delay)
 
     def _unreachable(self, what: str, tries: int, failure: Exception) -> str:
         where = ", ".join(str(e) for e in self._endpoints)
@@ -515,7 +381,7 @@ class AsyncClient:
     async def _pause_if_early(self, sent: float, hold: float, deadline: float) -> None:
         now = time.monotonic()
         if now - sent < hold and now < deadline:
-            await asyncio.sleep(min(EARLY_ANSWER_PAUSE, deadline - now))
+            await self._sleep(min(EARLY_ANSWER_PAUSE, deadline - now))
 
     async def _poll(self, rdzv_id: str, req: wire.Request, timeout: float, what: str) -> dict[str, Any]:
         """Re-send a long-poll ``req`` until its reply says ``found``; the deadline is ours."""
@@ -766,24 +632,40 @@ class AsyncClient:
     async def _probe(self, path: str) -> bool:
         for endpoint in self._endpoints:
             try:
-                resp = await self._transport.send("GET", endpoint.url + path, None, {}, self._request_timeout)
-            except TransportError:
+                answer = await self._transport.fetch(endpoint, path, self._request_timeout)
+            except (TransportError, ServerError):
                 continue
-            return resp.status == 200
+            return answer.status == 200
         return False
 
 
 # --------------------------------------------------------------------------- sync client
 
 
+def _drive(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine that never suspends (its transport blocks instead) to its end."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    coro.close()
+    raise RuntimeError("a blocking rdzv Client call tried to suspend: its transport must block, not await")
+
+
+async def _blocking_sleep(seconds: float) -> None:
+    time.sleep(seconds)  # noqa: ASYNC251 (driven by _drive in the caller's thread, never in a loop)
+
+
 class Client:
     """A thread-safe blocking client of rdzv-server, with the methods of :class:`AsyncClient`.
 
-    It owns one event loop running in one daemon thread; every call is submitted to that
-    loop, so any number of threads may share one ``Client`` and its connections. Close it
-    with :meth:`close` (or use it as a context manager). Calls after :meth:`close`, from
-    another process after ``fork``, or from the client's own loop thread raise
-    :class:`RuntimeError`. Errors are those of the matching :class:`AsyncClient` method.
+    The calling thread does the work: the same client policy as :class:`AsyncClient`
+    (it *is* an AsyncClient, driven without an event loop) over a :class:`SocketTransport`,
+    whose pooled connections speak the stream protocol. Any number of threads may share
+    one ``Client``; each call holds one connection while it runs. Close it with
+    :meth:`close` (or use it as a context manager): calls in flight then raise
+    :class:`RdzvError`, later calls :class:`RuntimeError`. After ``fork``, the child opens
+    its own connections. Errors are those of the matching :class:`AsyncClient` method.
     """
 
     def __init__(
@@ -798,26 +680,19 @@ class Client:
         client_id: str | None = None,
         transport: Transport | None = None,
     ) -> None:
+        self._transport = transport or SocketTransport(
+            connection_limit=connection_limit, max_response_bytes=max_response_bytes
+        )
         self._async = AsyncClient(
             endpoint,
             retry_budget=retry_budget,
             request_timeout=request_timeout,
             max_hold=max_hold,
-            connection_limit=connection_limit,
-            max_response_bytes=max_response_bytes,
             client_id=client_id,
-            transport=transport,
+            transport=self._transport,
+            sleep=_blocking_sleep,
         )
-        self._pid = os.getpid()
-        self._lock = threading.Lock()
         self._closed = False
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run_loop, name="rdzv-client-loop", daemon=True)
-        self._thread.start()
-
-    def _run_loop(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop.run_forever()
 
     @property
     def endpoints(self) -> tuple[Endpoint, ...]:
@@ -828,51 +703,16 @@ class Client:
         return self._async.client_id
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        with self._lock:
-            problem = None
-            if self._closed:
-                problem = "this rdzv Client is closed"
-            elif os.getpid() != self._pid:
-                problem = "this rdzv Client was created in another process; create a new one after fork"
-            elif threading.get_ident() == self._thread.ident:
-                problem = "a blocking rdzv Client call from the client's own event loop thread would deadlock"
-            if problem is not None:
-                coro.close()
-                raise RuntimeError(problem)
-            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return future.result()
-        except concurrent.futures.CancelledError as exc:
-            raise RdzvError("the rdzv Client was closed while this call was in flight") from exc
-        except BaseException:
-            future.cancel()  # KeyboardInterrupt in the caller: do not leave the call running
-            raise
+        if self._closed:
+            coro.close()
+            raise RuntimeError("this rdzv Client is closed")
+        return _drive(coro)
 
     def close(self) -> None:
-        """Cancel calls in flight, close the connections and stop the loop thread (idempotent)."""
-        with self._lock:
-            if self._closed or os.getpid() != self._pid:
-                self._closed = True
-                return
-            if threading.get_ident() == self._thread.ident:
-                raise RuntimeError("an rdzv Client cannot be closed from its own event loop thread")
+        """Close every connection; calls in flight raise :class:`RdzvError` (idempotent)."""
+        if not self._closed:
             self._closed = True
-            shutdown = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
-        try:
-            shutdown.result(timeout=DEFAULT_CLOSE_TIMEOUT)
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=DEFAULT_CLOSE_TIMEOUT)
-            if not self._thread.is_alive():
-                self._loop.close()
-
-    async def _shutdown(self) -> None:
-        me = asyncio.current_task()
-        others = [t for t in asyncio.all_tasks() if t is not me]
-        for task in others:
-            task.cancel()
-        await asyncio.gather(*others, return_exceptions=True)
-        await self._async.aclose()
+            _drive(self._async.aclose())
 
     def __enter__(self) -> Client:
         return self

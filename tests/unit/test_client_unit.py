@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator
 from typing import Any, TypeAlias
 
 import pytest
@@ -23,11 +25,10 @@ from rdzv_client.client import (
     AsyncClient,
     Client,
     Endpoint,
-    Response,
-    TransportError,
     backoff_delay,
     parse_endpoints,
 )
+from rdzv_client.transport import Answer, SocketTransport, TransportError, http_answer
 from rdzv_client.error import (
     ERROR_CLASSES,
     BadRequestError,
@@ -199,15 +200,15 @@ def test_client_default_settings_equal_the_wire_defaults() -> None:
 # --------------------------------------------------------------------------- retry policy
 
 
-def ok(**fields: Any) -> Response:
-    return Response(200, wire.CONTENT_TYPE_MSGPACK, wire.pack(fields))
+def ok(**fields: Any) -> Answer:
+    return Answer(200, fields)
 
 
-def failed(code: wire.ErrorCode, message: str = "no") -> Response:
-    return Response(wire.HTTP_STATUS[code], wire.CONTENT_TYPE_MSGPACK, wire.pack(wire.error_body(code, message)))
+def failed(code: wire.ErrorCode, message: str = "no") -> Answer:
+    return Answer(wire.HTTP_STATUS[code], wire.error_body(code, message))
 
 
-Step: TypeAlias = Response | Exception
+Step: TypeAlias = Answer | Exception
 
 
 class ScriptedTransport:
@@ -218,10 +219,15 @@ class ScriptedTransport:
         self.sent: list[tuple[str, dict[str, Any] | None, float]] = []
         self.closed = False
 
-    async def send(
-        self, method: str, url: str, body: bytes | None, headers: Mapping[str, str], timeout: float
-    ) -> Response:
-        self.sent.append((url, wire.unpack(body, 1 << 20) if body else None, timeout))
+    async def call(self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], timeout: float) -> Answer:
+        self.sent.append((endpoint.url + wire.op_path(rdzv_id, op), fields, timeout))
+        return self._next()
+
+    async def fetch(self, endpoint: Endpoint, path: str, timeout: float) -> Answer:
+        self.sent.append((endpoint.url + path, None, timeout))
+        return self._next()
+
+    def _next(self) -> Answer:
         step = self.steps.pop(0)
         if isinstance(step, Exception):
             raise step
@@ -314,16 +320,15 @@ async def test_invalid_ids_and_keys_fail_before_any_request() -> None:
 
 
 async def test_a_malformed_reply_is_a_server_error() -> None:
-    t = ScriptedTransport(ok(valu=1), Response(200, "text/html", b"<html>"))
-    c = client_over(t)
+    t = ScriptedTransport(ok(valu=1))
     with pytest.raises(ServerError):
-        await c.add("job", "k", 1)
+        await client_over(t).add("job", "k", 1)
     with pytest.raises(ServerError):
-        await c.add("job", "k", 1)
+        http_answer(200, "text/html", b"<html>", 1 << 20)  # a 2xx the client cannot read
 
 
 async def test_a_non_wire_error_page_keeps_its_status_and_text() -> None:
-    t = ScriptedTransport(Response(404, "text/plain", b"404: Not Found"))
+    t = ScriptedTransport(http_answer(404, "text/plain", b"404: Not Found", 1 << 20))
     with pytest.raises(NotFoundError) as info:
         await client_over(t).num_keys("job")
     assert "Not Found" in info.value.message
@@ -335,13 +340,13 @@ class HoldingTransport:
     def __init__(self) -> None:
         self.holds: list[float] = []
 
-    async def send(
-        self, method: str, url: str, body: bytes | None, headers: Mapping[str, str], timeout: float
-    ) -> Response:
-        req = wire.unpack(body or b"", 1 << 20)
-        self.holds.append(req["timeout"])
-        await asyncio.sleep(req["timeout"])
+    async def call(self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], timeout: float) -> Answer:
+        self.holds.append(fields["timeout"])
+        await asyncio.sleep(fields["timeout"])
         return ok(found=False, value=None)
+
+    async def fetch(self, endpoint: Endpoint, path: str, timeout: float) -> Answer:
+        raise AssertionError("not used")
 
     async def aclose(self) -> None:
         pass
@@ -403,23 +408,51 @@ def test_sync_client_calls_after_close_raise_and_close_is_idempotent() -> None:
         c.num_keys("job")
 
 
-def test_sync_client_refuses_calls_from_its_own_loop_thread() -> None:
-    with Client("a", transport=ScriptedTransport()) as c:
-        async def call_back_in() -> str:
+class _Suspend:
+    def __await__(self) -> Iterator[None]:
+        yield  # what awaiting an unfinished future does
+
+
+class SuspendingTransport(ScriptedTransport):
+    async def call(self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], timeout: float) -> Answer:
+        await _Suspend()
+        return ok(count=1)
+
+
+def test_sync_client_reports_a_transport_that_suspends() -> None:
+    with Client("a", transport=SuspendingTransport()) as c:
+        with pytest.raises(RuntimeError, match="suspend"):
+            c.num_keys("job")
+
+
+@pytest.fixture
+def silent_server() -> Iterator[tuple[str, list[socket.socket]]]:
+    """A loopback listener that accepts connections and never answers."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
             try:
-                c.num_keys("job")
-            except RuntimeError as exc:
-                return str(exc)
-            return "no error"
+                accepted.append(listener.accept()[0])
+            except TimeoutError:
+                continue
 
-        future = asyncio.run_coroutine_threadsafe(call_back_in(), c._loop)
-        assert "deadlock" in future.result(timeout=5)
+    th = threading.Thread(target=accept, daemon=True)
+    th.start()
+    yield f"127.0.0.1:{listener.getsockname()[1]}", accepted
+    stop.set()
+    th.join(timeout=5)
+    listener.close()
+    for sock in accepted:
+        sock.close()
 
 
-def test_sync_client_close_cancels_calls_in_flight() -> None:
-    import threading
-
-    c = Client("a", transport=HoldingTransport(), max_hold=30)
+def test_sync_client_close_ends_calls_in_flight(silent_server: tuple[str, list[socket.socket]]) -> None:
+    endpoint, accepted = silent_server
+    c = Client(endpoint, max_hold=30)
     errors: list[BaseException] = []
 
     def blocked() -> None:
@@ -428,13 +461,40 @@ def test_sync_client_close_cancels_calls_in_flight() -> None:
         except BaseException as exc:  # noqa: BLE001 - the test inspects it
             errors.append(exc)
 
-    th = threading.Thread(target=blocked)
-    th.start()
-    time.sleep(0.2)
+    threads = [threading.Thread(target=blocked) for _ in range(3)]
+    for th in threads:
+        th.start()
+    deadline = time.monotonic() + 5
+    while len(accepted) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(accepted) == 3  # each blocked call holds its own connection
+    start = time.monotonic()
     c.close()
-    th.join(timeout=5)
-    assert not th.is_alive()
-    assert len(errors) == 1 and isinstance(errors[0], RdzvError) and "closed" in str(errors[0])
+    for th in threads:
+        th.join(timeout=5)
+    assert not any(th.is_alive() for th in threads) and time.monotonic() - start < 2
+    assert len(errors) == 3
+    assert all(isinstance(e, RdzvError) and "closed" in str(e) for e in errors)
+    with pytest.raises(RuntimeError, match="closed"):
+        c.num_keys("job")
+
+
+def test_socket_transport_times_out_as_a_transport_error(silent_server: tuple[str, list[socket.socket]]) -> None:
+    endpoint, _ = silent_server
+    with Client(endpoint, retry_budget=0.0, request_timeout=0.2) as c:
+        start = time.monotonic()
+        with pytest.raises(RdzvConnectionError) as info:
+            c.num_keys("job")
+        assert 0.15 < time.monotonic() - start < 2
+        assert isinstance(info.value.__cause__, TransportError)
+
+
+def test_socket_transport_refused_is_a_transport_error() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]  # bound, then closed: nobody listens there
+    t = SocketTransport()
+    with pytest.raises(TransportError):
+        asyncio.run(t.call(Endpoint("127.0.0.1", port), "job", "num_keys", {}, 1.0))
 
 
 # --------------------------------------------------------------------------- rdzvctl tables

@@ -1,0 +1,366 @@
+"""The seam below client policy: one exchange with one server, no retries, no interpretation.
+
+What it owns:
+- :class:`Transport`, what the client asks of a transport: an operation (``call``), a
+  read-only page (``fetch``, the JSON GETs) and ``aclose``;
+- :class:`AiohttpTransport`: everything over HTTP, for :class:`AsyncClient`;
+- :class:`SocketTransport`: blocking sockets for the threaded :class:`Client`. Operations
+  travel as stream-protocol frames (see ``wire``, "stream protocol") over pooled
+  connections, one request in flight per connection; the JSON pages over HTTP/1.1. Its
+  methods are coroutines that never suspend, so the client drives them without a loop.
+
+What it must not know: retries, deadlines, error codes (``client.py`` decides all of
+them from an :class:`Answer`).
+
+Rules:
+- A transport raises :class:`TransportError` only when no complete answer arrived
+  (refused, reset, timed out, truncated): the client may retry those.
+- Any failure during an exchange discards that connection; a pooled connection found
+  closed or reset (the server restarted while it sat idle) is replaced once, at once, by
+  a fresh one. Resending is safe: a write's rid makes it apply once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import http.client
+import itertools
+import os
+import socket
+import threading
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import aiohttp
+
+from . import wire
+from .error import RdzvError, ServerError
+
+# A server that does not accept a connection in this long is not going to.
+DEFAULT_CONNECT_TIMEOUT = 10.0
+# Beyond a request's own hold, an answer this late means the server or the path is stuck.
+DEFAULT_REQUEST_TIMEOUT = 30.0
+# Every blocking call holds one connection; torch agents run a handful at once, so 128
+# leaves room for many threads sharing one client without queueing behind long-polls.
+DEFAULT_CONNECTION_LIMIT = 128
+# Store replies are small; 64 KiB reads take a typical reply in one go.
+DEFAULT_READ_BUFSIZE = 64 * 1024
+# Bounds what a misbehaving peer can make us buffer; far above any sane multi_get reply.
+DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """One server address."""
+
+    host: str
+    port: int = wire.DEFAULT_PORT
+    scheme: str = "http"
+
+    @property
+    def url(self) -> str:
+        """The base URL, e.g. ``http://[::1]:29400``."""
+        return f"{self.scheme}://{self}"
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """A server's answer: the HTTP status and the decoded body (the stream carries the same two)."""
+
+    status: int
+    body: Any
+
+
+class TransportError(Exception):
+    """The request got no complete answer: refused, reset, timed out or truncated."""
+
+
+class Transport(Protocol):
+    """What the client needs from a transport; see the module rules."""
+
+    async def call(self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], timeout: float) -> Answer:
+        """Send operation ``op`` of job ``rdzv_id`` with its request ``fields``; wait up to ``timeout`` s."""
+        ...
+
+    async def fetch(self, endpoint: Endpoint, path: str, timeout: float) -> Answer:
+        """GET ``path`` (a JSON page such as ``/v1/jobs`` or ``/healthz``)."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+def http_answer(status: int, content_type: str, data: bytes, max_bytes: int) -> Answer:
+    """Decode an HTTP body by its content type. A 2xx the client cannot read is a
+    :class:`ServerError`; an unreadable error page (a proxy's) keeps its first words."""
+    try:
+        if content_type == wire.CONTENT_TYPE_MSGPACK:
+            return Answer(status, wire.unpack(data, max_bytes, max_items=wire.MAX_REPLY_ITEMS))
+        if content_type == wire.CONTENT_TYPE_JSON:
+            return Answer(status, wire.load_json(data, max_bytes))
+        raise wire.WireError(f"unexpected content type {content_type!r}")
+    except wire.WireError as exc:
+        if 200 <= status < 300:
+            raise ServerError(f"the server sent a reply this client cannot read: {exc}") from exc
+        text = data[:200].decode("utf-8", errors="replace").strip()
+        return Answer(status, {"message": f"HTTP {status}: {text}" if text else ""})
+
+
+_MSGPACK_HEADERS = {"Content-Type": wire.CONTENT_TYPE_MSGPACK, "Accept": wire.CONTENT_TYPE_MSGPACK}
+_JSON_HEADERS = {"Accept": wire.CONTENT_TYPE_JSON}
+
+
+# --------------------------------------------------------------------------- HTTP (asyncio)
+
+
+class AiohttpTransport:
+    """:class:`Transport` over one aiohttp session with persistent connections.
+
+    The session is opened on first use, inside the event loop that uses it; a transport
+    belongs to that one loop.
+    """
+
+    def __init__(
+        self,
+        *,
+        connection_limit: int = DEFAULT_CONNECTION_LIMIT,
+        read_bufsize: int = DEFAULT_READ_BUFSIZE,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+    ) -> None:
+        self._connection_limit = connection_limit
+        self._read_bufsize = read_bufsize
+        self._max_response_bytes = max_response_bytes
+        self._session: aiohttp.ClientSession | None = None
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=self._connection_limit, limit_per_host=0)
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                read_bufsize=self._read_bufsize,
+                timeout=aiohttp.ClientTimeout(total=DEFAULT_REQUEST_TIMEOUT),
+                trust_env=False,  # a rendezvous on a cluster network must not go through a proxy
+                auto_decompress=False,  # the server never compresses; refuse to inflate
+            )
+        return self._session
+
+    async def call(self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], timeout: float) -> Answer:
+        url = endpoint.url + wire.op_path(rdzv_id, op)
+        return await self._send("POST", url, wire.pack(fields), _MSGPACK_HEADERS, timeout)
+
+    async def fetch(self, endpoint: Endpoint, path: str, timeout: float) -> Answer:
+        return await self._send("GET", endpoint.url + path, None, _JSON_HEADERS, timeout)
+
+    async def _send(
+        self, method: str, url: str, body: bytes | None, headers: Mapping[str, str], timeout: float
+    ) -> Answer:
+        session = self._open()
+        try:
+            async with session.request(
+                method, url, data=body, headers=dict(headers), timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as resp:
+                data = await self._read(resp)
+                return http_answer(resp.status, resp.content_type, data, self._max_response_bytes)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise TransportError(str(exc) or type(exc).__name__) from exc
+
+    async def _read(self, resp: aiohttp.ClientResponse) -> bytes:
+        limit = self._max_response_bytes
+        if resp.content_length is not None and resp.content_length <= limit:
+            return await resp.read()
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in resp.content.iter_any():
+            size += len(chunk)
+            if size > limit:
+                raise ServerError(f"the server's reply exceeds the client's limit of {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+# --------------------------------------------------------------------------- blocking sockets
+
+
+class ClientClosedError(RdzvError):
+    """The client was closed while this call was in flight (or before it)."""
+
+
+class _Stale(Exception):
+    """A pooled connection turned out to be closed (the server restarted while it sat idle)."""
+
+
+class SocketTransport:
+    """:class:`Transport` over blocking sockets, shared by any number of threads.
+
+    ``http://`` endpoints get the stream protocol; ``https://`` ones get HTTP/1.1 over TLS
+    for everything (the stream protocol has no TLS).
+    """
+
+    def __init__(
+        self,
+        *,
+        connection_limit: int = DEFAULT_CONNECTION_LIMIT,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+    ) -> None:
+        self._max_idle = connection_limit
+        self._max_response_bytes = max_response_bytes
+        self._connect_timeout = connect_timeout
+        self._lock = threading.Lock()
+        self._idle: dict[Endpoint, list[socket.socket]] = {}
+        self._busy: set[socket.socket] = set()
+        self._tags = itertools.count(1)
+        self._closed = False
+        self._pid = os.getpid()
+
+    # -- the seam --------------------------------------------------------------------------
+
+    async def call(self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], timeout: float) -> Answer:
+        if endpoint.scheme != "http":
+            body = wire.pack(fields)
+            return self._http(endpoint, "POST", wire.op_path(rdzv_id, op), body, _MSGPACK_HEADERS, timeout)
+        tag = next(self._tags)
+        payload = wire.frame([tag, op, rdzv_id, fields])
+        try:
+            return self._exchange(endpoint, tag, payload, timeout, fresh=False)
+        except _Stale:
+            return self._exchange(endpoint, tag, payload, timeout, fresh=True)
+
+    async def fetch(self, endpoint: Endpoint, path: str, timeout: float) -> Answer:
+        return self._http(endpoint, "GET", path, None, _JSON_HEADERS, timeout)
+
+    async def aclose(self) -> None:
+        """Close every connection, idle or in use; calls in flight raise :class:`ClientClosedError`."""
+        with self._lock:
+            self._closed = True
+            socks = [s for idle in self._idle.values() for s in idle] + list(self._busy)
+            self._idle.clear()
+        for sock in socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv on it
+            except OSError:
+                pass
+            sock.close()
+
+    # -- stream exchange ---------------------------------------------------------------------
+
+    def _exchange(self, endpoint: Endpoint, tag: int, payload: bytes, timeout: float, *, fresh: bool) -> Answer:
+        sock, reused = self._checkout(endpoint, timeout, fresh)
+        ok = False
+        try:
+            sock.settimeout(timeout)
+            sock.sendall(payload if reused else wire.STREAM_PREFACE + payload)
+            reply = self._read_frame(sock)
+            ok = True
+        except (OSError, EOFError) as exc:
+            self._raise_if_closed(exc)
+            if reused and isinstance(exc, (ConnectionError, EOFError)):
+                raise _Stale() from exc  # retrying is safe: a write's rid makes it apply once
+            raise TransportError(f"{endpoint}: {exc or type(exc).__name__}") from exc
+        finally:
+            self._checkin(endpoint, sock, ok)
+        try:
+            message = wire.unpack(reply, self._max_response_bytes, max_items=wire.MAX_REPLY_ITEMS)
+        except wire.WireError as exc:
+            raise ServerError(f"the server sent a frame this client cannot read: {exc}") from exc
+        if not (isinstance(message, list) and len(message) == 3 and message[0] == tag and isinstance(message[1], int)):
+            raise ServerError(f"the server sent a reply frame that does not answer request {tag}: {message!r:.200}")
+        return Answer(message[1], message[2])
+
+    def _read_frame(self, sock: socket.socket) -> bytes:
+        size = wire.FRAME_HEADER.size
+        data = b""
+        while len(data) < size:
+            chunk = sock.recv(DEFAULT_READ_BUFSIZE)
+            if not chunk:
+                raise EOFError("the server closed the connection mid-reply")
+            data += chunk
+        (length,) = wire.FRAME_HEADER.unpack_from(data)
+        if length > self._max_response_bytes:
+            raise ServerError(f"the server's reply of {length} bytes exceeds the client's limit")
+        need = size + length
+        if len(data) < need:
+            parts = [data]
+            have = len(data)
+            while have < need:
+                chunk = sock.recv(min(need - have, 1 << 20))
+                if not chunk:
+                    raise EOFError("the server closed the connection mid-reply")
+                parts.append(chunk)
+                have += len(chunk)
+            data = b"".join(parts)
+        if len(data) != need:
+            raise ServerError("the server sent bytes after its reply, with no request outstanding")
+        return data[size:]
+
+    def _checkout(self, endpoint: Endpoint, timeout: float, fresh: bool) -> tuple[socket.socket, bool]:
+        with self._lock:
+            self._check_usable()
+            idle = self._idle.get(endpoint)
+            if idle and not fresh:
+                sock = idle.pop()
+                self._busy.add(sock)
+                return sock, True
+        try:
+            sock = socket.create_connection((endpoint.host, endpoint.port), timeout=min(timeout, self._connect_timeout))
+        except OSError as exc:
+            raise TransportError(f"{endpoint}: {exc}") from exc
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._lock:
+            if self._closed:
+                sock.close()
+                self._check_usable()
+            self._busy.add(sock)
+        return sock, False
+
+    def _checkin(self, endpoint: Endpoint, sock: socket.socket, ok: bool) -> None:
+        with self._lock:
+            self._busy.discard(sock)
+            idle = self._idle.setdefault(endpoint, [])
+            if ok and not self._closed and len(idle) < self._max_idle:
+                idle.append(sock)
+                return
+        sock.close()
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ClientClosedError("this rdzv client is closed")
+        if os.getpid() != self._pid:  # a forked child must not share its parent's connections
+            self._idle.clear()
+            self._busy.clear()
+            self._pid = os.getpid()
+
+    def _raise_if_closed(self, exc: BaseException) -> None:
+        if self._closed:
+            raise ClientClosedError("the rdzv client was closed while this call was in flight") from exc
+
+    # -- HTTP/1.1 (pages, and https endpoints) ----------------------------------------------
+
+    def _http(
+        self, endpoint: Endpoint, method: str, path: str, body: bytes | None, headers: Mapping[str, str], timeout: float
+    ) -> Answer:
+        with self._lock:
+            self._check_usable()
+        cls = http.client.HTTPSConnection if endpoint.scheme == "https" else http.client.HTTPConnection
+        conn = cls(endpoint.host, endpoint.port, timeout=timeout)
+        try:
+            conn.request(method, path, body=body, headers=dict(headers))
+            resp = conn.getresponse()
+            data = resp.read(self._max_response_bytes + 1)
+        except (OSError, http.client.HTTPException) as exc:
+            raise TransportError(f"{endpoint}: {exc or type(exc).__name__}") from exc
+        finally:
+            conn.close()
+        if len(data) > self._max_response_bytes:
+            raise ServerError(f"the server's reply exceeds the client's limit of {self._max_response_bytes} bytes")
+        content_type = (resp.getheader("Content-Type") or "").split(";")[0].strip()
+        return http_answer(resp.status, content_type, data, self._max_response_bytes)
