@@ -1,0 +1,305 @@
+"""The stream protocol, server side: the operations as msgpack frames on a plain TCP connection.
+
+What it owns: one :class:`StreamConnection` per connection (preface, framing, pipelining,
+flow control, cancellation) and :class:`StreamServer`, their factory and shutdown. The
+protocol itself is specified in ``rdzv_client.wire`` ("stream protocol"); each request is
+served by :func:`.operation.run_operation`, exactly as its HTTP twin, so a reply frame
+carries the same status and body as the HTTP response would.
+
+Rules:
+- The connection opens with ``wire.STREAM_PREFACE``; anything else is answered with one
+  ``[0, 400, bad_request]`` frame and the connection is closed.
+- A frame header announcing more than the body limit (plus :data:`FRAME_OVERHEAD`) is
+  answered ``[0, 413, body_too_large]`` and the connection is closed: the framing can no
+  longer be trusted. A frame that is read whole but is not a valid request is answered
+  with its tag (0 if none can be read) and a 400; the connection stays usable.
+- Every valid request runs as its own task; replies are written in completion order.
+- The connection closing (EOF or reset) cancels every request in flight, as aiohttp's
+  ``handler_cancellation`` does for HTTP: a node's dropped watch is how the service
+  notices fast that it died.
+- At most :data:`MAX_IN_FLIGHT` requests run per connection, and none are read while the
+  transport's write buffer is over its high-water mark: a client that does not read its
+  replies stops being read, so the server buffers at most one reply per request in flight.
+- After a fatal error the reply is flushed, our side half-closed and further bytes
+  discarded for :data:`LINGER` seconds, so the client reads the error instead of a reset.
+
+This is the hot path: nothing here logs, copies or allocates per request beyond the
+decoded request, its task and its reply frame.
+
+What it must not know: HTTP, what the operations do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from typing import Any, cast
+
+from rdzv_client import wire
+
+from ..service import Service
+from .metric import Metrics
+from .operation import run_operation
+
+log = logging.getLogger("rdzv_server.api")
+
+# A request frame is the body limit plus its tag, op and id; 1 KiB covers a 64-bit tag, any
+# operation name and a 200-character id with their msgpack headers.
+FRAME_OVERHEAD = 1024
+# Requests running per connection before it stops reading: deep enough for any client's
+# pipelining, small enough that one client cannot make the server buffer without bound.
+MAX_IN_FLIGHT = 1024
+# How long a connection closed for a protocol error keeps draining the client's bytes, so
+# that closing it sends a FIN after the error frame instead of a reset that may discard it.
+LINGER = 2.0
+
+_PREFACE = wire.STREAM_PREFACE
+_PREFACE_LEN = len(_PREFACE)
+_HEADER_LEN = wire.FRAME_HEADER.size
+_read_header = wire.FRAME_HEADER.unpack_from
+_MAX_TAG = 2**63
+_SHAPE = "a request frame is [tag: int 0..2**63-1, op: str, rdzv_id: str, fields: map]"
+
+
+def _tag_of(msg: Any) -> int:
+    """The tag of a malformed request, so its error finds its caller; 0 if there is none."""
+    if isinstance(msg, list) and msg and type(msg[0]) is int and 0 <= msg[0] < _MAX_TAG:
+        return msg[0]
+    return 0
+
+
+class StreamConnection(asyncio.Protocol):
+    """One stream connection (see the module docstring for its rules)."""
+
+    def __init__(self, server: StreamServer) -> None:
+        self._server = server
+        self._svc = server.svc
+        self._metrics = server.metrics
+        self._loop = asyncio.get_running_loop()
+        self._limit = server.svc.config.max_body_bytes + FRAME_OVERHEAD
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._greeted = False  # the preface has been read
+        self._accepting = True  # new requests are read (False once closing)
+        self._replying = True  # replies are written (False after a fatal error)
+        self._writing_paused = False
+        self._reading_paused = False
+        self._linger: asyncio.TimerHandle | None = None
+        self.in_flight: set[asyncio.Task[None]] = set()
+        self.closed: asyncio.Future[None] = self._loop.create_future()
+
+    # -- transport events ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+        sock = self._transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                # As aiohttp does for HTTP: a peer that vanished without a reset is found eventually.
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        self._server.connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._accepting:
+            return  # closing: what the client still sends is drained, not served
+        buf = self._buffer
+        if not self._greeted:
+            buf += data
+            seen = bytes(buf[:_PREFACE_LEN])
+            if seen != _PREFACE[: len(seen)]:
+                buf.clear()
+                self._fail(400, wire.ErrorCode.BAD_REQUEST, f"the stream must open with {_PREFACE!r}")
+                return
+            if len(seen) < _PREFACE_LEN:
+                return
+            self._greeted = True
+            del buf[:_PREFACE_LEN]
+            self._parse_buffer()
+            return
+        if buf:
+            buf += data
+            self._parse_buffer()
+            return
+        consumed = self._parse(data)  # the common case: whole frames, parsed where they lie
+        if consumed < len(data):
+            buf += memoryview(data)[consumed:]
+        self._update_reading()
+
+    def eof_received(self) -> bool | None:
+        # A dead process's kernel sends FIN, not a reset: treat EOF as the connection lost
+        # (returning None closes the transport), as aiohttp does for HTTP.
+        return None
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._transport = None
+        self._accepting = False
+        self._replying = False
+        if self._linger is not None:
+            self._linger.cancel()
+        for task in self.in_flight:
+            task.cancel()
+        self._server.connections.discard(self)
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._writing_paused = True
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        self._writing_paused = False
+        self._parse_buffer()
+
+    # -- framing ---------------------------------------------------------------------------
+
+    def _held(self) -> bool:
+        """Whether reading must wait: too many requests in flight, or replies not read."""
+        return self._writing_paused or len(self.in_flight) >= MAX_IN_FLIGHT
+
+    def _parse(self, data: bytes | bytearray) -> int:
+        """Serve the whole frames at the start of ``data``; return how many bytes they took."""
+        pos, end = 0, len(data)
+        with memoryview(data) as view:
+            while end - pos >= _HEADER_LEN and self._accepting and not self._held():
+                (length,) = _read_header(data, pos)
+                if length > self._limit:
+                    self._fail(
+                        413,
+                        wire.ErrorCode.BODY_TOO_LARGE,
+                        f"frame of {length} bytes exceeds the limit of {self._limit}",
+                    )
+                    return end
+                stop = pos + _HEADER_LEN + length
+                if stop > end:
+                    break
+                self._request(view[pos + _HEADER_LEN : stop])
+                pos = stop
+        return pos
+
+    def _parse_buffer(self) -> None:
+        buf = self._buffer
+        if buf and self._greeted:
+            consumed = self._parse(buf)
+            if consumed:
+                try:
+                    del buf[:consumed]
+                except BufferError:  # a frame's view outlived its request (never expected)
+                    self._buffer = buf[consumed:]
+        self._update_reading()
+
+    def _update_reading(self) -> None:
+        transport = self._transport
+        held = self._accepting and self._held()  # closing drains, it never holds
+        if transport is None or held == self._reading_paused:
+            return
+        self._reading_paused = held
+        if held:
+            transport.pause_reading()
+        else:
+            transport.resume_reading()
+
+    # -- requests --------------------------------------------------------------------------
+
+    def _request(self, payload: memoryview) -> None:
+        try:
+            msg = wire.unpack(payload, self._limit)  # type: ignore[arg-type]  # any buffer works
+        except wire.WireError as exc:
+            self._send(0, 400, wire.error_body(wire.ErrorCode.BAD_REQUEST, str(exc)))
+            return
+        if type(msg) is list and len(msg) == 4:
+            tag, op, rdzv_id, fields = msg
+            valid_tag = type(tag) is int and 0 <= tag < _MAX_TAG
+            if valid_tag and type(op) is str and type(rdzv_id) is str and type(fields) is dict:
+                task = self._loop.create_task(self._serve(tag, op, rdzv_id, fields))
+                self.in_flight.add(task)
+                task.add_done_callback(self._finished)
+                return
+        self._send(_tag_of(msg), 400, wire.error_body(wire.ErrorCode.BAD_REQUEST, _SHAPE))
+
+    async def _serve(self, tag: int, op: str, rdzv_id: str, fields: dict[str, Any]) -> None:
+        status, body = await run_operation(self._svc, self._metrics, op, rdzv_id, fields)
+        self._send(tag, status, body)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self.in_flight.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("Answering a stream request failed.", exc_info=task.exception())
+        if self._reading_paused:
+            self._parse_buffer()
+
+    def _send(self, tag: int, status: int, body: dict[str, Any]) -> None:
+        if self._replying and self._transport is not None:
+            self._transport.write(wire.frame([tag, status, body]))
+
+    # -- closing ---------------------------------------------------------------------------
+
+    def _fail(self, status: int, code: wire.ErrorCode, message: str) -> None:
+        """A protocol error: answer with tag 0, stop serving, half-close, drain, then close."""
+        transport = self._transport
+        if transport is None or not self._replying:
+            return
+        self._accepting = False
+        for task in self.in_flight:
+            task.cancel()
+        transport.write(wire.frame([0, status, wire.error_body(code, message)]))
+        self._replying = False
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._update_reading()
+        self._linger = self._loop.call_later(LINGER, transport.close)
+
+    def stop_accepting(self) -> None:
+        """Shutdown, first step: serve no new requests; those in flight still answer."""
+        self._accepting = False
+        self._update_reading()
+
+    def close(self) -> None:
+        """Shutdown, last step: cancel what still runs, flush the replies, close."""
+        self._accepting = False
+        for task in self.in_flight:
+            task.cancel()
+        if self._transport is not None:
+            self._transport.close()
+
+    def abort(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
+
+
+class StreamServer:
+    """The protocol factory of stream connections (``StreamServer()`` -> a new connection)."""
+
+    def __init__(self, svc: Service, metrics: Metrics) -> None:
+        self.svc = svc
+        self.metrics = metrics
+        self.connections: set[StreamConnection] = set()
+
+    def __call__(self) -> StreamConnection:
+        return StreamConnection(self)
+
+    async def shutdown(self, timeout: float) -> None:
+        """Close every connection once its requests in flight have answered.
+
+        Call after ``Service.begin_stop()``, which answers parked long-polls at once (503
+        ``shutting_down``). Requests still running after ``timeout`` are cancelled, and
+        connections whose replies cannot be flushed by then are aborted.
+        """
+        deadline = asyncio.get_running_loop().time() + timeout
+        connections = list(self.connections)
+        for conn in connections:
+            conn.stop_accepting()
+        tasks = [task for conn in connections for task in conn.in_flight]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+        for conn in connections:
+            conn.close()
+        closing = [conn.closed for conn in connections if not conn.closed.done()]
+        if closing:
+            remaining = max(0.0, deadline - asyncio.get_running_loop().time())
+            await asyncio.wait(closing, timeout=max(remaining, 0.1))
+        for conn in connections:
+            if not conn.closed.done():
+                conn.abort()
