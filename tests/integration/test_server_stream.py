@@ -1,0 +1,637 @@
+"""The stream protocol against the real server process, driven by a plain blocking socket.
+
+The client here is written from the wire spec (``rdzv_client.wire``, "stream protocol"):
+preface, 4-byte big-endian length, msgpack ``[tag, op, rdzv_id, fields]`` out and
+``[tag, status, body]`` back. It checks what a user of the stream relies on: every reply
+matches what HTTP answers for the same request, both protocols share one port and one
+state, requests pipeline and long-polls do not block later requests, protocol errors are
+answered before the connection closes, a dropped connection is a dead node, shutdown
+answers parked long-polls, and acknowledged writes are durable."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import http.client
+import json
+import signal
+import socket
+import struct
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgpack
+import psutil
+import pytest
+from server_process import ServerProcess
+
+from rdzv_client import wire
+from rdzv_server.api.stream import MAX_IN_FLIGHT
+
+PREFACE = b"\x00RDZV1\r\n"
+# Generous bound for "promptly": far below every hold and timeout the tests park on.
+PROMPTLY = 3.0
+DISCONNECT_GRACE = 0.5
+SMALL_VALUE_LIMIT = 1024
+SMALL_BODY_LIMIT = 2048
+
+
+def new_job() -> str:
+    return f"stream-{uuid.uuid4().hex[:12]}"
+
+
+# --------------------------------------------------------------------------- the client
+
+
+@dataclasses.dataclass(frozen=True)
+class Reply:
+    tag: int
+    status: int
+    body: dict[str, Any]
+
+    @property
+    def error(self) -> Any:
+        return self.body.get("error")
+
+
+def encode_frame(obj: Any) -> bytes:
+    payload = msgpack.packb(obj, use_bin_type=True)
+    return struct.pack(">I", len(payload)) + payload
+
+
+class Stream:
+    """One stream connection: ``call`` for request-reply, ``send``/``recv`` to pipeline."""
+
+    def __init__(self, host: str, port: int, *, preface: bytes = PREFACE, timeout: float = 10.0) -> None:
+        self.sock = socket.create_connection((host, port), timeout=timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._buf = bytearray()
+        self._next_tag = 1
+        if preface:
+            self.sock.sendall(preface)
+
+    @classmethod
+    def to(cls, srv: ServerProcess, **kwargs: Any) -> Stream:
+        return cls("127.0.0.1", srv.port, **kwargs)
+
+    def send(self, tag: int, op: str, rdzv_id: str, fields: dict[str, Any]) -> None:
+        self.sock.sendall(encode_frame([tag, op, rdzv_id, fields]))
+
+    def _read(self, n: int) -> bytes:
+        while len(self._buf) < n:
+            chunk = self.sock.recv(1 << 20)
+            if not chunk:
+                raise ConnectionError(f"the server closed the connection ({len(self._buf)} of {n} bytes read)")
+            self._buf += chunk
+        out = bytes(self._buf[:n])
+        del self._buf[:n]
+        return out
+
+    def recv(self) -> Reply:
+        (length,) = struct.unpack(">I", self._read(4))
+        tag, status, body = msgpack.unpackb(self._read(length), raw=False)
+        return Reply(tag, status, body)
+
+    def call(self, op: str, rdzv_id: str, **fields: Any) -> Reply:
+        tag = self._next_tag
+        self._next_tag += 1
+        self.send(tag, op, rdzv_id, fields)
+        reply = self.recv()
+        assert reply.tag == tag, reply
+        return reply
+
+    def ok(self, op: str, rdzv_id: str, **fields: Any) -> dict[str, Any]:
+        reply = self.call(op, rdzv_id, **fields)
+        assert reply.status == 200, reply
+        return reply.body
+
+    def nothing_within(self, seconds: float) -> bool:
+        """True if no byte arrives within ``seconds`` (the request is parked, not answered)."""
+        self.sock.settimeout(seconds)
+        try:
+            return not self._buf and not self.sock.recv(1, socket.MSG_PEEK)  # b"": closed, not parked
+        except TimeoutError:
+            return True
+        finally:
+            self.sock.settimeout(10.0)
+
+    def at_eof(self) -> bool:
+        """True once the server has closed its side (after any frames still unread)."""
+        return not self._buf and self.sock.recv(1) == b""
+
+    def reset(self) -> None:
+        """Close abruptly with a reset, as the kernel does for a killed process with unread data."""
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.sock.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def stream_to() -> Iterator[Callable[..., Stream]]:
+    """Open streams to a server; every one is closed after the test."""
+    opened: list[Stream] = []
+
+    def open_stream(srv: ServerProcess, **kwargs: Any) -> Stream:
+        opened.append(Stream.to(srv, **kwargs))
+        return opened[-1]
+
+    yield open_stream
+    for s in opened:
+        s.close()
+
+
+# --------------------------------------------------------------------------- HTTP, for comparison
+
+
+def http_op(srv: ServerProcess, rdzv_id: str, op: str, fields: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """The same operation over HTTP (msgpack both ways): status and decoded body."""
+    req = urllib.request.Request(
+        srv.url + wire.op_path(urllib.parse.quote(rdzv_id, safe=""), op),
+        data=msgpack.packb(fields, use_bin_type=True),
+        headers={"Content-Type": wire.CONTENT_TYPE_MSGPACK, "Accept": wire.CONTENT_TYPE_MSGPACK},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, msgpack.unpackb(resp.read(), raw=False)
+    except urllib.error.HTTPError as err:
+        with err:
+            return err.code, msgpack.unpackb(err.read(), raw=False)
+
+
+def http_get(url: str) -> tuple[int, str, bytes]:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.status, resp.headers.get("Content-Type", ""), resp.read()
+
+
+# --------------------------------------------------------------------------- servers
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One memory-only server for the module (a start costs ~0.5 s); every test uses its own job."""
+    srv = ServerProcess(tmp_path_factory.mktemp("stream-server"), durable=False)
+    srv.start()
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server with 1 KiB values and 2 KiB bodies."""
+    srv = ServerProcess(
+        tmp_path_factory.mktemp("stream-small"),
+        durable=False,
+        args=("--max-value-bytes", str(SMALL_VALUE_LIMIT), "--max-body-bytes", str(SMALL_BODY_LIMIT)),
+    )
+    srv.start()
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def grace_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server with a short disconnect grace, for the fast death path."""
+    srv = ServerProcess(
+        tmp_path_factory.mktemp("stream-grace"), durable=False, args=("--disconnect-grace", str(DISCONNECT_GRACE))
+    )
+    srv.start()
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def job(server: ServerProcess) -> str:
+    rdzv_id = new_job()
+    status, body = http_op(server, rdzv_id, "create", {"min_nodes": 1, "max_nodes": 2})
+    assert status == 200, body
+    return rdzv_id
+
+
+# --------------------------------------------------------------------------- operations
+
+
+def test_set_then_get_returns_the_value(server: ServerProcess, job: str, stream_to: Callable[..., Stream]) -> None:
+    s = stream_to(server)
+    assert s.ok("set", job, key=b"k", value=b"\x00\xff raw") == {}
+    assert s.ok("get", job, key=b"k") == {"found": True, "value": b"\x00\xff raw"}
+    assert s.ok("get", job, key=b"missing") == {"found": False, "value": None}
+    s.ok("set", job, key=b"k", value=b"")
+    assert s.ok("get", job, key=b"k", timeout=1.0) == {"found": True, "value": b""}
+
+
+def test_add_compare_set_and_multi_get_answer_as_over_http(
+    server: ServerProcess, job: str, stream_to: Callable[..., Stream]
+) -> None:
+    s = stream_to(server)
+    assert s.ok("add", job, key=b"n", amount=5) == {"value": 5}
+    assert s.ok("add", job, key=b"n", amount=-7) == {"value": -2}
+    assert s.ok("compare_set", job, key=b"c", expected=b"", desired=b"first") == {"value": b"first"}
+    assert s.ok("compare_set", job, key=b"c", expected=b"wrong", desired=b"second") == {"value": b"first"}
+    assert s.ok("compare_set", job, key=b"c", expected=b"first", desired=b"second") == {"value": b"second"}
+    s.ok("multi_set", job, keys=[b"x", b"y"], values=[b"X", b"Y"])
+    assert s.ok("multi_get", job, keys=[b"x", b"y", b"n"]) == {"found": True, "values": [b"X", b"Y", b"-2"]}
+    assert s.ok("check", job, keys=[b"x", b"nope"]) == {"result": False}
+    assert s.ok("num_keys", job) == {"count": 4}
+    # The same reads over HTTP give the same bodies.
+    assert http_op(server, job, "multi_get", {"keys": [b"x", b"y", b"n"]}) == (200, s.ok("multi_get", job, keys=[b"x", b"y", b"n"]))
+
+
+@pytest.mark.parametrize(
+    ("op", "rdzv_id", "fields", "status", "code"),
+    [
+        ("get", "no-such-job", {"key": b"k"}, 404, "job_not_found"),
+        ("get", "JOB", {"key": b""}, 400, "bad_request"),
+        ("get", "JOB", {"key": b"k", "timeout": -1}, 400, "bad_request"),
+        ("set", "JOB", {"key": b"k"}, 400, "bad_request"),
+        ("set", "JOB", {"key": b"k", "value": b"v", "colour": "red"}, 400, "bad_request"),
+        ("get", "bad id", {"key": b"k"}, 400, "invalid_id"),
+        ("add", "JOB", {"key": b"text", "amount": 1}, 409, "not_an_integer"),
+        ("close", "JOB", {"rid": ["c", "not a seq"]}, 400, "bad_request"),
+        ("no_such_op", "JOB", {}, 404, "not_found"),
+    ],
+)
+def test_errors_have_the_http_status_and_code_and_the_connection_stays_usable(
+    server: ServerProcess,
+    job: str,
+    stream_to: Callable[..., Stream],
+    op: str,
+    rdzv_id: str,
+    fields: dict[str, Any],
+    status: int,
+    code: str,
+) -> None:
+    rdzv_id = job if rdzv_id == "JOB" else rdzv_id
+    s = stream_to(server)
+    s.ok("set", job, key=b"text", value=b"not a number")
+    reply = s.call(op, rdzv_id, **fields)
+    assert (reply.status, reply.error) == (status, code), reply
+    assert isinstance(reply.body["message"], str) and reply.body["message"]
+    assert "Traceback" not in reply.body["message"]
+    http_status, http_body = http_op(server, rdzv_id, op, fields)
+    assert (http_status, http_body.get("error")) == (status, code), http_body
+    # The connection still serves.
+    s.ok("set", job, key=b"after", value=b"fine")
+    assert s.ok("get", job, key=b"after") == {"found": True, "value": b"fine"}
+
+
+# --------------------------------------------------------------------------- one port, two protocols
+
+
+def test_writes_are_shared_between_stream_and_http_on_the_same_port(
+    server: ServerProcess, job: str, stream_to: Callable[..., Stream]
+) -> None:
+    s = stream_to(server)
+    s.ok("set", job, key=b"from-stream", value=b"s")
+    assert http_op(server, job, "get", {"key": b"from-stream"}) == (200, {"found": True, "value": b"s"})
+    assert http_op(server, job, "set", {"key": b"from-http", "value": b"h"}) == (200, {})
+    assert s.ok("get", job, key=b"from-http") == {"found": True, "value": b"h"}
+    # A long-poll on the stream is woken by a write over HTTP.
+    s.send(77, "get", job, {"key": b"later", "timeout": 10.0})
+    assert s.nothing_within(0.3)
+    started = time.monotonic()
+    http_op(server, job, "set", {"key": b"later", "value": b"woken"})
+    assert s.recv() == Reply(77, 200, {"found": True, "value": b"woken"})
+    assert time.monotonic() - started < PROMPTLY
+
+
+def test_http_routes_and_keep_alive_still_work_on_the_port(server: ServerProcess, job: str) -> None:
+    status, _, body = http_get(server.url + "/healthz")
+    assert status == 200 and json.loads(body) == {"status": "ok"}
+    status, _, body = http_get(server.url + "/v1/jobs")
+    assert status == 200 and job in {j["rdzv_id"] for j in json.loads(body)["jobs"]}
+    status, ctype, body = http_get(server.url + "/")
+    assert status == 200 and ctype.startswith("text/html") and b"<html" in body.lower()
+    status, _, body = http_get(server.url + "/metrics")
+    assert status == 200 and b"rdzv_requests_total" in body
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        ports = set()
+        for _ in range(3):
+            conn.request("GET", "/healthz")
+            resp = conn.getresponse()
+            assert resp.status == 200 and json.loads(resp.read()) == {"status": "ok"}
+            assert conn.sock is not None
+            ports.add(conn.sock.getsockname()[1])
+        assert len(ports) == 1  # one kept-alive connection served all three
+    finally:
+        conn.close()
+
+
+def test_stream_operations_are_counted_in_the_metrics(server: ServerProcess, job: str, stream_to: Callable[..., Stream]) -> None:
+    def served(op: str, code: str) -> float:
+        text = http_get(server.url + "/metrics")[2].decode()
+        prefix = f'rdzv_requests_total{{code="{code}",op="{op}"}} '
+        found = [line for line in text.splitlines() if line.startswith(prefix)]
+        return float(found[0].split()[1]) if found else 0.0
+
+    before_ok, before_err = served("list_keys", "ok"), served("list_keys", "invalid_id")
+    s = stream_to(server)
+    for _ in range(3):
+        s.ok("list_keys", job)
+    assert s.call("list_keys", "bad id").status == 400
+    assert served("list_keys", "ok") == before_ok + 3
+    assert served("list_keys", "invalid_id") == before_err + 1
+
+
+# --------------------------------------------------------------------------- pipelining
+
+
+def test_a_hundred_pipelined_requests_get_a_hundred_replies_with_their_tags(
+    server: ServerProcess, job: str, stream_to: Callable[..., Stream]
+) -> None:
+    s = stream_to(server)
+    tags = range(1000, 1100)
+    s.sock.sendall(b"".join(encode_frame([tag, "add", job, {"key": b"n", "amount": 1}]) for tag in tags))
+    replies = [s.recv() for _ in tags]
+    assert sorted(r.tag for r in replies) == list(tags)
+    assert all(r.status == 200 for r in replies)
+    assert sorted(r.body["value"] for r in replies) == list(range(1, 101))  # each applied once
+
+
+def test_a_parked_get_does_not_block_a_later_set_on_the_same_connection(
+    server: ServerProcess, job: str, stream_to: Callable[..., Stream]
+) -> None:
+    s = stream_to(server)
+    started = time.monotonic()
+    s.send(1, "get", job, {"key": b"parked", "timeout": 5.0})
+    s.send(2, "set", job, {"key": b"parked", "value": b"here"})
+    first, second = s.recv(), s.recv()
+    assert first == Reply(2, 200, {})
+    assert second == Reply(1, 200, {"found": True, "value": b"here"})
+    assert time.monotonic() - started < PROMPTLY  # woken by the set, not by the 5 s timeout
+
+
+def test_frames_split_across_reads_and_many_in_one_read_are_all_served(
+    server: ServerProcess, job: str, stream_to: Callable[..., Stream]
+) -> None:
+    s = stream_to(server, preface=b"")
+    data = PREFACE + encode_frame([1, "set", job, {"key": b"k", "value": b"v" * 300}]) + encode_frame(
+        [2, "get", job, {"key": b"k"}]
+    )
+    for i in range(0, len(data), 7):  # preface and frames cut mid-header and mid-body
+        s.sock.sendall(data[i : i + 7])
+        time.sleep(0.002)
+    assert s.recv() == Reply(1, 200, {})
+    assert s.recv() == Reply(2, 200, {"found": True, "value": b"v" * 300})
+    # Then many frames and half of the next in one write; the rest in another.
+    batch = b"".join(encode_frame([10 + i, "get", job, {"key": b"k"}]) for i in range(50))
+    tail = encode_frame([99, "num_keys", job, {}])
+    s.sock.sendall(batch + tail[:5])
+    time.sleep(0.05)
+    s.sock.sendall(tail[5:])
+    replies = [s.recv() for _ in range(51)]
+    assert sorted(r.tag for r in replies) == [*range(10, 60), 99]
+    assert all(r.status == 200 for r in replies)
+
+
+def test_a_connection_runs_a_bounded_number_of_requests_at_once_and_answers_them_all(
+    server: ServerProcess, job: str, stream_to: Callable[..., Stream]
+) -> None:
+    def parked() -> float:
+        text = http_get(server.url + "/metrics")[2].decode()
+        (line,) = [line for line in text.splitlines() if line.startswith("rdzv_waiters ")]
+        return float(line.split()[1])
+
+    baseline = parked()
+    s = stream_to(server)
+    count = MAX_IN_FLIGHT + 500
+    s.sock.sendall(b"".join(encode_frame([i, "get", job, {"key": b"gate", "timeout": 20.0}]) for i in range(count)))
+    deadline = time.monotonic() + PROMPTLY
+    while parked() < baseline + MAX_IN_FLIGHT and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # give the server the chance to read more than it should
+    assert parked() == baseline + MAX_IN_FLIGHT
+    other = stream_to(server)
+    other.ok("set", job, key=b"gate", value=b"open")
+    replies = [s.recv() for _ in range(count)]
+    assert sorted(r.tag for r in replies) == list(range(count))
+    assert all(r.body == {"found": True, "value": b"open"} for r in replies)
+
+
+def test_a_client_that_reads_late_stops_being_read_and_gets_every_reply(
+    server: ServerProcess, job: str, stream_to: Callable[..., Stream]
+) -> None:
+    value = b"x" * 20_000
+    count = 10_000  # 200 MB of replies if the server buffered them all
+    s = stream_to(server)
+    s.ok("set", job, key=b"big", value=value)
+    proc = psutil.Process(server.proc.pid if server.proc else 0)
+    rss_before = proc.memory_info().rss
+    request = [encode_frame([i, "get", job, {"key": b"big"}]) for i in range(count)]
+    sender = threading.Thread(target=lambda: s.sock.sendall(b"".join(request)), daemon=True)
+    sender.start()
+    time.sleep(1.5)  # the client does not read: the server must stop reading, not buffer
+    grown = proc.memory_info().rss - rss_before
+    assert grown < 100_000_000, f"the server buffered {grown / 1e6:.0f} MB of replies"
+    tags = set()
+    for _ in range(count):
+        reply = s.recv()
+        assert reply.status == 200 and reply.body["value"] == value
+        tags.add(reply.tag)
+    sender.join(10)
+    assert tags == set(range(count))
+
+
+# --------------------------------------------------------------------------- protocol errors
+
+
+def test_a_wrong_preface_is_answered_with_a_400_then_the_connection_closes(
+    server: ServerProcess, stream_to: Callable[..., Stream]
+) -> None:
+    for preface in (b"\x00RDZV9\r\n", b"\x00\x00\x00\x10garbage!"):
+        s = stream_to(server, preface=preface)
+        reply = s.recv()
+        assert (reply.tag, reply.status, reply.error) == (0, 400, "bad_request"), reply
+        assert s.at_eof()
+
+
+def test_an_oversized_frame_is_answered_with_a_413_then_the_connection_closes(
+    small_server: ServerProcess, stream_to: Callable[..., Stream]
+) -> None:
+    job = new_job()
+    s = stream_to(small_server)
+    s.ok("create", job)
+    s.ok("set", job, key=b"k", value=b"v" * SMALL_VALUE_LIMIT)  # at the limit: served
+    # A header announcing far more than the limit, whose body the client still sends.
+    s.sock.sendall(struct.pack(">I", 200_000) + b"\x93" + b"\x00" * 100_000)
+    reply = s.recv()
+    assert (reply.tag, reply.status, reply.error) == (0, 413, "body_too_large"), reply
+    with contextlib.suppress(ConnectionResetError):  # it may go on discarding, or reset later
+        assert s.at_eof()
+    # The value at the limit was kept; nothing of the oversized frame was applied.
+    assert http_op(small_server, job, "num_keys", {}) == (200, {"count": 1})
+
+
+def test_a_value_over_the_limit_in_a_frame_under_the_limit_is_a_413_and_the_connection_serves_on(
+    small_server: ServerProcess, stream_to: Callable[..., Stream]
+) -> None:
+    job = new_job()
+    s = stream_to(small_server)
+    s.ok("create", job)
+    reply = s.call("set", job, key=b"k", value=b"v" * (SMALL_VALUE_LIMIT + 1))
+    assert (reply.status, reply.error) == (413, "value_too_large"), reply
+    assert s.ok("num_keys", job) == {"count": 0}
+
+
+def test_garbage_msgpack_is_a_400_with_tag_0_and_the_connection_serves_on(
+    server: ServerProcess, job: str, stream_to: Callable[..., Stream]
+) -> None:
+    s = stream_to(server)
+    for payload in (b"\xc1", b"\x94\x01", b"\x91\x01\x02"):  # never-used byte, truncated, trailing bytes
+        s.sock.sendall(struct.pack(">I", len(payload)) + payload)
+        reply = s.recv()
+        assert (reply.tag, reply.status, reply.error) == (0, 400, "bad_request"), (payload, reply)
+    s.sock.sendall(struct.pack(">I", 0))  # an empty frame
+    assert s.recv().status == 400
+    s.ok("set", job, key=b"k", value=b"still serving")
+    assert s.ok("get", job, key=b"k") == {"found": True, "value": b"still serving"}
+
+
+@pytest.mark.parametrize(
+    ("request_", "tag"),
+    [
+        ([7, "get", "JOB"], 7),  # three elements
+        ([8, "get", "JOB", {"key": b"k"}, "extra"], 8),
+        ([9, 5, "JOB", {}], 9),  # op not a string
+        ([10, "get", 5, {}], 10),  # rdzv_id not a string
+        ([11, "get", "JOB", [b"k"]], 11),  # fields not a map
+        ([-1, "get", "JOB", {"key": b"k"}], 0),  # a tag out of range is not a tag
+        ([2**63, "get", "JOB", {"key": b"k"}], 0),
+        ([True, "get", "JOB", {"key": b"k"}], 0),
+        (["12", "get", "JOB", {"key": b"k"}], 0),
+        ({"tag": 13}, 0),
+        ([], 0),
+    ],
+)
+def test_a_frame_of_the_wrong_shape_is_a_400_with_its_tag(
+    server: ServerProcess, job: str, stream_to: Callable[..., Stream], request_: Any, tag: int
+) -> None:
+    s = stream_to(server)
+    if isinstance(request_, list):
+        request_ = [job if x == "JOB" else x for x in request_]
+    s.sock.sendall(encode_frame(request_))
+    reply = s.recv()
+    assert (reply.tag, reply.status, reply.error) == (tag, 400, "bad_request"), reply
+    assert s.ok("num_keys", job) == {"count": 0}
+
+
+# --------------------------------------------------------------------------- liveness
+
+
+def join_two(srv: ServerProcess, stream_to: Callable[..., Stream], job: str) -> tuple[Stream, Stream, int]:
+    """Nodes "a" and "b" join a 2-node job, each on its own stream; the formed round."""
+    a, b = stream_to(srv), stream_to(srv)
+    settings = {"nproc_per_node": 1, "min_nodes": 2, "max_nodes": 2, "heartbeat_ttl": 30.0, "hold": 10.0}
+    a.send(1, "join", job, {"node_id": "a", "addr": "a.local", **settings})
+    b.send(1, "join", job, {"node_id": "b", "addr": "b.local", **settings})
+    got_a, got_b = a.recv(), b.recv()
+    assert got_a.status == got_b.status == 200, (got_a, got_b)
+    assert got_a.body["assignment"] is not None and got_b.body["assignment"] is not None
+    return a, b, got_a.body["round"]
+
+
+def nodes_alive(srv: ServerProcess, job: str) -> dict[str, bool]:
+    body = http_get(srv.url + f"/v1/jobs/{job}")[2]
+    return {n["node_id"]: n["alive"] for n in json.loads(body)["nodes"]}
+
+
+@pytest.mark.parametrize("how", ["reset", "fin"])
+def test_a_dropped_stream_with_a_parked_watch_marks_the_node_dead_within_the_grace(
+    grace_server: ServerProcess, stream_to: Callable[..., Stream], how: str
+) -> None:
+    job = new_job()
+    a, b, round_ = join_two(grace_server, stream_to, job)
+    a.send(5, "watch", job, {"node_id": "a", "round": round_, "known": 0, "hold": 10.0})
+    assert a.nothing_within(0.3), "the watch was answered at once, not held"
+    a.reset() if how == "reset" else a.close()  # the agent died: its kernel closes the socket
+    started = time.monotonic()
+    while True:
+        seen = b.ok("watch", job, node_id="b", round=round_, known=0, hold=max(0.0, 10.0 - (time.monotonic() - started)))
+        if seen["num_nodes_waiting"] > 0 or time.monotonic() - started > 10.0:
+            break
+    assert seen["num_nodes_waiting"] == 1
+    assert time.monotonic() - started < DISCONNECT_GRACE + 2.0  # far before the 30 s TTL
+    assert nodes_alive(grace_server, job) == {"a": False, "b": True}
+
+
+def test_a_watch_answered_on_a_live_stream_keeps_the_node_alive(
+    grace_server: ServerProcess, stream_to: Callable[..., Stream]
+) -> None:
+    job = new_job()
+    a, b, round_ = join_two(grace_server, stream_to, job)
+    for _ in range(3):  # watches that end by their hold, connection kept: no death
+        seen = a.ok("watch", job, node_id="a", round=round_, known=0, hold=0.3)
+        assert seen["num_nodes_waiting"] == 0
+    time.sleep(DISCONNECT_GRACE + 0.5)
+    assert b.ok("watch", job, node_id="b", round=round_, known=0, hold=0.0)["num_nodes_waiting"] == 0
+    assert nodes_alive(grace_server, job) == {"a": True, "b": True}
+
+
+# --------------------------------------------------------------------------- shutdown and durability
+
+
+def test_sigterm_answers_a_parked_long_poll_with_503_then_closes_and_exits_zero(
+    server_factory: Callable[..., ServerProcess], stream_to: Callable[..., Stream]
+) -> None:
+    srv = server_factory()
+    job = new_job()
+    s = stream_to(srv)
+    s.ok("create", job)
+    s.send(42, "get", job, {"key": b"never-set", "timeout": 20.0})
+    assert s.nothing_within(0.3)
+    started = time.monotonic()
+    assert srv.proc is not None
+    srv.proc.send_signal(signal.SIGTERM)
+    reply = s.recv()
+    assert (reply.tag, reply.status, reply.error) == (42, 503, "shutting_down"), reply
+    assert s.at_eof()
+    assert srv.proc.wait(20) == 0
+    assert time.monotonic() - started < PROMPTLY  # not the 20 s poll, nor the drain timeout
+
+
+def test_writes_acknowledged_over_the_stream_survive_a_crash(
+    durable_server: ServerProcess, stream_to: Callable[..., Stream]
+) -> None:
+    job = new_job()
+    s = stream_to(durable_server)
+    s.ok("create", job)
+    for i in range(50):
+        s.send(i, "set", job, {"key": f"k/{i}".encode(), "value": f"v{i}".encode()})
+    assert sorted(s.recv().tag for _ in range(50)) == list(range(50))
+    assert s.ok("add", job, key=b"n", amount=7) == {"value": 7}
+    s.close()
+    durable_server.restart()  # SIGKILL, then start on the same port and data dir
+    again = stream_to(durable_server)
+    assert again.ok("multi_get", job, keys=[f"k/{i}".encode() for i in range(50)])["values"] == [
+        f"v{i}".encode() for i in range(50)
+    ]
+    assert again.ok("get", job, key=b"n") == {"found": True, "value": b"7"}
+
+
+def test_the_stream_is_served_on_an_ipv6_host(server_factory: Callable[..., ServerProcess]) -> None:
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    srv = server_factory(args=("--host", "::1"))
+    s = Stream("::1", srv.port)
+    try:
+        job = new_job()
+        s.ok("create", job)
+        s.ok("set", job, key=b"k", value=b"v6")
+        assert s.ok("get", job, key=b"k") == {"found": True, "value": b"v6"}
+        status, _, body = http_get(f"http://[::1]:{srv.port}/healthz")
+        assert status == 200 and json.loads(body) == {"status": "ok"}
+    finally:
+        s.close()
