@@ -35,6 +35,8 @@ import asyncio
 import contextlib
 import logging
 import socket
+import sys
+from collections.abc import Coroutine, Generator
 from typing import Any, cast
 
 from rdzv_client import wire
@@ -60,6 +62,7 @@ _PREFACE_LEN = len(_PREFACE)
 _HEADER_LEN = wire.FRAME_HEADER.size
 _read_header = wire.FRAME_HEADER.unpack_from
 _MAX_TAG = 2**63
+_EAGER_TASKS = sys.version_info >= (3, 12)
 _SHAPE = "a request frame is [tag: int 0..2**63-1, op: str, rdzv_id: str, fields: map]"
 
 
@@ -213,11 +216,36 @@ class StreamConnection(asyncio.Protocol):
             tag, op, rdzv_id, fields = msg
             valid_tag = type(tag) is int and 0 <= tag < _MAX_TAG
             if valid_tag and type(op) is str and type(rdzv_id) is str and type(fields) is dict:
-                task = self._loop.create_task(self._serve(tag, op, rdzv_id, fields))
-                self.in_flight.add(task)
-                task.add_done_callback(self._finished)
+                self._start(self._serve(tag, op, rdzv_id, fields))
                 return
         self._send(_tag_of(msg), 400, wire.error_body(wire.ErrorCode.BAD_REQUEST, _SHAPE))
+
+    def _start(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run a request's first step now; only a request that has to wait is tracked as a task.
+
+        Most store operations never wait (their log append or read is already durable):
+        they are answered here, without another pass of the event loop (~15 us a request).
+        Python 3.12 does this itself (an eager task); before it, the first step runs outside
+        any task, which is safe there because nothing on the path asks for the current task
+        (3.12's ``asyncio.wait_for`` does, hence the native eager task from 3.12 on).
+        """
+        if _EAGER_TASKS:
+            task = asyncio.Task(coro, loop=self._loop, eager_start=True)  # type: ignore[call-arg,unused-ignore]
+            if task.done():
+                if not task.cancelled() and task.exception() is not None:
+                    log.error("Answering a stream request failed.", exc_info=task.exception())
+                return
+        else:
+            try:
+                blocked_on = coro.send(None)
+            except StopIteration:
+                return
+            except Exception:
+                log.exception("Answering a stream request failed.")
+                return
+            task = self._loop.create_task(_carry_on(coro, blocked_on))
+        self.in_flight.add(task)
+        task.add_done_callback(self._finished)
 
     async def _serve(self, tag: int, op: str, rdzv_id: str, fields: dict[str, Any]) -> None:
         status, body = await run_operation(self._svc, self._metrics, op, rdzv_id, fields)
@@ -267,6 +295,40 @@ class StreamConnection(asyncio.Protocol):
     def abort(self) -> None:
         if self._transport is not None:
             self._transport.abort()
+
+
+class _Resume:
+    """Awaiting it carries on a coroutine that :meth:`StreamConnection._start` stepped once.
+
+    It hands the task what the coroutine waits on and relays what the task sends or throws
+    back (a cancellation included), as ``await`` would have from the coroutine's start.
+    """
+
+    __slots__ = ("_blocked_on", "_coro")
+
+    def __init__(self, coro: Coroutine[Any, Any, None], blocked_on: Any) -> None:
+        self._coro = coro
+        self._blocked_on = blocked_on
+
+    def __await__(self) -> Generator[Any, Any, None]:
+        coro, waiting = self._coro, self._blocked_on
+        while True:
+            try:
+                sent = yield waiting
+            except BaseException as exc:  # noqa: BLE001 (relayed: the coroutine decides what it means)
+                try:
+                    waiting = coro.throw(exc)
+                except StopIteration:
+                    return
+            else:
+                try:
+                    waiting = coro.send(sent)
+                except StopIteration:
+                    return
+
+
+async def _carry_on(coro: Coroutine[Any, Any, None], blocked_on: Any) -> None:
+    await _Resume(coro, blocked_on)
 
 
 class StreamServer:
