@@ -326,19 +326,21 @@ def test_http_routes_and_keep_alive_still_work_on_the_port(server: ServerProcess
 
 
 def test_stream_operations_are_counted_in_the_metrics(server: ServerProcess, job: str, stream_to: Callable[..., Stream]) -> None:
-    def served(op: str, code: str) -> float:
+    def sample(series: str) -> float:
         text = http_get(server.url + "/metrics")[2].decode()
-        prefix = f'rdzv_requests_total{{code="{code}",op="{op}"}} '
-        found = [line for line in text.splitlines() if line.startswith(prefix)]
+        found = [line for line in text.splitlines() if line.startswith(series + " ")]
         return float(found[0].split()[1]) if found else 0.0
 
-    before_ok, before_err = served("list_keys", "ok"), served("list_keys", "invalid_id")
+    ok, err = 'rdzv_requests_total{code="ok",op="list_keys"}', 'rdzv_requests_total{code="invalid_id",op="list_keys"}'
+    timed = 'rdzv_request_seconds_count{op="list_keys"}'
+    before = {series: sample(series) for series in (ok, err, timed)}
     s = stream_to(server)
     for _ in range(3):
         s.ok("list_keys", job)
     assert s.call("list_keys", "bad id").status == 400
-    assert served("list_keys", "ok") == before_ok + 3
-    assert served("list_keys", "invalid_id") == before_err + 1
+    assert sample(ok) == before[ok] + 3
+    assert sample(err) == before[err] + 1
+    assert sample(timed) == before[timed] + 4
 
 
 # --------------------------------------------------------------------------- pipelining
