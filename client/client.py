@@ -526,9 +526,13 @@ class AsyncClient:
         last_call_timeout: float = DEFAULT_LAST_CALL_TIMEOUT,
         join_timeout: float = DEFAULT_JOIN_TIMEOUT,
         heartbeat_ttl: float = DEFAULT_HEARTBEAT_TTL,
+        master_port: int = 0,
         timeout: float,
     ) -> wire.Assignment:
         """Join the job's next round and wait (up to ``timeout`` s) for it to form.
+
+        ``master_port``: the port this node's workers would serve their store on should it
+        become node rank 0; every node's assignment then carries node rank 0's.
 
         Raises :class:`JoinTimeoutError` (the job's ``join_timeout`` passed on the server),
         :class:`JobClosedError`, :class:`ConflictError` (settings differ from the job's),
@@ -547,6 +551,7 @@ class AsyncClient:
             join_timeout=join_timeout,
             heartbeat_ttl=heartbeat_ttl,
             hold=hold,
+            master_port=master_port,
         )
         reply: dict[str, Any] | None = None  # None: (re)send the join itself
         round_ = -1
@@ -805,6 +810,7 @@ class Client:
         last_call_timeout: float = DEFAULT_LAST_CALL_TIMEOUT,
         join_timeout: float = DEFAULT_JOIN_TIMEOUT,
         heartbeat_ttl: float = DEFAULT_HEARTBEAT_TTL,
+        master_port: int = 0,
         timeout: float,
     ) -> wire.Assignment:
         return self._run(
@@ -818,6 +824,7 @@ class Client:
                 last_call_timeout=last_call_timeout,
                 join_timeout=join_timeout,
                 heartbeat_ttl=heartbeat_ttl,
+                master_port=master_port,
                 timeout=timeout,
             )
         )

@@ -45,6 +45,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.api import RendezvousError
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from . import wire
 from .client import Client
@@ -231,6 +232,9 @@ class RdzvServerHandler(RendezvousHandler):
             self._node_id, self._run_id, ",".join(map(str, self._client.endpoints)),
             self._min_nodes, self._max_nodes, self._nproc,
         )
+        # Offered in case this node becomes node rank 0: the server hands node rank 0's addr
+        # and port to every node in its assignment (no store exchange after the round forms).
+        port: int = get_free_port()  # type: ignore[no-untyped-call]
         try:
             a = self._client.join(
                 self._run_id,
@@ -242,6 +246,7 @@ class RdzvServerHandler(RendezvousHandler):
                 last_call_timeout=self._last_call_timeout,
                 join_timeout=self._join_timeout,
                 heartbeat_ttl=self._heartbeat_ttl,
+                master_port=port,
                 timeout=self._join_timeout + self._keep_alive_interval,
             )
         except RdzvError as exc:
@@ -251,10 +256,13 @@ class RdzvServerHandler(RendezvousHandler):
         self._num_waiting = 0
         self._start_watch(a.round)
         store = RdzvStore(self._client, self._run_id, round=a.round, timeout=self._store_timeout)
-        try:
-            bootstrap = RendezvousStoreInfo.build(a.node_rank, store, local_addr=self._addr)
-        except (RdzvError, dist.DistStoreError) as exc:
-            raise _torch_error(exc, f"node {self._node_id} could not exchange the master address") from exc
+        if a.master_port:
+            bootstrap = RendezvousStoreInfo(a.master_addr, a.master_port)
+        else:  # a server that does not hand out the port: exchange it through the store, as torch does
+            try:
+                bootstrap = RendezvousStoreInfo.build(a.node_rank, store, local_addr=self._addr)
+            except (RdzvError, dist.DistStoreError) as exc:
+                raise _torch_error(exc, f"node {self._node_id} could not exchange the master address") from exc
         log.info(
             "Node %s is node_rank %d of %d in round %d of job %s (world_size %d, master %s:%d).",
             self._node_id, a.node_rank, a.num_nodes, a.round, self._run_id, a.world_size,

@@ -521,9 +521,13 @@ class JoinRequest(Request):
     heartbeat_ttl: float = 15.0
     hold: float = 0.0
     rid: Rid = None
+    #: The port this node's workers would serve their store on if it becomes node rank 0 (0: none).
+    master_port: int = 0
 
     def validate(self) -> None:
         check_id("node_id", self.node_id)
+        if not 0 <= self.master_port <= 65535:
+            raise WireError(f"master_port must be 0..65535, got {self.master_port}")
         if not 0 < len(self.addr) <= MAX_ADDR_CHARS:
             raise WireError(f"addr must be 1..{MAX_ADDR_CHARS} characters")
         if not 1 <= self.nproc_per_node <= 65536:
@@ -677,7 +681,8 @@ def frame(obj: Any) -> bytes:
 #   await_round-> {"round": int, "assignment": ASSIGNMENT | None}
 #   watch      -> {"round": int, "state": str, "num_nodes_waiting": int, "closed": bool}
 # ASSIGNMENT = {"round", "node_rank", "num_nodes", "world_size", "nproc_per_node",
-#               "global_rank_start", "master_addr"}   (master_addr: node rank 0's addr)
+#               "global_rank_start", "master_addr", "master_port"}
+#              (node rank 0's addr and the master_port it offered when it joined, 0 if none)
 # errors     -> {"error": ErrorCode, "message": str}
 
 
@@ -692,6 +697,7 @@ class Assignment:
     nproc_per_node: int
     global_rank_start: int
     master_addr: str
+    master_port: int = 0  # node rank 0's offered port; 0 from a server or node that has none
 
     @classmethod
     def from_wire(cls, body: object) -> Assignment:

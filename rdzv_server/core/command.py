@@ -96,6 +96,7 @@ class Join(Command):
     last_call_timeout: float
     join_timeout: float
     heartbeat_ttl: float
+    master_port: int = 0
 
 
 @dataclass(frozen=True)

@@ -143,7 +143,7 @@ class StateMachine:
         if entry is None:
             entry = self._new_job(cmd.rdzv_id, settings, now)
         return self._membership_change(
-            entry, lambda job: {"round": job.join(cmd.node_id, cmd.addr, cmd.nproc_per_node, settings, now)}
+            entry, lambda job: {"round": job.join(cmd.node_id, cmd.addr, cmd.nproc_per_node, settings, now, cmd.master_port)}
         )
 
     def _leave(self, cmd: c.Leave, now: float) -> Outcome:

@@ -106,6 +106,10 @@ class JobSettings:
     heartbeat_ttl: float
 
 
+#: What a joining node brings to its next round: addr, nproc_per_node, master_port.
+Offer = tuple[str, int, int]
+
+
 @dataclass
 class Node:
     node_id: str
@@ -120,6 +124,9 @@ class Node:
     # What a re-joining member brings to the next round; the last round keeps the old values.
     next_addr: str | None = None
     next_nproc: int | None = None
+    # The port the node offers for its workers' store should it become node rank 0 (0: none).
+    master_port: int = 0
+    next_port: int | None = None
 
     @property
     def pending(self) -> bool:
@@ -135,6 +142,7 @@ class Assignment:
     nproc_per_node: int
     global_rank_start: int
     master_addr: str
+    master_port: int  # 0 when node rank 0 offered none
 
 
 # Remember why at most this many departed nodes went away (a node that polls after its
@@ -173,11 +181,17 @@ class Job:
             raise IllegalTransition(f"job {self.rdzv_id}: no transition for {event.name} in state {self.state.name}")
         return handler(self, *args)
 
-    def join(self, node_id: str, addr: str, nproc_per_node: int, settings: JobSettings, now: float) -> int:
-        """A node asks for a place in the next round. Returns the round it is in line for."""
+    def join(
+        self, node_id: str, addr: str, nproc_per_node: int, settings: JobSettings, now: float, master_port: int = 0
+    ) -> int:
+        """A node asks for a place in the next round. Returns the round it is in line for.
+
+        ``master_port`` is the port the node's workers would serve their store on should it
+        become node rank 0: the assignment hands node rank 0's addr and port to every node,
+        so no node has to publish them through the store after the round forms."""
         if not (self.state is JobState.CLOSED and not self.idle()):
             self.adopt_settings(settings, f"node {node_id}")  # a closed, live job refuses it anyway
-        result: int = self._dispatch(Event.JOIN, node_id, addr, nproc_per_node, now)
+        result: int = self._dispatch(Event.JOIN, node_id, (addr, nproc_per_node, master_port), now)
         self._after_change(now)
         return result
 
@@ -210,28 +224,28 @@ class Job:
 
     # -- handlers ------------------------------------------------------------------------
 
-    def _join_open(self, node_id: str, addr: str, nproc: int, now: float) -> int:
+    def _join_open(self, node_id: str, offer: Offer, now: float) -> int:
         node = self.nodes.get(node_id)
         if node is None:
-            self._add_node(node_id, addr, nproc, Role.CANDIDATE, now)
+            self._add_node(node_id, offer, Role.CANDIDATE, now)
         elif node.role is Role.MEMBER:
             # A member of the previous round comes back: it keeps its old node_rank as priority.
-            self._rejoin(node, addr, nproc, now)
+            self._rejoin(node, offer, now)
         self._check_completion(now)
         return self.round
 
-    def _join_complete(self, node_id: str, addr: str, nproc: int, now: float) -> int:
+    def _join_complete(self, node_id: str, offer: Offer, now: float) -> int:
         node = self.nodes.get(node_id)
         if node is not None and node.pending:
             return self.round + 1  # already in line (a retried join)
         if node is not None or not self._alive_members():
             self._open_next_round()
-            return self._join_open(node_id, addr, nproc, now)
+            return self._join_open(node_id, offer, now)
         full = self._alive_members() + self._count(Role.WAITING) >= self.settings.max_nodes
-        self._add_node(node_id, addr, nproc, Role.STANDBY if full else Role.WAITING, now)
+        self._add_node(node_id, offer, Role.STANDBY if full else Role.WAITING, now)
         return self.round + 1
 
-    def _join_closed(self, node_id: str, addr: str, nproc: int, now: float) -> int:
+    def _join_closed(self, node_id: str, offer: Offer, now: float) -> int:
         if not self.idle():
             raise JobClosed(
                 f"job {self.rdzv_id} is closed; node {node_id} cannot join while nodes of the closed run remain "
@@ -242,7 +256,7 @@ class Job:
         self.members, self.world, self.closed_at = [], 0, None
         self.runs += 1
         self._open_next_round()
-        return self._join_open(node_id, addr, nproc, now)
+        return self._join_open(node_id, offer, now)
 
     def _depart(self, node_id: str, why: Departure, now: float) -> None:
         node = self.nodes[node_id]
@@ -288,9 +302,10 @@ class Job:
             f"{_describe(self.settings)}: give every node the same --nnodes and --rdzv-conf, or use a new rdzv_id"
         )
 
-    def _add_node(self, node_id: str, addr: str, nproc: int, role: Role, now: float) -> None:
+    def _add_node(self, node_id: str, offer: Offer, role: Role, now: float) -> None:
         self.arrivals += 1
-        node = self.nodes[node_id] = Node(node_id, addr, nproc, self.arrivals, now, role)
+        addr, nproc, port = offer
+        node = self.nodes[node_id] = Node(node_id, addr, nproc, self.arrivals, now, role, master_port=port)
         self.counts[(role, node.liveness)] += 1
         self.pending_since[node_id] = now
         self.departed.pop(node_id, None)
@@ -314,8 +329,8 @@ class Job:
         self.pending_since.pop(node_id, None)
         self.heartbeats.pop(node_id, None)
 
-    def _rejoin(self, node: Node, addr: str, nproc: int, now: float) -> None:
-        node.next_addr, node.next_nproc, node.joined_at = addr, nproc, now
+    def _rejoin(self, node: Node, offer: Offer, now: float) -> None:
+        (node.next_addr, node.next_nproc, node.next_port), node.joined_at = offer, now
         self._set(node, Role.CANDIDATE)
         self.departed.pop(node.node_id, None)
         self.heartbeats[node.node_id] = now
@@ -351,9 +366,9 @@ class Job:
         candidates = []
         for node in self.nodes.values():
             if node.role is Role.CANDIDATE and node.next_nproc is not None:
-                assert node.next_addr is not None
-                node.addr, node.nproc_per_node = node.next_addr, node.next_nproc
-                node.next_addr = node.next_nproc = None
+                assert node.next_addr is not None and node.next_port is not None
+                node.addr, node.nproc_per_node, node.master_port = node.next_addr, node.next_nproc, node.next_port
+                node.next_addr = node.next_nproc = node.next_port = None
             if node.role is Role.CANDIDATE:
                 if node.node_id in previous and node.node_rank is not None:
                     candidates.append(Candidate(node.node_id, Tier.PREVIOUS, node.node_rank, node.nproc_per_node))
@@ -445,6 +460,7 @@ class Job:
             nproc_per_node=node.nproc_per_node,
             global_rank_start=node.global_rank_start,
             master_addr=master.addr,
+            master_port=master.master_port,
         )
 
     def world_size(self) -> int:
@@ -558,7 +574,7 @@ class Job:
             "round": self.round,
             "nodes": [
                 [n.node_id, n.addr, n.nproc_per_node, n.arrival, n.joined_at, n.role.value, n.liveness.value,
-                 n.node_rank, n.global_rank_start, n.next_addr, n.next_nproc]
+                 n.node_rank, n.global_rank_start, n.next_addr, n.next_nproc, n.master_port, n.next_port]
                 for n in self.nodes.values()
             ],
             "members": list(self.members),
@@ -577,10 +593,8 @@ class Job:
         job = cls(data["rdzv_id"], JobSettings(*data["settings"]))
         job.state = JobState(data["state"])
         job.round = data["round"]
-        for nid, addr, nproc, arrival, joined_at, role, liveness, rank, start, next_addr, next_nproc in data["nodes"]:
-            job.nodes[nid] = Node(
-                nid, addr, nproc, arrival, joined_at, Role(role), Liveness(liveness), rank, start, next_addr, next_nproc
-            )
+        for nid, addr, nproc, arrival, joined_at, role, liveness, rank, start, *rest in data["nodes"]:
+            job.nodes[nid] = Node(nid, addr, nproc, arrival, joined_at, Role(role), Liveness(liveness), rank, start, *rest)
         job.members = list(data["members"])
         job.last_call_deadline = data["last_call_deadline"]
         job.arrivals = data["arrivals"]

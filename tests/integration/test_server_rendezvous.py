@@ -142,6 +142,20 @@ async def test_a_round_completes_at_min_nodes_after_the_last_call(aclient: Async
     assert doc["state"] == "complete" and doc["num_nodes"] == 2
 
 
+async def test_every_node_learns_node_rank_0s_addr_and_offered_port(aclient: AsyncClient) -> None:
+    job = new_job()
+    ports = {"n-a": 31001, "n-b": 31002, "n-c": 31003}
+    results = await asyncio.gather(
+        *(
+            aclient.join(job, node_id=n, addr=f"{n}.local", nproc_per_node=1, min_nodes=3, max_nodes=3,
+                         master_port=p, timeout=20)
+            for n, p in ports.items()
+        )
+    )
+    master = next(n for n, a in zip(ports, results) if a.node_rank == 0)
+    assert {(a.master_addr, a.master_port) for a in results} == {(f"{master}.local", ports[master])}
+
+
 async def test_node_ranks_and_global_ranks_with_heterogeneous_nproc_per_node(aclient: AsyncClient) -> None:
     job = new_job()
     join = joiner(aclient, job, min_nodes=4, max_nodes=4, last_call_timeout=30.0)

@@ -367,6 +367,22 @@ def test_global_ranks_are_prefix_sums_of_heterogeneous_nproc_per_node() -> None:
     assert doc["world_size"] == 6
 
 
+def test_every_node_gets_node_rank_0s_addr_and_the_port_it_offered_with_its_join() -> None:
+    cl = Cluster(min_nodes=2, max_nodes=2)
+    cl.join("a", 0.0, master_port=29501)
+    cl.join("b", 0.1, master_port=29502)
+    for node_id in ("a", "b"):
+        a = cl.sm.assignment(RDZV_ID, node_id, 0)
+        assert a is not None and (a.master_addr, a.master_port) == ("a.example", 29501)
+    cl.join("a", 1.0, master_port=29600)  # the next round: node rank 0 offers a new port
+    cl.join("b", 1.1, master_port=29700)
+    a = cl.sm.assignment(RDZV_ID, "b", 1)
+    assert a is not None and (a.round, a.master_addr, a.master_port) == (1, "a.example", 29600)
+    restored = StateMachine(max_value_bytes=MAX_VALUE_BYTES, job_ttl=JOB_TTL)
+    restored.restore(snapshot(cl.sm))  # the offered ports survive a snapshot
+    assert restored.assignment(RDZV_ID, "b", 1) == a
+
+
 def test_members_keep_their_relative_order_in_the_next_round_and_new_nodes_follow_by_arrival() -> None:
     cl = Cluster(min_nodes=2, max_nodes=4, last_call_timeout=10.0)
     form(cl, ["a", "b", "c"])  # round 0 by last call
