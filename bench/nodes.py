@@ -59,6 +59,8 @@ GO = "go"
 STOP = "stop"
 #: Set when the first worker is ready: the others make their handlers.
 CREATE_REST = "create-rest"
+#: Niceness of the worker processes but the first (see _worker).
+NODE_NICENESS = 10
 #: How often a worker looks at the flags: the resolution of every common start.
 FLAG_POLL = 0.001
 
@@ -159,6 +161,12 @@ def _worker(
     reports = Channel(conn)
     logging.basicConfig(level=logging.ERROR)
     os.environ.update(spec.env)
+    if not first:
+        # Thousands of node threads on two cores would otherwise starve the service under
+        # test, which in real use has a host of its own. The first worker keeps the default
+        # priority: with c10d it hosts the job's TCPStore, so c10d's store gets the same
+        # footing as rdzv-server and etcd.
+        os.nice(NODE_NICENESS)
     # Import torch's registry before anything of ours: it loads the rdzv-server entry point.
     import torch.distributed.elastic.rendezvous.registry  # noqa: F401
 

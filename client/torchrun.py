@@ -210,8 +210,15 @@ class RdzvServerHandler(RendezvousHandler):
         self._client = client or Client(endpoint, retry_budget=self._close_timeout)
         self._num_waiting = 0
         self._closed = False
-        self._watch_stop = threading.Event()
-        self._watch_thread: threading.Thread | None = None
+        # The watch thread lives as long as the handler and watches the round in _watching
+        # (None: no round, it waits). Started here, not when a round forms: starting a thread
+        # waits for it to run, and that wait lands on the critical path of every formation.
+        self._watch_cv = threading.Condition()
+        self._watching: tuple[int, int] | None = None  # (round, generation)
+        self._generation = 0
+        self._shut_down = False
+        self._watch_thread = threading.Thread(target=self._watch, name=f"rdzv-watch-{self._node_id}", daemon=True)
+        self._watch_thread.start()
 
     # -- RendezvousHandler -------------------------------------------------------------
 
@@ -296,7 +303,7 @@ class RdzvServerHandler(RendezvousHandler):
         Closing is what torch's own backends do: the other agents' next re-rendezvous fails
         with RendezvousClosedError instead of waiting for a round that cannot form.
         """
-        self._stop_watch()
+        self._stop_watch(for_good=True)
         try:
             self._client.leave(self._run_id, self._node_id)
             self._client.close_job(self._run_id)
@@ -321,19 +328,35 @@ class RdzvServerHandler(RendezvousHandler):
     # -- the watch thread ----------------------------------------------------------------
 
     def _start_watch(self, round_: int) -> None:
-        self._watch_stop = threading.Event()
-        self._watch_thread = threading.Thread(
-            target=self._watch, args=(round_, self._watch_stop), name=f"rdzv-watch-{round_}", daemon=True
-        )
-        self._watch_thread.start()
+        with self._watch_cv:
+            self._generation += 1
+            self._watching = (round_, self._generation)
+            self._watch_cv.notify_all()
 
-    def _stop_watch(self) -> None:
-        # The thread ends after its current long-poll; nothing waits for it.
-        self._watch_stop.set()
+    def _stop_watch(self, *, for_good: bool = False) -> None:
+        # The thread drops its current long-poll's answer; nothing waits for that poll to end
+        # (it ends at once when this node's join opens the next round).
+        with self._watch_cv:
+            self._watching = None
+            self._shut_down = self._shut_down or for_good
+            self._watch_cv.notify_all()
 
-    def _watch(self, round_: int, stop: threading.Event) -> None:
-        known = -1
-        while not stop.is_set():
+    def _watch(self) -> None:
+        while True:
+            with self._watch_cv:
+                while self._watching is None and not self._shut_down:
+                    self._watch_cv.wait()
+                if self._shut_down:
+                    return
+                assert self._watching is not None
+                current = self._watching
+            self._watch_round(current)
+
+    def _watch_round(self, current: tuple[int, int]) -> None:
+        """Heartbeat and long-poll ``current``'s round until the handler watches another (or none)."""
+        round_ = current[0]
+        known = 0  # as num_nodes_waiting() starts: the first poll parks unless nodes already wait
+        while self._watching == current:
             try:
                 # Held as long as the server allows (a third of the TTL): each watch is a request the
                 # server pays for, and liveness needs only one per TTL/3.
@@ -341,10 +364,13 @@ class RdzvServerHandler(RendezvousHandler):
                     self._run_id, self._node_id, round=round_, known=known, hold=self._heartbeat_ttl / 3
                 )
             except RdzvError as exc:
+                if self._watching != current:
+                    return
                 log.warning("Node %s: heartbeat to job %s failed (%s); retrying.", self._node_id, self._run_id, exc)
-                stop.wait(self._keep_alive_interval)
+                with self._watch_cv:
+                    self._watch_cv.wait_for(lambda: self._watching != current, self._keep_alive_interval)
                 continue
-            if stop.is_set():
+            if self._watching != current:
                 return
             if seen.num_nodes_waiting != known and seen.num_nodes_waiting > 0:
                 log.info(
