@@ -28,7 +28,6 @@ from rdzv_client.client import (
     backoff_delay,
     parse_endpoints,
 )
-from rdzv_client.transport import Answer, SocketTransport, TransportError, http_answer
 from rdzv_client.error import (
     ERROR_CLASSES,
     BadRequestError,
@@ -43,6 +42,7 @@ from rdzv_client.error import (
     UnauthorizedError,
     error_from_body,
 )
+from rdzv_client.transport import Answer, SocketTransport, TransportError, http_answer
 
 # --------------------------------------------------------------------------- endpoints
 
@@ -420,9 +420,8 @@ class SuspendingTransport(ScriptedTransport):
 
 
 def test_sync_client_reports_a_transport_that_suspends() -> None:
-    with Client("a", transport=SuspendingTransport()) as c:
-        with pytest.raises(RuntimeError, match="suspend"):
-            c.num_keys("job")
+    with Client("a", transport=SuspendingTransport()) as c, pytest.raises(RuntimeError, match="suspend"):
+        c.num_keys("job")
 
 
 @pytest.fixture
