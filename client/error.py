@@ -79,6 +79,10 @@ class ConflictError(RdzvError):
     """The request contradicts stored state: other job settings, a non-integer counter."""
 
 
+class ClientClosedError(RdzvError):
+    """The client was closed while this call was in flight (or before it)."""
+
+
 class ServerError(RdzvError):
     """The server failed (5xx) or answered something this client cannot read."""
 

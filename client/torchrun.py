@@ -8,10 +8,10 @@ What it owns:
   ``rdzv-server``, made by :func:`create_handler` (the ``torchrun.handlers`` entry point
   is the torch-free ``plugin.register``, which calls it).
 
-How a torchrun agent uses the handler (TORCH-NOTES.md): ``next_rendezvous()`` joins and
-long-polls for the round, then node rank 0 publishes MASTER_ADDR/MASTER_PORT in *that
-round's* key space (every round, so a node joining a running job never waits for a
-stale round's keys). A watch thread keeps one long-poll open per node while its round
+How a torchrun agent uses the handler (TORCH-NOTES.md): ``next_rendezvous()`` joins,
+offering a free port, and long-polls for the round; the assignment names node rank 0's
+addr and offered port, which become MASTER_ADDR/MASTER_PORT (no exchange through the
+store). The handler's watch thread keeps one long-poll open per node while its round
 runs: it is the heartbeat, the fast death signal (the server sees the connection drop
 when the process dies) and the source of ``num_nodes_waiting()``, which the agent calls
 every 0.1 s and which therefore costs nothing.
@@ -217,8 +217,7 @@ class RdzvServerHandler(RendezvousHandler):
         self._watching: tuple[int, int] | None = None  # (round, generation)
         self._generation = 0
         self._shut_down = False
-        self._watch_thread = threading.Thread(target=self._watch, name=f"rdzv-watch-{self._node_id}", daemon=True)
-        self._watch_thread.start()
+        threading.Thread(target=self._watch, name=f"rdzv-watch-{self._node_id}", daemon=True).start()
 
     # -- RendezvousHandler -------------------------------------------------------------
 
@@ -422,10 +421,10 @@ _shared_lock = threading.Lock()
 
 
 def _shared_client(endpoint: str, retry_budget: float) -> Client:
-    """One client (one loop thread, one connection pool) per endpoint per process.
+    """One client (one connection pool) per endpoint per process.
 
     torchrun makes one handler per process; tools that simulate many nodes in one
-    process (benchmarks, tests) then do not pay one event-loop thread per node.
+    process (benchmarks, tests) then share idle connections instead of one pool per node.
     """
     key = (endpoint, os.getpid())
     with _shared_lock:

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from . import wire
-from .error import RdzvError, ServerError
+from .error import ClientClosedError, ServerError
 
 # A server that does not accept a connection in this long is not going to.
 DEFAULT_CONNECT_TIMEOUT = 10.0
@@ -188,10 +188,6 @@ class AiohttpTransport:
 
 
 # --------------------------------------------------------------------------- blocking sockets
-
-
-class ClientClosedError(RdzvError):
-    """The client was closed while this call was in flight (or before it)."""
 
 
 class _Stale(Exception):
