@@ -19,7 +19,12 @@ Rules it keeps:
   (refused, reset, timed out, truncated) and 502/503/504 (``not_ready`` while a server
   recovers, ``shutting_down``). A 4xx is the caller's mistake and is raised at once.
 - A write gets its ``rid`` once, before the first attempt, and every retry resends that
-  same ``rid``; so a write whose answer was lost is not applied twice.
+  same ``rid``; so a write whose answer was lost is not applied twice. Each attempt also
+  sends the client's *floor*, its lowest seq still awaiting an answer: the server keeps
+  every result at or above it, so a retry is recognised however many threads share the
+  client and however many writes they sent meanwhile.
+- ``too_many_connections`` and ``buffers_full`` (a busy server shedding load) are retried
+  like 503s; every other limit is the caller's to act on (:class:`LimitError`).
 - Retrying stops at the retry budget (counted from the first failure of a call) or at the
   call's own deadline, whichever comes first, with :class:`RdzvConnectionError`.
 - The policy is written once, as AsyncClient's coroutines. :class:`Client` runs those
@@ -33,7 +38,10 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import os
 import random
+import ssl
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -41,6 +49,7 @@ from types import TracebackType
 from typing import Any, TypeVar, Union
 
 from . import wire
+from .credential import find_token
 from .error import (
     BadRequestError,
     NotFoundError,
@@ -50,6 +59,7 @@ from .error import (
     ServerError,
     error_from_body,
 )
+from .tls import client_context
 from .transport import (
     DEFAULT_CONNECTION_LIMIT,
     DEFAULT_MAX_RESPONSE_BYTES,
@@ -89,6 +99,8 @@ DEFAULT_HEARTBEAT_TTL = 15.0  # torch: heartbeat 5 s x 3 attempts
 
 # Statuses that mean "this server (or the proxy before it) cannot answer right now".
 RETRY_STATUSES = frozenset({502, 503, 504})
+# Limits that say "busy now", not "too much": the server had no room for this request yet.
+RETRY_CODES = frozenset({wire.ErrorCode.TOO_MANY_CONNECTIONS, wire.ErrorCode.BUFFERS_FULL})
 
 # The field of each long-poll request that says how long the server may hold it.
 _HOLD_FIELD: dict[type[wire.Request], str] = {
@@ -153,6 +165,39 @@ def parse_endpoints(spec: str) -> tuple[Endpoint, ...]:
     return tuple(_parse_endpoint(part) for part in parts)
 
 
+def _tls_endpoints(spec: str, tls: bool) -> tuple[Endpoint, ...]:
+    """The endpoints of ``spec``, every one TLS (``https``) when ``tls``. Raises ValueError."""
+    endpoints = parse_endpoints(spec)
+    if not tls:
+        return endpoints
+    plain = [part.strip() for part in spec.split(",") if part.strip().lower().startswith("http://")]
+    if plain:
+        raise ValueError(f"endpoint {plain[0]!r} says http:// but TLS was asked for (tls): use https:// or HOST:PORT")
+    return tuple(dataclasses.replace(e, scheme="https") for e in endpoints)
+
+
+def _tls_context(
+    endpoints: Sequence[Endpoint],
+    ca_file: str | os.PathLike[str] | None,
+    cert_file: str | os.PathLike[str] | None,
+    key_file: str | os.PathLike[str] | None,
+) -> ssl.SSLContext | None:
+    """The client's TLS context when an endpoint uses TLS, else None.
+
+    Raises ValueError when TLS files are given for endpoints that do not use TLS (they would
+    be ignored, and the traffic sent in the clear), and ``TLSConfigError`` (a ValueError)
+    when a file cannot be used.
+    """
+    if not any(e.scheme == "https" for e in endpoints):
+        if ca_file or cert_file or key_file:
+            raise ValueError(
+                "ca_file, cert_file and key_file are TLS options, but no endpoint uses TLS: "
+                "give https:// endpoints or tls=True (torchrun: --rdzv-conf tls=1; rdzvctl: --tls)"
+            )
+        return None
+    return client_context(ca_file=ca_file or None, cert_file=cert_file or None, key_file=key_file or None)
+
+
 def backoff_delay(
     attempt: int,
     rng: random.Random,
@@ -210,12 +255,45 @@ def _reply_bytes_list(reply: object, name: str, op: str, length: int | None = No
     return values
 
 
+class _Unanswered:
+    """The seqs of this client's writes still awaiting an answer (thread-safe: the sync
+    client runs the same coroutines in many threads).
+
+    A seq is issued and registered under one lock (:meth:`issue`): were it registered after
+    being drawn, another thread could meanwhile report a floor above it, and the server would
+    refuse it as an answered write's stale copy."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seqs: set[int] = set()
+        self._next = itertools.count(1)
+
+    def issue(self) -> int:
+        with self._lock:
+            seq = next(self._next)
+            self._seqs.add(seq)
+            return seq
+
+    def add(self, seq: int) -> None:
+        with self._lock:
+            self._seqs.add(seq)
+
+    def discard(self, seq: int) -> None:
+        with self._lock:
+            self._seqs.discard(seq)
+
+    def floor(self, seq: int) -> int:
+        """The lowest unanswered seq, ``seq`` included: every seq below it was answered."""
+        with self._lock:
+            return min(min(self._seqs, default=seq), seq)
+
+
 def _answer(answer: Answer) -> Any:
     """The body of a 2xx answer; otherwise raise the error it stands for."""
     if 200 <= answer.status < 300:
         return answer.body
     error = error_from_body(answer.status, answer.body)
-    if answer.status in RETRY_STATUSES:
+    if answer.status in RETRY_STATUSES or error.code in RETRY_CODES:
         raise _Unavailable(error)
     raise error
 
@@ -238,8 +316,17 @@ class AsyncClient:
     """An asyncio client of rdzv-server. Use it from one event loop; close it with :meth:`aclose`.
 
     ``endpoint`` is ``HOST[:PORT]`` or a comma-separated list of them (failover, in order).
+    ``token`` / ``token_file`` name the bearer token; without them the client looks where
+    :mod:`rdzv_client.credential` says (``RDZV_TOKEN``, ``RDZV_TOKEN_FILE``, the default file
+    the server creates), and raises ``CredentialError`` (a ValueError) for an unreadable one.
+    TLS: an ``https://`` endpoint uses it, and ``tls=True`` uses it for every endpoint;
+    ``ca_file`` is the CA bundle to trust (default: the system's), ``cert_file`` / ``key_file``
+    a client certificate for a server that requires one (``--tls-client-ca``). The server's
+    certificate must be valid for the endpoint's host. A file that cannot be used raises
+    ``TLSConfigError`` (a ValueError), as do TLS files given with no TLS endpoint.
     Every method may raise :class:`RdzvConnectionError` (no server reachable within
-    ``retry_budget``), :class:`BadRequestError` (invalid ids, keys or sizes) and
+    ``retry_budget``), :class:`BadRequestError` (invalid ids, keys or sizes),
+    :class:`UnauthorizedError` (no valid token, or a read-only one for a write) and
     :class:`ServerError`; the others are listed per method.
     """
 
@@ -253,13 +340,19 @@ class AsyncClient:
         connection_limit: int = DEFAULT_CONNECTION_LIMIT,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         client_id: str | None = None,
+        token: str | None = None,
+        token_file: str | os.PathLike[str] | None = None,
+        tls: bool = False,
+        ca_file: str | os.PathLike[str] | None = None,
+        cert_file: str | os.PathLike[str] | None = None,
+        key_file: str | os.PathLike[str] | None = None,
         transport: Transport | None = None,
         rng: random.Random | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         if retry_budget < 0 or request_timeout <= 0 or max_hold < 0:
             raise ValueError("retry_budget and max_hold must be >= 0 and request_timeout > 0")
-        self._endpoints = parse_endpoints(endpoint)
+        self._endpoints = _tls_endpoints(endpoint, tls)
         self._current = 0
         self._retry_budget = retry_budget
         self._request_timeout = request_timeout
@@ -267,9 +360,12 @@ class AsyncClient:
         self._client_id = client_id or uuid.uuid4().hex[:16]
         if not 0 < len(self._client_id) <= wire.MAX_CLIENT_ID_CHARS:
             raise ValueError(f"client_id must be 1..{wire.MAX_CLIENT_ID_CHARS} characters")
-        self._seq = itertools.count(1)
+        self._unanswered = _Unanswered()
         self._transport: Transport = transport or AiohttpTransport(
-            connection_limit=connection_limit, max_response_bytes=max_response_bytes
+            connection_limit=connection_limit,
+            max_response_bytes=max_response_bytes,
+            token=find_token(token, token_file),
+            tls=_tls_context(self._endpoints, ca_file, cert_file, key_file),
         )
         self._rng = rng or random.Random()
         self._sleep = sleep
@@ -298,8 +394,11 @@ class AsyncClient:
     # ----------------------------------------------------------------- the exchange
 
     def next_rid(self) -> tuple[str, int]:
-        """A fresh request id ``(client_id, seq)`` for one write (all its retries share it)."""
-        return (self._client_id, next(self._seq))
+        """A fresh request id ``(client_id, seq)`` for one write (all its retries share it).
+
+        It counts as unanswered (it holds the client's floor down) from now until a
+        :meth:`request` that carries it returns or raises: send it."""
+        return (self._client_id, self._unanswered.issue())
 
     async def request(self, rdzv_id: str, req: wire.Request, *, deadline: float | None = None) -> dict[str, Any]:
         """Send one operation and return the server's reply map, retrying as the module says.
@@ -309,18 +408,35 @@ class AsyncClient:
         bounds retries and shrinks the hold of a long-poll request that is retried.
         """
         _validated(rdzv_id, req)
-        if req.writes and getattr(req, "rid", None) is None:
-            req = dataclasses.replace(req, rid=self.next_rid())  # type: ignore[call-arg]
+        rid: tuple[Any, ...] | None = getattr(req, "rid", None) if req.writes else None
+        if req.writes and rid is None:
+            rid = self.next_rid()
+        ours = rid is not None and rid[0] == self._client_id
+        if ours:
+            assert rid is not None
+            self._unanswered.add(rid[1])
+        try:
+            return await self._request(rdzv_id, req, rid if ours else None, deadline)
+        finally:
+            if ours:
+                assert rid is not None
+                self._unanswered.discard(rid[1])
+
+    async def _request(
+        self, rdzv_id: str, req: wire.Request, rid: tuple[Any, ...] | None, deadline: float | None
+    ) -> dict[str, Any]:
         field = _HOLD_FIELD.get(type(req))
 
         async def attempt(endpoint: Endpoint) -> Any:
             this = req
+            if rid is not None:  # every attempt tells the server what it may forget
+                this = dataclasses.replace(req, rid=(rid[0], rid[1], self._unanswered.floor(rid[1])))  # type: ignore[call-arg]
             hold = 0.0
             if field is not None:
                 hold = float(getattr(req, field))
                 if deadline is not None:
                     hold = max(0.0, min(hold, deadline - time.monotonic()))
-                    this = dataclasses.replace(req, **{field: hold})
+                    this = dataclasses.replace(this, **{field: hold})
             fields = wire.to_mapping(this)
             return _answer(await self._transport.call(endpoint, rdzv_id, req.op, fields, hold + self._request_timeout))
 
@@ -329,9 +445,9 @@ class AsyncClient:
             raise ServerError(f"the server's {req.op} reply is not a map: {reply!r:.200}")
         return reply
 
-    async def _get_json(self, path: str, what: str) -> Any:
+    async def _get_json(self, path: str, what: str, hold: float = 0.0) -> Any:
         async def attempt(endpoint: Endpoint) -> Any:
-            return _answer(await self._transport.fetch(endpoint, path, self._request_timeout))
+            return _answer(await self._transport.fetch(endpoint, path, hold + self._request_timeout))
 
         return await self._with_retries(what, attempt, None)
 
@@ -606,9 +722,10 @@ class AsyncClient:
         """``node_id`` leaves the job gracefully: the other nodes do not restart for it."""
         await self.request(rdzv_id, wire.LeaveRequest(node_id=node_id))
 
-    async def close_job(self, rdzv_id: str) -> None:
-        """Close the job: later joins fail with :class:`JobClosedError`."""
-        await self.request(rdzv_id, wire.CloseRequest())
+    async def close_job(self, rdzv_id: str, *, cause: str = "") -> None:
+        """Close the job: later joins fail with :class:`JobClosedError`. ``cause`` (one of
+        ``wire.CLOSE_CAUSES``) tells the job's timeline who closed it."""
+        await self.request(rdzv_id, wire.CloseRequest(cause=cause))
 
     async def jobs(self) -> list[dict[str, Any]]:
         """Every job the server knows, each a map with ``rdzv_id``, ``state``, ``round``, ``num_nodes``…"""
@@ -624,6 +741,21 @@ class AsyncClient:
         body = await self._get_json(f"/v1/jobs/{rdzv_id}", f"reading job {rdzv_id}")
         if not isinstance(body, dict):
             raise ServerError(f"the server's membership document of job {rdzv_id} is not a map")
+        return body
+
+    async def events(self, rdzv_id: str, *, since: int = 0, wait: float = 0.0) -> dict[str, Any]:
+        """The job's timeline after event ``since``: ``{"events": [...], "next_seq", "first_seq",
+        "now"}`` (each event: ``seq``, ``time`` and ``now`` on the server's clock, ``kind``,
+        ``cause``, ``round``, ``node_id``, ``addr`` and details). With ``wait`` the server holds
+        the request up to that long (capped by its --max-hold) while there is nothing newer.
+        Raises :class:`NotFoundError`."""
+        _validated(rdzv_id, None)
+        if since < 0 or wait < 0:
+            raise ValueError("since and wait must be >= 0")
+        path = f"/v1/jobs/{rdzv_id}/events?since={int(since)}&wait={float(wait):g}"
+        body = await self._get_json(path, f"reading the events of job {rdzv_id}", hold=wait)
+        if not isinstance(body, dict) or not isinstance(body.get("events"), list):
+            raise ServerError(f"the server's events of job {rdzv_id} are not a map with a list of events")
         return body
 
     async def healthy(self) -> bool:
@@ -670,7 +802,7 @@ class Client:
     one ``Client``; each call holds one connection while it runs. Close it with
     :meth:`close` (or use it as a context manager): calls in flight then raise
     :class:`RdzvError`, later calls :class:`RuntimeError`. After ``fork``, the child opens
-    its own connections. Errors are those of the matching :class:`AsyncClient` method.
+    its own connections. Its token and TLS options, and its errors, are those of :class:`AsyncClient`.
     """
 
     def __init__(
@@ -683,13 +815,23 @@ class Client:
         connection_limit: int = DEFAULT_CONNECTION_LIMIT,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         client_id: str | None = None,
+        token: str | None = None,
+        token_file: str | os.PathLike[str] | None = None,
+        tls: bool = False,
+        ca_file: str | os.PathLike[str] | None = None,
+        cert_file: str | os.PathLike[str] | None = None,
+        key_file: str | os.PathLike[str] | None = None,
         transport: Transport | None = None,
     ) -> None:
         self._transport = transport or SocketTransport(
-            connection_limit=connection_limit, max_response_bytes=max_response_bytes
+            connection_limit=connection_limit,
+            max_response_bytes=max_response_bytes,
+            token=find_token(token, token_file),
+            tls=_tls_context(_tls_endpoints(endpoint, tls), ca_file, cert_file, key_file),
         )
         self._async = AsyncClient(
             endpoint,
+            tls=tls,
             retry_budget=retry_budget,
             request_timeout=request_timeout,
             max_hold=max_hold,
@@ -835,14 +977,17 @@ class Client:
     def leave(self, rdzv_id: str, node_id: str) -> None:
         self._run(self._async.leave(rdzv_id, node_id))
 
-    def close_job(self, rdzv_id: str) -> None:
-        self._run(self._async.close_job(rdzv_id))
+    def close_job(self, rdzv_id: str, *, cause: str = "") -> None:
+        self._run(self._async.close_job(rdzv_id, cause=cause))
 
     def jobs(self) -> list[dict[str, Any]]:
         return self._run(self._async.jobs())
 
     def job(self, rdzv_id: str) -> dict[str, Any]:
         return self._run(self._async.job(rdzv_id))
+
+    def events(self, rdzv_id: str, *, since: int = 0, wait: float = 0.0) -> dict[str, Any]:
+        return self._run(self._async.events(rdzv_id, since=since, wait=wait))
 
     def healthy(self) -> bool:
         return self._run(self._async.healthy())

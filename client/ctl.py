@@ -9,10 +9,17 @@ torch.
 
 Usage::
 
-    rdzvctl [--endpoint HOST:PORT] [--json] jobs
+    rdzvctl [--endpoint HOST:PORT] [--json] [--token-file PATH]
+            [--tls] [--ca-file PATH] [--cert-file PATH --key-file PATH] jobs
     rdzvctl show JOB | close JOB
+    rdzvctl events JOB [--since SEQ] [--follow]
+    rdzvctl watch JOB [--interval SECONDS] [--frames N]
     rdzvctl kv get JOB KEY [--wait SECONDS] | kv set JOB KEY VALUE | kv list JOB [PREFIX]
     (kv commands take --round N to use one round's key space)
+
+The token is found as every client finds it (``--token-file``, ``RDZV_TOKEN``,
+``RDZV_TOKEN_FILE``, the default file); the TLS flags default to ``RDZV_TLS``,
+``RDZV_CA_FILE``, ``RDZV_CERT_FILE`` and ``RDZV_KEY_FILE``.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import argparse
 import logging
 import os
 import sys
+import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
@@ -30,6 +39,10 @@ from .error import BadRequestError, NotFoundError, RdzvConnectionError, RdzvErro
 
 DEFAULT_ENDPOINT = f"127.0.0.1:{wire.DEFAULT_PORT}"  # the server's default bind, on this host
 ENDPOINT_ENV = "RDZV_ENDPOINT"
+TLS_ENV = "RDZV_TLS"  # 1/true/yes: TLS even for HOST:PORT endpoints
+CA_FILE_ENV = "RDZV_CA_FILE"
+CERT_FILE_ENV = "RDZV_CERT_FILE"
+KEY_FILE_ENV = "RDZV_KEY_FILE"
 # An operator at a terminal wants an answer in seconds, not an agent's 30 s of patience.
 DEFAULT_CTL_RETRY_BUDGET = 3.0
 
@@ -103,7 +116,10 @@ def format_membership(doc: Mapping[str, Any]) -> str:
         f"nodes {doc.get('num_nodes')} ({doc.get('min_nodes')}..{doc.get('max_nodes')})  "
         f"world_size {doc.get('world_size')}"
     )
-    lines = [header, ""]
+    lines = [header]
+    if doc.get("pending_reason"):  # only while a round is open: what it still waits for
+        lines.append(f"pending: {doc['pending_reason']}")
+    lines.append("")
     nodes: Sequence[Mapping[str, Any]] = doc.get("nodes") or []
     if nodes:
         rows = [
@@ -161,10 +177,57 @@ def _parser() -> argparse.ArgumentParser:
         help=f"HOST[:PORT] of the server (default: ${ENDPOINT_ENV}, else {DEFAULT_ENDPOINT})",
     )
     parser.add_argument("--json", action="store_true", help="print the raw JSON instead of tables")
+    security = parser.add_argument_group("token and TLS")
+    security.add_argument(
+        "--token-file",
+        default=None,
+        metavar="PATH",
+        help="file holding the server's token (default: $RDZV_TOKEN, $RDZV_TOKEN_FILE, else the default token file)",
+    )
+    security.add_argument(
+        "--tls",
+        action="store_true",
+        default=os.environ.get(TLS_ENV, "").strip().lower() in ("1", "true", "yes"),
+        help=f"use TLS even for a HOST:PORT endpoint (https:// endpoints always do; default: ${TLS_ENV})",
+    )
+    security.add_argument(
+        "--ca-file",
+        default=os.environ.get(CA_FILE_ENV) or None,
+        metavar="PATH",
+        help=f"CA bundle to trust for the server's certificate (default: ${CA_FILE_ENV}, else the system's)",
+    )
+    security.add_argument(
+        "--cert-file",
+        default=os.environ.get(CERT_FILE_ENV) or None,
+        metavar="PATH",
+        help=f"client certificate (PEM) for a server with --tls-client-ca (default: ${CERT_FILE_ENV})",
+    )
+    security.add_argument(
+        "--key-file",
+        default=os.environ.get(KEY_FILE_ENV) or None,
+        metavar="PATH",
+        help=f"the client certificate's key (PEM; default: ${KEY_FILE_ENV}, else in --cert-file)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("jobs", help="list every job")
     show = sub.add_parser("show", help="show a job's membership")
     show.add_argument("job")
+    events = sub.add_parser("events", help="print a job's timeline: who joined, died and why, rounds formed")
+    events.add_argument("job")
+    events.add_argument("--since", type=int, default=0, metavar="SEQ", help="only events after this one")
+    events.add_argument(
+        "--follow", action="store_true", help="keep printing new events as they happen, until the job is gone"
+    )
+    watch = sub.add_parser(
+        "watch", help="a live view of a job: its membership and last events, redrawn on every change"
+    )
+    watch.add_argument("job")
+    watch.add_argument(
+        "--interval", type=_positive, default=WATCH_INTERVAL, metavar="SECONDS",
+        help=f"redraw at least this often, for the heartbeat ages (default {WATCH_INTERVAL:g}; at most "
+        f"{FOLLOW_WAIT:g}, and the server's --max-hold may make it sooner)",
+    )
+    watch.add_argument("--frames", type=_positive_int, default=None, metavar="N", help="stop after N redraws")
     close = sub.add_parser("close", help="close a job (later joins fail)")
     close.add_argument("job")
     kv = sub.add_parser("kv", help="read and write a job's keys")
@@ -185,6 +248,111 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# A follow's long-poll: well inside the client's request timeout and the server's --max-hold.
+FOLLOW_WAIT = 25.0
+# watch redraws this often with nothing new, so heartbeat ages stay current.
+WATCH_INTERVAL = 2.0
+WATCH_EVENTS = 10  # the last events a watch frame shows: what just happened, on one screen
+CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, erase the screen (ANSI)
+EVENT_HEADERS = ("SEQ", "TIME", "ROUND", "EVENT", "CAUSE", "NODE", "ADDR", "DETAIL")
+_EVENT_FIELDS = frozenset({"seq", "time", "kind", "cause", "round", "node_id", "addr"})
+
+
+def format_events(events: Sequence[Mapping[str, Any]], server_now: float, *, headers: bool = True) -> str:
+    """Events as a table; times are local wall-clock times (the server sends its own clock)."""
+    rows = []
+    for e in events:
+        when = time.time() - (server_now - float(e.get("time", server_now)))
+        detail = " ".join(f"{k}={v}" for k, v in e.items() if k not in _EVENT_FIELDS)
+        rows.append(
+            [str(e.get("seq")), time.strftime("%H:%M:%S", time.localtime(when)), str(e.get("round")),
+             _cell(e.get("kind")), _cell(e.get("cause")), _cell(e.get("node_id")), _cell(e.get("addr")), detail]
+        )
+    lines = format_table(EVENT_HEADERS, rows)
+    return "\n".join(lines if headers else lines[1:])
+
+
+def _print_events(client: Client, job: str, since: int, follow: bool, as_json: bool, out: TextIO) -> None:
+    page = client.events(job, since=since)
+    first = True
+    while True:
+        if as_json:
+            for event in page["events"]:
+                _emit_json(event, out)
+        elif page["events"] or first:
+            if first and page["first_seq"] > since + 1:
+                out.write(f"(events {since + 1}..{page['first_seq'] - 1} are no longer kept)\n")
+            out.write(format_events(page["events"], page["now"], headers=first) + "\n")
+            first = False
+        out.flush()
+        if not follow:
+            return
+        try:
+            page = client.events(job, since=page["next_seq"] - 1, wait=FOLLOW_WAIT)
+        except NotFoundError:
+            out.write(f"job {job} is gone (collected after its --job-ttl)\n")
+            return
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= FOLLOW_WAIT:
+        raise argparse.ArgumentTypeError(f"must be more than 0 and at most {FOLLOW_WAIT:g}, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
+def format_watch(doc: Mapping[str, Any], events: Sequence[Mapping[str, Any]], server_now: float) -> str:
+    """One frame of ``rdzvctl watch``: the membership, then the job's last events."""
+    lines = [format_membership(doc), "", f"last events ({len(events)}):" if events else "no events kept"]
+    if events:
+        lines.append(format_events(events, server_now))
+    return "\n".join(lines)
+
+
+def _watch(client: Client, job: str, interval: float, frames: int | None, as_json: bool, out: TextIO) -> None:
+    """Redraw the job's frame whenever its events long-poll answers (a change) or ``interval``
+    passes; until ``frames`` are drawn, the job is gone, or Ctrl-C. On a terminal each frame
+    replaces the last; piped, frames follow each other, a blank line between.
+
+    Raises NotFoundError when the job is unknown from the start."""
+    recent: deque[Mapping[str, Any]] = deque(maxlen=WATCH_EVENTS)
+    drawn = 0
+    try:
+        page = client.events(job, since=0)
+        if page["events"] and page["events"][-1]["seq"] < page["next_seq"] - 1:  # a long timeline: its tail
+            page = client.events(job, since=max(0, page["next_seq"] - 1 - WATCH_EVENTS))
+        recent.extend(page["events"])
+        since = page["next_seq"] - 1
+        while frames is None or drawn < frames:  # each turn waits on the long-poll (at most interval)
+            if drawn:
+                page = client.events(job, since=since, wait=interval)
+                recent.extend(page["events"])
+                if page["events"]:  # after a burst longer than a page, the next turns catch up
+                    since = page["events"][-1]["seq"]
+            doc = client.job(job)
+            if as_json:
+                _emit_json({"membership": doc, "events": list(recent)}, out)
+            else:
+                lead = CLEAR_SCREEN if out.isatty() else ("\n" if drawn else "")
+                out.write(lead + format_watch(doc, list(recent), page["now"]) + "\n")
+            out.flush()
+            drawn += 1
+    except NotFoundError:
+        if not drawn:
+            raise
+        out.write(f"job {job} is gone (collected after its --job-ttl)\n")
+    except KeyboardInterrupt:  # the way a person ends a watch: not an error
+        out.write("\n")
+    out.flush()
+
+
 def _emit_json(obj: object, out: TextIO) -> None:
     out.write(wire.dump_json(obj).decode() + "\n")
 
@@ -196,8 +364,12 @@ def _execute(args: argparse.Namespace, client: Client, out: TextIO) -> None:
     elif args.command == "show":
         doc = client.job(args.job)
         out.write((wire.dump_json(doc).decode() if args.json else format_membership(doc)) + "\n")
+    elif args.command == "events":
+        _print_events(client, args.job, args.since, args.follow, args.json, out)
+    elif args.command == "watch":
+        _watch(client, args.job, args.interval, args.frames, args.json, out)
     elif args.command == "close":
-        client.close_job(args.job)
+        client.close_job(args.job, cause="operator")
         if args.json:
             _emit_json({"rdzv_id": args.job, "closed": True}, out)
         else:
@@ -224,6 +396,8 @@ def _execute(args: argparse.Namespace, client: Client, out: TextIO) -> None:
 
 
 def _hint(exc: RdzvError, endpoint: str) -> str:
+    if isinstance(exc, RdzvConnectionError) and "TLS handshake failed" in exc.message:
+        return "rdzvctl's TLS options are --tls, --ca-file, --cert-file and --key-file (see `rdzvctl --help`)"
     if isinstance(exc, RdzvConnectionError):
         return (
             f"is the server running at {endpoint}? start it with `rdzv-server`, "
@@ -243,7 +417,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Retry notices are for agents' logs; a terminal user gets the one-line error below.
     logging.getLogger("rdzv_client").setLevel(logging.ERROR)
     try:
-        client = Client(args.endpoint, retry_budget=DEFAULT_CTL_RETRY_BUDGET)
+        client = Client(
+            args.endpoint,
+            retry_budget=DEFAULT_CTL_RETRY_BUDGET,
+            token_file=args.token_file,
+            tls=args.tls,
+            ca_file=args.ca_file,
+            cert_file=args.cert_file,
+            key_file=args.key_file,
+        )
     except ValueError as exc:
         parser.error(str(exc))
     try:

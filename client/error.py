@@ -15,10 +15,12 @@ The tree::
     ├── RdzvTimeoutError            a blocking call's own deadline passed (also a TimeoutError)
     │   └── JoinTimeoutError        the job's join_timeout passed before a round formed (408)
     ├── JobClosedError              the job was closed (410)
+    │   └── JobClosedInLineError    ... while this node was standby or waiting: exit gracefully (410)
     ├── BadRequestError             the request is invalid; fix the call, do not retry (4xx)
     ├── UnauthorizedError           the server wants credentials this client did not send (401)
     ├── NotFoundError               no such job, node or route (404)
     ├── ConflictError               the request contradicts stored state (409)
+    ├── LimitError                  a server limit refused the request; nothing changed (429, 413)
     └── ServerError                 the server failed, or answered something malformed (5xx)
 """
 
@@ -63,12 +65,21 @@ class JobClosedError(RdzvError):
     """The job is closed: no new rounds form and joins fail."""
 
 
+class JobClosedInLineError(JobClosedError):
+    """The job closed while this node was still in line (standby or waiting) for a round.
+
+    The node was no part of the run that ended: nothing failed, and a launcher should let
+    it exit gracefully (the torchrun handler raises torch's ``RendezvousGracefulExitError``).
+    """
+
+
 class BadRequestError(RdzvError):
     """The request itself is invalid (an id, a key, a size, a media type); retrying cannot help."""
 
 
 class UnauthorizedError(RdzvError):
-    """The server requires credentials this client did not present."""
+    """The server requires credentials this client did not present (401 ``unauthorized``),
+    or the token presented does not allow this request (403 ``forbidden``: a read-only token)."""
 
 
 class NotFoundError(RdzvError):
@@ -77,6 +88,15 @@ class NotFoundError(RdzvError):
 
 class ConflictError(RdzvError):
     """The request contradicts stored state: other job settings, a non-integer counter."""
+
+
+class LimitError(RdzvError):
+    """A server limit (connections, buffered bytes, jobs, keys, sessions) refused the request.
+
+    Nothing changed on the server. Connection and buffer limits are transient (the client
+    retries them within its budget); the others need the operator to raise the limit or the
+    caller to store less.
+    """
 
 
 class ClientClosedError(RdzvError):
@@ -101,17 +121,30 @@ ERROR_CLASSES: dict[ErrorCode, type[RdzvError]] = {
     ErrorCode.SETTINGS_CONFLICT: ConflictError,
     ErrorCode.NOT_AN_INTEGER: ConflictError,
     ErrorCode.JOB_CLOSED: JobClosedError,
+    ErrorCode.JOB_CLOSED_IN_LINE: JobClosedInLineError,
     ErrorCode.JOIN_TIMEOUT: JoinTimeoutError,
     ErrorCode.UNAUTHORIZED: UnauthorizedError,
+    ErrorCode.FORBIDDEN: UnauthorizedError,
     ErrorCode.NOT_READY: ServerError,
     ErrorCode.SHUTTING_DOWN: ServerError,
     ErrorCode.INTERNAL: ServerError,
+    ErrorCode.HEADERS_TOO_LARGE: BadRequestError,
+    ErrorCode.EXPECTATION_FAILED: BadRequestError,
+    ErrorCode.REQUEST_TIMEOUT: BadRequestError,
+    ErrorCode.HOST_NOT_ALLOWED: BadRequestError,
+    ErrorCode.TOO_MANY_CONNECTIONS: LimitError,
+    ErrorCode.BUFFERS_FULL: LimitError,
+    ErrorCode.TOO_MANY_JOBS: LimitError,
+    ErrorCode.TOO_MANY_KEYS: LimitError,
+    ErrorCode.JOB_STORE_FULL: LimitError,
+    ErrorCode.TOO_MANY_SESSIONS: LimitError,
+    ErrorCode.SESSION_FULL: LimitError,
 }
 
 
 def _class_for_status(status: int) -> type[RdzvError]:
     # Only for codes this client does not know (a newer server, or a proxy in between).
-    if status == 401:
+    if status in (401, 403):
         return UnauthorizedError
     if status == 404:
         return NotFoundError
@@ -119,6 +152,8 @@ def _class_for_status(status: int) -> type[RdzvError]:
         return ConflictError
     if status == 410:
         return JobClosedError
+    if status == 429:
+        return LimitError
     if 400 <= status < 500:
         return BadRequestError
     if status >= 500:

@@ -11,25 +11,41 @@ What it owns:
 How a torchrun agent uses the handler (TORCH-NOTES.md): ``next_rendezvous()`` joins,
 offering a free port, and long-polls for the round; the assignment names node rank 0's
 addr and offered port, which become MASTER_ADDR/MASTER_PORT (no exchange through the
-store). The handler's watch thread keeps one long-poll open per node while its round
-runs: it is the heartbeat, the fast death signal (the server sees the connection drop
-when the process dies) and the source of ``num_nodes_waiting()``, which the agent calls
-every 0.1 s and which therefore costs nothing.
+store). The offered port stays reserved while the node waits in line, which may be
+minutes (see :class:`PortReservation`), and is released just before
+``next_rendezvous()`` returns: node rank 0's worker binds it moments later, the same
+window torch's own free-port pick leaves. The handler's watch thread keeps one long-poll
+open per node while its round runs: it is the heartbeat, the fast death signal (the
+server sees the connection drop when the process dies) and the source of
+``num_nodes_waiting()``, which the agent calls every 0.1 s and which therefore costs
+nothing.
+
+How long a node waits in line is the server's decision (it knows the node's role): a
+candidate or waiting node gets ``join_timeout`` (torch's ``RendezvousTimeoutError``); a
+standby node (torch's redundancy list) waits as long as the job runs, and when the job
+closes it gets ``RendezvousGracefulExitError``, which the agent treats as a clean exit.
+
+Credentials and TLS come from ``--rdzv-conf`` (:func:`client_options`): ``token_file=PATH``
+(else the client's usual lookup: ``RDZV_TOKEN``, ``RDZV_TOKEN_FILE``, the default file),
+``tls=1`` (or an ``https://`` endpoint), ``ca_file=PATH``, ``cert_file=PATH``,
+``key_file=PATH``. The token itself never goes on the command line, where ``ps`` shows it.
 
 Errors at the torch boundary are torch's: ``RendezvousTimeoutError``,
-``RendezvousClosedError``, ``RendezvousConnectionError`` (chained ``from`` ours); store
-timeouts raise ``torch.distributed.DistStoreError`` like TCPStore's.
+``RendezvousClosedError``, ``RendezvousGracefulExitError``, ``RendezvousConnectionError``
+(chained ``from`` ours); store timeouts raise ``torch.distributed.DistStoreError`` like
+TCPStore's.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import sys
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -38,6 +54,7 @@ from torch._C._distributed_c10d import Store
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousGracefulExitError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -45,11 +62,17 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.api import RendezvousError
-from torch.distributed.elastic.utils.distributed import get_free_port
 
 from . import wire
 from .client import Client
-from .error import ConflictError, JobClosedError, RdzvConnectionError, RdzvError, RdzvTimeoutError
+from .error import (
+    ConflictError,
+    JobClosedError,
+    JobClosedInLineError,
+    RdzvConnectionError,
+    RdzvError,
+    RdzvTimeoutError,
+)
 
 log = logging.getLogger("rdzv_client")
 
@@ -64,6 +87,8 @@ DEFAULT_KEEP_ALIVE_INTERVAL = 2.0
 DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 5
 # TCPStore's default timeout for blocking store calls.
 DEFAULT_STORE_TIMEOUT = 300.0
+# The --rdzv-conf keys that are Client options, passed as they are (paths); ``tls`` is a bool.
+CLIENT_PATH_KEYS = ("token_file", "ca_file", "cert_file", "key_file")
 
 
 def _text(key: str | bytes) -> bytes:
@@ -186,6 +211,54 @@ class RdzvStore(Store):
             self._client.close()
 
 
+# Where a reservation binds: the wildcard of every family the workers' TCPStore may listen on.
+_RESERVE_ON = ([(socket.AF_INET6, "::")] if socket.has_dualstack_ipv6() else []) + [(socket.AF_INET, "0.0.0.0")]
+
+
+class PortReservation:
+    """A free TCP port held by a bound, non-listening socket until :meth:`release`.
+
+    The port is offered with the join (for node rank 0's workers' TCPStore) and the round
+    may form minutes later. While the socket is bound, the kernel hands the port to no
+    port-0 ``bind`` and no outgoing connection, and a plain ``bind`` of it fails with
+    EADDRINUSE. The socket has SO_REUSEADDR and never listens, so a TCPStore (which sets
+    SO_REUSEADDR too) can bind and listen on the port even before the release. Dual-stack
+    where the host has IPv6, so the port is held for both address families. Raises
+    ``OSError`` when no socket can be bound (no file descriptor or port left).
+    """
+
+    def __init__(self) -> None:
+        self._socket: socket.socket | None = None
+        error: OSError | None = None
+        for family, host in _RESERVE_ON:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                sock.bind((host, 0))
+            except OSError as exc:  # IPv6 present but unusable: the IPv4 wildcard will do
+                sock.close()
+                error = exc
+                continue
+            self._socket = sock
+            break
+        if self._socket is None:
+            assert error is not None
+            raise error
+        self.port: int = self._socket.getsockname()[1]
+
+    @property
+    def held(self) -> bool:
+        return self._socket is not None
+
+    def release(self) -> None:
+        """Free the port (idempotent)."""
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
+
 class RdzvServerHandler(RendezvousHandler):
     """torchrun's rendezvous through rdzv-server. Built by :func:`create_handler`."""
 
@@ -207,9 +280,11 @@ class RdzvServerHandler(RendezvousHandler):
         host = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in socket.gethostname())[:100] or "node"
         self._node_id = params.get("node_id") or f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         wire.check_id("node_id", self._node_id)
-        self._client = client or Client(endpoint, retry_budget=self._close_timeout)
+        self._client = client or Client(endpoint, retry_budget=self._close_timeout, **client_options(params))
         self._num_waiting = 0
         self._closed = False
+        self._reservation: PortReservation | None = None  # the offered master port, while in line
+        self._gracefully_exited = False
         # The watch thread lives as long as the handler and watches the round in _watching
         # (None: no round, it waits). Started here, not when a round forms: starting a thread
         # waits for it to run, and that wait lands on the critical path of every formation.
@@ -231,17 +306,40 @@ class RdzvServerHandler(RendezvousHandler):
     def node_id(self) -> str:
         return self._node_id
 
+    @property
+    def offered_port(self) -> int | None:
+        """The master port this node offered with its join, while it waits in line holding it
+        reserved (None otherwise)."""
+        reservation = self._reservation
+        return reservation.port if reservation is not None and reservation.held else None
+
     def next_rendezvous(self) -> RendezvousInfo:
+        """Join the job's next round and wait for it to form.
+
+        Raises torch's ``RendezvousTimeoutError`` (join_timeout passed), ``RendezvousClosedError``
+        (the job closed), ``RendezvousGracefulExitError`` (the job closed while this node was a
+        standby or waiting node: it was no part of the run), ``RendezvousConnectionError``.
+        """
         self._stop_watch()
-        log.info(
-            "Node %s joins job %s at %s (nnodes %d:%d, nproc_per_node %d).",
-            self._node_id, self._run_id, ",".join(map(str, self._client.endpoints)),
-            self._min_nodes, self._max_nodes, self._nproc,
-        )
         # Offered in case this node becomes node rank 0: the server hands node rank 0's addr
         # and port to every node in its assignment (no store exchange after the round forms).
-        port: int = get_free_port()  # type: ignore[no-untyped-call]
+        self._reservation = PortReservation()
         try:
+            return self._rendezvous(self._reservation.port)
+        finally:
+            # Just before the agent starts the workers: node rank 0's worker binds the port next.
+            self._reservation.release()
+
+    def _rendezvous(self, port: int) -> RendezvousInfo:
+        log.info(
+            "Node %s joins job %s at %s (nnodes %d:%d, nproc_per_node %d, master port %d offered).",
+            self._node_id, self._run_id, ",".join(map(str, self._client.endpoints)),
+            self._min_nodes, self._max_nodes, self._nproc, port,
+        )
+        try:
+            # No deadline of our own: the server ends the wait of a node that can time out (its
+            # join_timeout, as JoinTimeoutError), a standby waits as long as the job runs, and
+            # the client's retry budget ends it when no server answers.
             a = self._client.join(
                 self._run_id,
                 node_id=self._node_id,
@@ -253,11 +351,15 @@ class RdzvServerHandler(RendezvousHandler):
                 join_timeout=self._join_timeout,
                 heartbeat_ttl=self._heartbeat_ttl,
                 master_port=port,
-                timeout=self._join_timeout + self._keep_alive_interval,
+                timeout=math.inf,
             )
         except RdzvError as exc:
             if isinstance(exc, RdzvTimeoutError):
                 self._leave_quietly()  # do not hold a place in a round we stopped waiting for
+            if isinstance(exc, JobClosedInLineError):
+                self._gracefully_exited = True
+                log.info("Node %s: job %s closed while this node was in line; it exits gracefully.",
+                         self._node_id, self._run_id)
             raise _torch_error(exc, f"node {self._node_id} could not join job {self._run_id}") from exc
         self._num_waiting = 0
         self._start_watch(a.round)
@@ -287,7 +389,7 @@ class RdzvServerHandler(RendezvousHandler):
 
     def set_closed(self) -> None:
         try:
-            self._client.close_job(self._run_id)
+            self._client.close_job(self._run_id, cause="agent")
         except RdzvError as exc:
             raise _torch_error(exc, f"could not close job {self._run_id}") from exc
         self._closed = True
@@ -297,21 +399,34 @@ class RdzvServerHandler(RendezvousHandler):
         return self._num_waiting
 
     def shutdown(self) -> bool:
-        """The agent is done (its run succeeded or failed for good): leave and close the job.
+        """The agent is done (its run succeeded or failed for good): close the job, then leave.
 
         Closing is what torch's own backends do: the other agents' next re-rendezvous fails
-        with RendezvousClosedError instead of waiting for a round that cannot form.
+        with RendezvousClosedError instead of waiting for a round that cannot form. It comes
+        before the leave: the leave of a job's last live member would otherwise open (and,
+        with min_nodes standby nodes in line, form) a round for its spares, which would then
+        start a run of their own instead of exiting gracefully.
+
+        Raises ``SystemExit(0)`` in one case only, torch 2.13's: after this node exited
+        gracefully, ``agent.run()`` returns None, ``launch_agent`` then fails on
+        ``None.is_failed()`` and calls this method while that AttributeError propagates; it
+        is replaced (chained) by a clean exit, which torchrun's ``@record`` turns into exit
+        code 0. A torch that handles the graceful exit itself never gets here with it.
         """
         self._stop_watch(for_good=True)
         try:
+            self._client.close_job(self._run_id, cause="agent")
             self._client.leave(self._run_id, self._node_id)
-            self._client.close_job(self._run_id)
             return True
         except RdzvError as exc:
             log.warning("Node %s could not leave job %s cleanly: %s", self._node_id, self._run_id, exc)
             return False
         finally:
             self._closed = True
+            in_flight = sys.exc_info()[1]
+            if self._gracefully_exited and _is_torch_none_run_result(in_flight):
+                log.info("Node %s left job %s gracefully; exiting with code 0.", self._node_id, self._run_id)
+                raise SystemExit(0) from in_flight
 
     def _leave_quietly(self) -> None:
         try:
@@ -387,8 +502,26 @@ def _endpoint(params: RendezvousParameters) -> str:
     return str(params.endpoint)
 
 
+def client_options(params: RendezvousParameters) -> dict[str, Any]:
+    """The :class:`Client` options ``--rdzv-conf`` gives: ``token_file``, ``tls``, ``ca_file``,
+    ``cert_file``, ``key_file`` (absent keys are left out). Raises ValueError for a ``tls``
+    that is not a boolean (``1``/``0``, ``true``/``false``, ``yes``/``no``)."""
+    options: dict[str, Any] = {key: str(params.get(key)) for key in CLIENT_PATH_KEYS if params.get(key)}
+    if params.get_as_bool("tls", False):
+        options["tls"] = True
+    return options
+
+
+def _is_torch_none_run_result(exc: BaseException | None) -> bool:
+    """``exc`` is what torch 2.13's ``launch_agent`` raises after a graceful exit: the
+    AttributeError of ``result.is_failed()`` on the None that ``agent.run()`` returned."""
+    return isinstance(exc, AttributeError) and exc.obj is None and exc.name == "is_failed"
+
+
 def _torch_error(exc: BaseException, context: str) -> RendezvousError:
     message = f"{context}: {exc}"
+    if isinstance(exc, JobClosedInLineError):
+        return RendezvousGracefulExitError(message)
     if isinstance(exc, JobClosedError):
         return RendezvousClosedError(message)
     if isinstance(exc, (RdzvTimeoutError, dist.DistStoreError)):
@@ -416,22 +549,22 @@ def _launch_config_nproc() -> int | None:
 
 # Each handler keeps one long-poll open; handlers sharing a process share one client.
 SHARED_CLIENT_CONNECTIONS = 8192
-_shared_clients: dict[tuple[str, int], Client] = {}
+_shared_clients: dict[tuple[str, int, tuple[tuple[str, Any], ...]], Client] = {}
 _shared_lock = threading.Lock()
 
 
-def _shared_client(endpoint: str, retry_budget: float) -> Client:
-    """One client (one connection pool) per endpoint per process.
+def _shared_client(endpoint: str, retry_budget: float, options: Mapping[str, Any]) -> Client:
+    """One client (one connection pool) per endpoint and client options per process.
 
     torchrun makes one handler per process; tools that simulate many nodes in one
     process (benchmarks, tests) then share idle connections instead of one pool per node.
     """
-    key = (endpoint, os.getpid())
+    key = (endpoint, os.getpid(), tuple(sorted(options.items())))
     with _shared_lock:
         client = _shared_clients.get(key)
         if client is None:
             client = _shared_clients[key] = Client(
-                endpoint, retry_budget=retry_budget, connection_limit=SHARED_CLIENT_CONNECTIONS
+                endpoint, retry_budget=retry_budget, connection_limit=SHARED_CLIENT_CONNECTIONS, **options
             )
         return client
 
@@ -441,7 +574,10 @@ def create_handler(params: RendezvousParameters) -> RdzvServerHandler:
 
     nproc_per_node comes from ``--rdzv-conf nproc_per_node=K`` if given, else from the
     agent's launch config, else 1 (it only feeds the membership view's global ranks).
+    Token and TLS options come from ``--rdzv-conf`` (:func:`client_options`); a token or TLS
+    file that cannot be used raises ValueError naming it.
     """
     nproc = params.get("nproc_per_node") or _launch_config_nproc() or 1
     retry_budget = float(params.get("close_timeout", DEFAULT_CLOSE_TIMEOUT))
-    return RdzvServerHandler(params, int(nproc), client=_shared_client(_endpoint(params), retry_budget))
+    client = _shared_client(_endpoint(params), retry_budget, client_options(params))
+    return RdzvServerHandler(params, int(nproc), client=client)

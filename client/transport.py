@@ -9,15 +9,30 @@ What it owns:
   connections, one request in flight per connection; the JSON pages over HTTP/1.1. Its
   methods are coroutines that never suspend, so the client drives them without a loop.
 
+An ``https://`` endpoint means TLS, for both protocols: the stream protocol's frames travel
+inside TLS exactly as they do over plain TCP. Both transports use the one
+``ssl.SSLContext`` they are given (:func:`rdzv_client.tls.client_context`; by default one
+that trusts the system's store, made on first use).
+
 What it must not know: retries, deadlines, error codes (``client.py`` decides all of
 them from an :class:`Answer`).
 
 Rules:
 - A transport raises :class:`TransportError` only when no complete answer arrived
   (refused, reset, timed out, truncated): the client may retry those.
+- A TLS failure that retrying cannot fix (the server's certificate is not trusted, a side
+  rejected the handshake, the port does not speak TLS) raises :class:`RdzvConnectionError`
+  at once, naming TLS and what to check (:func:`rdzv_client.tls.tls_failure`).
 - Any failure during an exchange discards that connection; a pooled connection found
-  closed or reset (the server restarted while it sat idle) is replaced once, at once, by
-  a fresh one. Resending is safe: a write's rid makes it apply once.
+  closed or reset (the server closed it after its ``--idle-timeout``, shed it at its
+  connection limit, or restarted while it sat idle) is replaced once, at once, by a fresh
+  one. Resending is safe: a write's rid makes it apply once.
+- A transport given a token presents it on every exchange: ``Authorization: Bearer`` over
+  HTTP, a hello frame pipelined right after the preface on each new stream connection.
+- A stream error frame with tag 0 answers the connection rather than one request (the
+  server refused it: ``too_many_connections``, ``buffers_full``, ``request_timeout``); with
+  one request in flight per connection it is that request's answer, and the connection,
+  which the server closes, is discarded.
 """
 
 from __future__ import annotations
@@ -28,6 +43,7 @@ import http.client
 import itertools
 import os
 import socket
+import ssl
 import threading
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -35,7 +51,8 @@ from typing import Any, Protocol
 import aiohttp
 
 from . import wire
-from .error import ClientClosedError, ServerError
+from .error import ClientClosedError, RdzvConnectionError, ServerError
+from .tls import client_context, is_tls_misconfiguration, tls_failure
 
 # A server that does not accept a connection in this long is not going to.
 DEFAULT_CONNECT_TIMEOUT = 10.0
@@ -114,6 +131,48 @@ _MSGPACK_HEADERS = {"Content-Type": wire.CONTENT_TYPE_MSGPACK, "Accept": wire.CO
 _JSON_HEADERS = {"Accept": wire.CONTENT_TYPE_JSON}
 
 
+def _with_token(headers: Mapping[str, str], token: str | None) -> dict[str, str]:
+    return {**headers, "Authorization": f"Bearer {token}"} if token else dict(headers)
+
+
+class _TLS:
+    """The transport's TLS context: the one it was given, else the default, made on first use."""
+
+    def __init__(self, context: ssl.SSLContext | None) -> None:
+        self._context = context
+        self._lock = threading.Lock()
+
+    def context(self) -> ssl.SSLContext:
+        with self._lock:
+            if self._context is None:
+                self._context = client_context()
+            return self._context
+
+
+def _closed_hint(endpoint: Endpoint, exc: BaseException) -> str:
+    """A hint for a connection closed before any answer: a TLS server closes a connection whose
+    handshake fails without a word the client can read, so say what may be behind it."""
+    if not isinstance(exc, (ConnectionError, EOFError, aiohttp.ServerDisconnectedError)):
+        return ""
+    if endpoint.scheme == "https":
+        return " (a server that requires client certificates, --tls-client-ca, closes TLS connections that bring none)"
+    return " (a server with TLS, --tls-cert, closes plain connections: use an https:// endpoint or tls)"
+
+
+def _misconfigured_tls(exc: BaseException) -> BaseException | None:
+    """The TLS error behind ``exc`` (its causes and aiohttp's wrapped errors included) that
+    retrying cannot fix; None when there is none."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # a short chain; bounded in case of a cycle
+        if seen is None:
+            return None
+        if is_tls_misconfiguration(seen):
+            return seen
+        inner = getattr(seen, "certificate_error", None) or getattr(seen, "os_error", None)
+        seen = inner if isinstance(inner, BaseException) else (seen.__cause__ or seen.__context__)
+    return None
+
+
 # --------------------------------------------------------------------------- HTTP (asyncio)
 
 
@@ -130,7 +189,12 @@ class AiohttpTransport:
         connection_limit: int = DEFAULT_CONNECTION_LIMIT,
         read_bufsize: int = DEFAULT_READ_BUFSIZE,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        token: str | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        self._msgpack_headers = _with_token(_MSGPACK_HEADERS, token)
+        self._json_headers = _with_token(_JSON_HEADERS, token)
+        self._tls = _TLS(tls)
         self._connection_limit = connection_limit
         self._read_bufsize = read_bufsize
         self._max_response_bytes = max_response_bytes
@@ -149,23 +213,45 @@ class AiohttpTransport:
         return self._session
 
     async def call(self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], timeout: float) -> Answer:
-        url = endpoint.url + wire.op_path(rdzv_id, op)
-        return await self._send("POST", url, wire.pack(fields), _MSGPACK_HEADERS, timeout)
+        path = wire.op_path(rdzv_id, op)
+        return await self._send(endpoint, "POST", path, wire.pack(fields), self._msgpack_headers, timeout)
 
     async def fetch(self, endpoint: Endpoint, path: str, timeout: float) -> Answer:
-        return await self._send("GET", endpoint.url + path, None, _JSON_HEADERS, timeout)
+        return await self._send(endpoint, "GET", path, None, self._json_headers, timeout)
 
     async def _send(
-        self, method: str, url: str, body: bytes | None, headers: Mapping[str, str], timeout: float
+        self,
+        endpoint: Endpoint,
+        method: str,
+        path: str,
+        body: bytes | None,
+        headers: Mapping[str, str],
+        timeout: float,
+        *,
+        retried: bool = False,
     ) -> Answer:
         session = self._open()
+        tls: ssl.SSLContext | bool = self._tls.context() if endpoint.scheme == "https" else True
         try:
             async with session.request(
-                method, url, data=body, headers=dict(headers), timeout=aiohttp.ClientTimeout(total=timeout)
+                method,
+                endpoint.url + path,
+                data=body,
+                headers=dict(headers),
+                timeout=aiohttp.ClientTimeout(total=timeout),
+                ssl=tls,
             ) as resp:
                 data = await self._read(resp)
                 return http_answer(resp.status, resp.content_type, data, self._max_response_bytes)
+        except aiohttp.ServerDisconnectedError as exc:
+            if retried:  # closed again at once: the server is going away, or refuses us (see _closed_hint)
+                raise TransportError(f"{str(exc) or type(exc).__name__}{_closed_hint(endpoint, exc)}") from exc
+            # A pooled connection the server closed while idle (--idle-timeout) as we sent on it.
+            return await self._send(endpoint, method, path, body, headers, timeout, retried=True)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            tls_error = _misconfigured_tls(exc)
+            if tls_error is not None:
+                raise RdzvConnectionError(tls_failure(endpoint, tls_error)) from exc
             raise TransportError(str(exc) or type(exc).__name__) from exc
 
     async def _read(self, resp: aiohttp.ClientResponse) -> bytes:
@@ -197,8 +283,8 @@ class _Stale(Exception):
 class SocketTransport:
     """:class:`Transport` over blocking sockets, shared by any number of threads.
 
-    ``http://`` endpoints get the stream protocol; ``https://`` ones get HTTP/1.1 over TLS
-    for everything (the stream protocol has no TLS).
+    Operations travel over the stream protocol, inside TLS for ``https://`` endpoints (the
+    handshake is part of opening a pooled connection); the JSON pages over HTTP/1.1 (HTTPS).
     """
 
     def __init__(
@@ -207,7 +293,12 @@ class SocketTransport:
         connection_limit: int = DEFAULT_CONNECTION_LIMIT,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        token: str | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        self._token = token
+        self._tls = _TLS(tls)
+        self._json_headers = _with_token(_JSON_HEADERS, token)
         self._max_idle = connection_limit
         self._max_response_bytes = max_response_bytes
         self._connect_timeout = connect_timeout
@@ -221,9 +312,6 @@ class SocketTransport:
     # -- the seam --------------------------------------------------------------------------
 
     async def call(self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], timeout: float) -> Answer:
-        if endpoint.scheme != "http":
-            body = wire.pack(fields)
-            return self._http(endpoint, "POST", wire.op_path(rdzv_id, op), body, _MSGPACK_HEADERS, timeout)
         tag = next(self._tags)
         payload = wire.frame([tag, op, rdzv_id, fields])
         try:
@@ -232,7 +320,7 @@ class SocketTransport:
             return self._exchange(endpoint, tag, payload, timeout, fresh=True)
 
     async def fetch(self, endpoint: Endpoint, path: str, timeout: float) -> Answer:
-        return self._http(endpoint, "GET", path, None, _JSON_HEADERS, timeout)
+        return self._http(endpoint, "GET", path, None, self._json_headers, timeout)
 
     async def aclose(self) -> None:
         """Close every connection, idle or in use; calls in flight raise :class:`ClientClosedError`."""
@@ -242,7 +330,9 @@ class SocketTransport:
             self._idle.clear()
         for sock in socks:
             try:
-                sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv on it
+                # Wakes a thread blocked in recv on it. The plain socket's shutdown, also for a
+                # TLS one: SSLSocket.shutdown would unwrap it under the reading thread's feet.
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
             except OSError:
                 pass
             sock.close()
@@ -254,27 +344,47 @@ class SocketTransport:
         ok = False
         try:
             sock.settimeout(timeout)
-            sock.sendall(payload if reused else wire.STREAM_PREFACE + payload)
-            reply = self._read_frame(sock)
-            ok = True
+            hello = 0 if reused or not self._token else next(self._tags)
+            if reused:
+                sock.sendall(payload)
+            elif hello:
+                greeting = wire.frame([hello, wire.HELLO_OP, "", {"token": self._token}])
+                sock.sendall(wire.STREAM_PREFACE + greeting + payload)
+            else:
+                sock.sendall(wire.STREAM_PREFACE + payload)
+            reply, early = self._read_frame(sock, allow_more=bool(hello))
+            message = self._decode(reply)
+            if hello and message[0] == hello and message[1] == 200:  # welcomed: the request's answer is next
+                reply, _ = self._read_frame(sock, early)
+                message = self._decode(reply)
+            ok = message[0] == tag  # tag 0: the server refused the connection and closes it
         except (OSError, EOFError) as exc:
             self._raise_if_closed(exc)
+            if is_tls_misconfiguration(exc):  # e.g. TLS 1.3: a refused client certificate shows on the first read
+                raise RdzvConnectionError(tls_failure(endpoint, exc)) from exc
             if reused and isinstance(exc, (ConnectionError, EOFError)):
                 raise _Stale() from exc  # retrying is safe: a write's rid makes it apply once
-            raise TransportError(f"{endpoint}: {exc or type(exc).__name__}") from exc
+            raise TransportError(f"{endpoint}: {exc or type(exc).__name__}{_closed_hint(endpoint, exc)}") from exc
         finally:
             self._checkin(endpoint, sock, ok)
+        if message[0] != tag and not (message[0] == 0 and message[1] >= 400):
+            raise ServerError(f"the server sent a reply frame that does not answer request {tag}: {message!r:.200}")
+        return Answer(message[1], message[2])
+
+    def _decode(self, reply: bytes) -> list[Any]:
+        """A reply frame's ``[tag, status, body]``; raises :class:`ServerError` if it is not one."""
         try:
             message = wire.unpack(reply, self._max_response_bytes, max_items=wire.MAX_REPLY_ITEMS)
         except wire.WireError as exc:
             raise ServerError(f"the server sent a frame this client cannot read: {exc}") from exc
-        if not (isinstance(message, list) and len(message) == 3 and message[0] == tag and isinstance(message[1], int)):
-            raise ServerError(f"the server sent a reply frame that does not answer request {tag}: {message!r:.200}")
-        return Answer(message[1], message[2])
+        if not (isinstance(message, list) and len(message) == 3 and type(message[0]) is int and type(message[1]) is int):
+            raise ServerError(f"the server sent a reply frame of the wrong shape: {message!r:.200}")
+        return message
 
-    def _read_frame(self, sock: socket.socket) -> bytes:
+    def _read_frame(self, sock: socket.socket, data: bytes = b"", *, allow_more: bool = False) -> tuple[bytes, bytes]:
+        """One frame's payload, and the bytes read past it (only the hello's answer may have
+        some: the request's answer, pipelined behind it; anything else is a protocol error)."""
         size = wire.FRAME_HEADER.size
-        data = b""
         while len(data) < size:
             chunk = sock.recv(DEFAULT_READ_BUFSIZE)
             if not chunk:
@@ -294,9 +404,9 @@ class SocketTransport:
                 parts.append(chunk)
                 have += len(chunk)
             data = b"".join(parts)
-        if len(data) != need:
+        if len(data) != need and not allow_more:
             raise ServerError("the server sent bytes after its reply, with no request outstanding")
-        return data[size:]
+        return data[size:need], data[need:]
 
     def _checkout(self, endpoint: Endpoint, timeout: float, fresh: bool) -> tuple[socket.socket, bool]:
         with self._lock:
@@ -311,12 +421,24 @@ class SocketTransport:
         except OSError as exc:
             raise TransportError(f"{endpoint}: {exc}") from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if endpoint.scheme == "https":
+            sock = self._handshake(endpoint, sock)
         with self._lock:
             if self._closed:
                 sock.close()
                 self._check_usable()
             self._busy.add(sock)
         return sock, False
+
+    def _handshake(self, endpoint: Endpoint, sock: socket.socket) -> socket.socket:
+        """``sock`` wrapped in TLS, handshake done (within the connect timeout already set)."""
+        try:
+            return self._tls.context().wrap_socket(sock, server_hostname=endpoint.host)
+        except OSError as exc:
+            sock.close()
+            if is_tls_misconfiguration(exc):
+                raise RdzvConnectionError(tls_failure(endpoint, exc)) from exc
+            raise TransportError(f"{endpoint}: TLS handshake: {exc or type(exc).__name__}") from exc
 
     def _checkin(self, endpoint: Endpoint, sock: socket.socket, ok: bool) -> None:
         with self._lock:
@@ -339,21 +461,27 @@ class SocketTransport:
         if self._closed:
             raise ClientClosedError("the rdzv client was closed while this call was in flight") from exc
 
-    # -- HTTP/1.1 (pages, and https endpoints) ----------------------------------------------
+    # -- HTTP/1.1 (the JSON pages) ------------------------------------------------------------
 
     def _http(
         self, endpoint: Endpoint, method: str, path: str, body: bytes | None, headers: Mapping[str, str], timeout: float
     ) -> Answer:
         with self._lock:
             self._check_usable()
-        cls = http.client.HTTPSConnection if endpoint.scheme == "https" else http.client.HTTPConnection
-        conn = cls(endpoint.host, endpoint.port, timeout=timeout)
+        conn: http.client.HTTPConnection
+        if endpoint.scheme == "https":
+            context = self._tls.context()
+            conn = http.client.HTTPSConnection(endpoint.host, endpoint.port, timeout=timeout, context=context)
+        else:
+            conn = http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=timeout)
         try:
             conn.request(method, path, body=body, headers=dict(headers))
             resp = conn.getresponse()
             data = resp.read(self._max_response_bytes + 1)
         except (OSError, http.client.HTTPException) as exc:
-            raise TransportError(f"{endpoint}: {exc or type(exc).__name__}") from exc
+            if is_tls_misconfiguration(exc):
+                raise RdzvConnectionError(tls_failure(endpoint, exc)) from exc
+            raise TransportError(f"{endpoint}: {exc or type(exc).__name__}{_closed_hint(endpoint, exc)}") from exc
         finally:
             conn.close()
         if len(data) > self._max_response_bytes:

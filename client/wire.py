@@ -14,11 +14,14 @@ standard library and msgpack. Nothing is ever pickled.
 
 Rules:
 - Keys and values are ``bytes`` on the wire. Identifiers (``rdzv_id``, ``node_id``) are
-  short ASCII strings matching :data:`ID_PATTERN`.
+  short ASCII strings matching :data:`ID_PATTERN`. Text fields are valid Unicode: a lone
+  surrogate (which JSON's ``"\\ud800"`` decodes to, and msgpack cannot encode) is refused.
 - Durations are seconds as floats (``>= 0``); the server is the only clock, so no
   timestamp ever crosses the wire.
-- A write may carry ``rid = [client_id, seq]``: the server applies a given rid at most
-  once and answers a retry with the recorded result.
+- A write may carry ``rid = [client_id, seq, floor]``: the server applies a given
+  (client_id, seq) at most once and answers a retry with the recorded result. ``floor``
+  (optional) is the client's lowest seq still awaiting an answer: the server forgets the
+  client's results below it and refuses a seq below it as a stale duplicate.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import dataclasses
 import enum
 import json
 import math
+import os
+import pathlib
 import re
 import struct
 import types
@@ -49,6 +54,8 @@ MAX_KEYS_PER_REQUEST = 10_000
 # Nodes send their address; 255 is the DNS name limit.
 MAX_ADDR_CHARS = 255
 MAX_CLIENT_ID_CHARS = 64
+# Integers sent for float fields (JSON has one number type) must convert to a finite float.
+MAX_FLOAT_INT = 2**1023
 
 
 class ErrorCode(str, enum.Enum):
@@ -66,11 +73,28 @@ class ErrorCode(str, enum.Enum):
     SETTINGS_CONFLICT = "settings_conflict"
     NOT_AN_INTEGER = "not_an_integer"
     JOB_CLOSED = "job_closed"
+    # The job closed while the node was standby or waiting for a round: it exits gracefully.
+    JOB_CLOSED_IN_LINE = "job_closed_in_line"
     JOIN_TIMEOUT = "join_timeout"
     NOT_READY = "not_ready"
     UNAUTHORIZED = "unauthorized"
+    FORBIDDEN = "forbidden"
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"
+    # HTTP-level refusals (answered before a request reaches an operation).
+    HEADERS_TOO_LARGE = "headers_too_large"
+    EXPECTATION_FAILED = "expectation_failed"
+    REQUEST_TIMEOUT = "request_timeout"
+    # The Host is not one of the server's --allowed-hosts (a DNS-rebinding guard).
+    HOST_NOT_ALLOWED = "host_not_allowed"
+    # Limits (see README "Limits"): each refuses the request and changes nothing.
+    TOO_MANY_CONNECTIONS = "too_many_connections"
+    BUFFERS_FULL = "buffers_full"
+    TOO_MANY_JOBS = "too_many_jobs"
+    TOO_MANY_KEYS = "too_many_keys"
+    JOB_STORE_FULL = "job_store_full"
+    TOO_MANY_SESSIONS = "too_many_sessions"
+    SESSION_FULL = "session_full"
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -86,11 +110,24 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.SETTINGS_CONFLICT: 409,
     ErrorCode.NOT_AN_INTEGER: 409,
     ErrorCode.JOB_CLOSED: 410,
+    ErrorCode.JOB_CLOSED_IN_LINE: 410,
     ErrorCode.JOIN_TIMEOUT: 408,
     ErrorCode.NOT_READY: 503,
     ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.FORBIDDEN: 403,
     ErrorCode.SHUTTING_DOWN: 503,
     ErrorCode.INTERNAL: 500,
+    ErrorCode.HEADERS_TOO_LARGE: 431,
+    ErrorCode.EXPECTATION_FAILED: 417,
+    ErrorCode.REQUEST_TIMEOUT: 408,
+    ErrorCode.HOST_NOT_ALLOWED: 421,
+    ErrorCode.TOO_MANY_CONNECTIONS: 429,
+    ErrorCode.BUFFERS_FULL: 429,
+    ErrorCode.TOO_MANY_JOBS: 429,
+    ErrorCode.TOO_MANY_KEYS: 429,
+    ErrorCode.JOB_STORE_FULL: 413,
+    ErrorCode.TOO_MANY_SESSIONS: 429,
+    ErrorCode.SESSION_FULL: 429,
 }
 
 
@@ -98,6 +135,25 @@ class WireError(ValueError):
     """A body that does not decode or does not validate; always rendered as ``bad_request``."""
 
     code = ErrorCode.BAD_REQUEST
+
+
+# --------------------------------------------------------------------------- credentials
+
+#: Where clients and server look for the bearer token (see rdzv_client.credential).
+TOKEN_ENV = "RDZV_TOKEN"
+TOKEN_FILE_ENV = "RDZV_TOKEN_FILE"
+
+
+def default_token_file(env: typing.Mapping[str, str] | None = None) -> pathlib.Path:
+    """``$XDG_CONFIG_HOME/rdzv-server/token``, or ``~/.config/rdzv-server/token``: the file the
+    server creates on its first start and every client on the same host reads.
+
+    A relative ``XDG_CONFIG_HOME`` is ignored, as the XDG base directory spec requires.
+    """
+    env = os.environ if env is None else env
+    config_home = env.get("XDG_CONFIG_HOME", "")
+    base = pathlib.Path(config_home) if config_home and os.path.isabs(config_home) else pathlib.Path.home() / ".config"
+    return base / "rdzv-server" / "token"
 
 
 # --------------------------------------------------------------------------- framing
@@ -175,6 +231,14 @@ def check_id(kind: str, value: object) -> str:
     return value
 
 
+def _text_ok(name: str, value: str) -> None:
+    # JSON's "\ud800" decodes to a lone surrogate, which msgpack (the log, the replies) cannot encode.
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise WireError(f"field {name!r} is not valid Unicode text: {exc}") from exc
+
+
 def _as_bytes(name: str, value: object) -> bytes:
     # JSON callers (curl) send text; the client sends bin.
     if isinstance(value, bytes):
@@ -202,6 +266,7 @@ def _convert(name: str, hint: Any, value: object) -> Any:
     if hint is str:
         if not isinstance(value, str):
             raise WireError(f"field {name!r} must be a string, not {type(value).__name__}")
+        _text_ok(name, value)
         return value
     if hint is bool:
         if not isinstance(value, bool):
@@ -216,6 +281,8 @@ def _convert(name: str, hint: Any, value: object) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise WireError(f"field {name!r} must be a number, not {type(value).__name__}")
+        if isinstance(value, int) and not -MAX_FLOAT_INT <= value <= MAX_FLOAT_INT:
+            raise WireError(f"field {name!r} is too large for a number of seconds")  # float() would overflow
         if not math.isfinite(value):
             raise WireError(f"field {name!r} must be a finite number")
         return float(value)
@@ -309,13 +376,19 @@ class Request:
 def _rid_check(rid: tuple[Any, ...] | None) -> None:
     if rid is None:
         return
-    if len(rid) != 2 or not isinstance(rid[0], str) or isinstance(rid[1], bool) or not isinstance(rid[1], int):
-        raise WireError("rid must be [client_id: str, seq: int]")
+    shape = "rid must be [client_id: str, seq: int] or [client_id, seq, floor: int]"
+    if len(rid) not in (2, 3) or not isinstance(rid[0], str):
+        raise WireError(shape)
+    if any(isinstance(n, bool) or not isinstance(n, int) for n in rid[1:]):
+        raise WireError(shape)
     if not 0 < len(rid[0]) <= MAX_CLIENT_ID_CHARS or not 0 <= rid[1] < 2**63:
         raise WireError(f"rid client_id must be 1..{MAX_CLIENT_ID_CHARS} chars and 0 <= seq < 2**63")
+    _text_ok("rid", rid[0])
+    if len(rid) == 3 and not 0 <= rid[2] <= rid[1]:
+        raise WireError("rid floor must be 0 <= floor <= seq")
 
 
-# `rid` is [client_id: str, seq: int]; checked by _convert_rid.
+# `rid` is [client_id: str, seq: int(, floor: int)]; checked by _convert_rid.
 Rid = tuple[Any, ...] | None
 
 
@@ -323,7 +396,7 @@ def _convert_rid(value: object) -> tuple[Any, ...] | None:
     if value is None:
         return None
     if not isinstance(value, (list, tuple)):
-        raise WireError("rid must be [client_id, seq]")
+        raise WireError("rid must be [client_id, seq] or [client_id, seq, floor]")
     rid = tuple(value)
     _rid_check(rid)
     return rid
@@ -583,13 +656,23 @@ class LeaveRequest(Request):
         check_id("node_id", self.node_id)
 
 
+#: Who closes a job, as its timeline records it ("": not said).
+CLOSE_CAUSES = ("", "agent", "operator")
+
+
 @dataclasses.dataclass(frozen=True)
 class CloseRequest(Request):
-    """set_closed(): later joins fail with ``job_closed``."""
+    """set_closed(): later joins fail with ``job_closed``. ``cause`` says who closes it:
+    ``agent`` (a torchrun agent: its shutdown or set_closed), ``operator`` (rdzvctl)."""
 
     op: ClassVar[str] = "close"
     writes: ClassVar[bool] = True
+    cause: str = ""
     rid: Rid = None
+
+    def validate(self) -> None:
+        if self.cause not in CLOSE_CAUSES:
+            raise WireError(f"cause must be one of {', '.join(map(repr, CLOSE_CAUSES))}, got {self.cause[:32]!r}")
 
 
 REQUESTS: dict[str, type[Request]] = {
@@ -650,11 +733,24 @@ def op_path(rdzv_id: str, op: str) -> str:
 # the replies come in completion order (a long-poll answers late), matched by tag. A frame
 # that decodes but is not a valid request is answered with its tag (0 if none can be read)
 # and a 400; a frame longer than the server's body limit, or a wrong preface, is answered
-# with tag 0 and the connection is closed. Closing the connection cancels its requests in
+# with tag 0 and the connection is closed. So are the server's limits that refuse a whole
+# connection: ``too_many_connections``, ``buffers_full`` (429) and ``request_timeout``
+# (408, a frame that stalled after its first byte): a tag-0 frame is the answer to every
+# request in flight on that connection. Closing the connection cancels its requests in
 # flight, as closing an HTTP connection does (a node's dropped long-poll: see fast death).
+
+#
+# Authentication: a server with auth on serves no operation on a stream until the client
+# sent a hello frame, ``[tag, "hello", "", {"token": TOKEN}]``, answered ``[tag, 200,
+# {"access": "write"|"read"}]``; a wrong or missing token (or an operation before the
+# hello) is answered with a tag-0 ``401 unauthorized`` frame and the connection closed. A
+# client may pipeline its first request right behind the hello. With auth off a hello is
+# answered 200 whatever it carries, so a client may always send one.
 
 #: Sent first by a stream client; the version is the last byte before CRLF.
 STREAM_PREFACE = b"\x00RDZV1\r\n"
+#: The stream protocol's authentication frame's op (see above).
+HELLO_OP = "hello"
 FRAME_HEADER = struct.Struct(">I")
 
 
@@ -679,6 +775,8 @@ def frame(obj: Any) -> bytes:
 #   list_keys  -> {"keys": [bytes]}
 #   join       -> {"round": int, "assignment": ASSIGNMENT | None}
 #   await_round-> {"round": int, "assignment": ASSIGNMENT | None}
+#                join and await_round fail with job_closed_in_line (a kind of job_closed) when the
+#                job closed while the node was standby or waiting: it was no part of the run
 #   watch      -> {"round": int, "state": str, "num_nodes_waiting": int, "closed": bool}
 # ASSIGNMENT = {"round", "node_rank", "num_nodes", "world_size", "nproc_per_node",
 #               "global_rank_start", "master_addr", "master_port"}

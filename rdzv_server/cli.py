@@ -8,13 +8,21 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .config import FSYNC_POLICIES, LOG_LEVELS, ConfigError, ServerConfig
+from .config import FSYNC_POLICIES, LOG_FORMATS, LOG_LEVELS, ConfigError, ServerConfig
 
 _DEFAULTS = ServerConfig()
 
 
 def _env(name: str, default: object) -> object:
     return os.environ.get("RDZV_" + name.upper(), default)
+
+
+def _flag(name: str) -> bool:
+    return str(_env(name, "")).lower() in ("1", "true", "yes")
+
+
+def _path(value: object) -> Path | None:
+    return Path(str(value)).expanduser() if value not in (None, "") else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,13 +38,55 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--memory", action="store_true", default=str(_env("memory", "")).lower() in ("1", "true", "yes"), help="keep everything in memory only (tests, throwaway runs)")
     p.add_argument("--fsync", choices=FSYNC_POLICIES, default=_env("fsync", _DEFAULTS.fsync), help="when to fsync the log (default %(default)s)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default=_env("log_level", _DEFAULTS.log_level))
+    p.add_argument("--log-format", choices=LOG_FORMATS, default=_env("log_format", _DEFAULTS.log_format),
+                   help="text for people, json for log pipelines: one object per line (default %(default)s)")
     p.add_argument("--max-value-bytes", type=int, default=_env("max_value_bytes", _DEFAULTS.max_value_bytes))
     p.add_argument("--max-body-bytes", type=int, default=_env("max_body_bytes", _DEFAULTS.max_body_bytes))
     p.add_argument("--max-hold", type=float, default=_env("max_hold", _DEFAULTS.max_hold), help="longest a long-poll is held, s")
     p.add_argument("--disconnect-grace", type=float, default=_env("disconnect_grace", _DEFAULTS.disconnect_grace), help="s a node may take to reconnect its watch before it is dead")
     p.add_argument("--job-ttl", type=float, default=_env("job_ttl", _DEFAULTS.job_ttl), help="s a closed or idle job is kept")
     p.add_argument("--snapshot-every", type=int, default=_env("snapshot_every", _DEFAULTS.snapshot_every), help="log records between snapshots")
+    p.add_argument(
+        "--truncate-corrupt-log",
+        action="store_true",
+        default=str(_env("truncate_corrupt_log", "")).lower() in ("1", "true", "yes"),
+        help="if the log is damaged, keep every record before the damage and set the damaged files aside "
+        "(renamed *.corrupt-<time>, never deleted) instead of refusing to start; later records are dropped",
+    )
+    security = p.add_argument_group("security", "README: Security")
+    security.add_argument("--token-file", type=Path, default=_env("token_file", None),
+                          help="file holding the bearer token clients must present; created (0600) if missing "
+                               "(default $XDG_CONFIG_HOME/rdzv-server/token, i.e. ~/.config/rdzv-server/token)")
+    security.add_argument("--read-token-file", type=Path, default=_env("read_token_file", None),
+                          help="file holding a second, read-only token (dashboards, monitoring)")
+    security.add_argument("--no-auth", action="store_true", default=_flag("no_auth"),
+                          help="accept requests without a token: anyone who reaches the port controls every job")
+    security.add_argument("--allowed-hosts", default=_env("allowed_hosts", ""),
+                          help="comma-separated names the server answers to (Host header); others are refused")
+    security.add_argument("--tls-cert", type=Path, default=_env("tls_cert", None), help="TLS certificate chain (PEM)")
+    security.add_argument("--tls-key", type=Path, default=_env("tls_key", None), help="TLS private key (PEM)")
+    security.add_argument("--tls-client-ca", type=Path, default=_env("tls_client_ca", None),
+                          help="CA bundle (PEM): require client certificates it signed (mutual TLS)")
+    limits = p.add_argument_group("limits", "what one server holds at most (README: Limits)")
+    for name, kind, text in _LIMITS:
+        flag = "--" + name.replace("_", "-")
+        limits.add_argument(flag, type=kind, default=_env(name, getattr(_DEFAULTS, name)), help=f"{text} (default %(default)s)")
     return p
+
+
+_LIMITS: tuple[tuple[str, type, str], ...] = (
+    ("max_connections", int, "open connections; beyond it the idle and slow ones are shed first"),
+    ("max_buffered_bytes", int, "bytes of partly received requests over all connections"),
+    ("idle_timeout", float, "s a connection with nothing in flight may stay silent"),
+    ("read_timeout", float, "s a request or frame may take to arrive once its first byte did"),
+    ("max_jobs", int, "jobs held at once"),
+    ("max_keys_per_job", int, "keys per job over all its rounds"),
+    ("max_job_bytes", int, "bytes of keys and values per job"),
+    ("max_sessions", int, "clients whose writes are remembered for exactly-once retries"),
+    ("max_session_writes", int, "unacknowledged writes one client may have at once"),
+    ("max_session_bytes", int, "bytes of write results kept for retries, over all clients"),
+    ("session_ttl", float, "s a client's exactly-once session outlives its last write"),
+)
 
 
 def parse(argv: Sequence[str] | None = None) -> ServerConfig:
@@ -50,12 +100,22 @@ def parse(argv: Sequence[str] | None = None) -> ServerConfig:
             memory=bool(args.memory),
             fsync=args.fsync,
             log_level=args.log_level,
+            log_format=args.log_format,
             max_value_bytes=int(args.max_value_bytes),
             max_body_bytes=int(args.max_body_bytes),
             max_hold=float(args.max_hold),
             disconnect_grace=float(args.disconnect_grace),
             job_ttl=float(args.job_ttl),
             snapshot_every=int(args.snapshot_every),
+            truncate_corrupt_log=bool(args.truncate_corrupt_log),
+            token_file=_path(args.token_file),
+            read_token_file=_path(args.read_token_file),
+            no_auth=bool(args.no_auth),
+            allowed_hosts=tuple(h.strip().lower() for h in str(args.allowed_hosts).split(",") if h.strip()),
+            tls_cert=_path(args.tls_cert),
+            tls_key=_path(args.tls_key),
+            tls_client_ca=_path(args.tls_client_ca),
+            **{name: kind(getattr(args, name)) for name, kind, _ in _LIMITS},
         )
     except (ConfigError, ValueError) as exc:
         parser.error(str(exc))

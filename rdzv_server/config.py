@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from rdzv_client.wire import default_token_file
+
+from .core.machine import DEFAULT_SESSION_TTL, Limits
 from .storage import default_data_dir
 
 # 29400 is torchrun's default rendezvous port: `--rdzv-endpoint=HOST` alone reaches us.
@@ -27,8 +30,33 @@ DEFAULT_DISCONNECT_GRACE = 0.5
 DEFAULT_JOB_TTL = 3600.0
 # Records between snapshots: bounds replay time (~1 s per million records) and log size.
 DEFAULT_SNAPSHOT_EVERY = 100_000
+# -- limits (README "Limits"): nothing a client sends grows the server without bound. --
+# Connections: a 10,000-node job holds about two each (watch + store); the rest of the fd
+# limit stays free for the log and for new connections to be refused politely.
+DEFAULT_MAX_CONNECTIONS = 50_000
+# Bytes of requests received but not yet served, over all connections: four maximal bodies.
+DEFAULT_MAX_BUFFERED_BYTES = 256 * 1024 * 1024
+# A connection with nothing in flight and nothing sent for this long is closed (clients
+# reconnect transparently), as aiohttp closes idle keep-alive connections after 75 s.
+DEFAULT_IDLE_TIMEOUT = 75.0
+# A request (headers and body) or a stream frame must arrive whole within this long of its
+# first byte: a 64 MiB body needs ~2 MB/s; a slow-loris client is cut off.
+DEFAULT_READ_TIMEOUT = 30.0
+# Jobs live at once: far more than one cluster runs; each costs a few KB plus its keys.
+DEFAULT_MAX_JOBS = 10_000
+# Keys per job over all its rounds: torchrun writes a handful per worker per round.
+DEFAULT_MAX_KEYS_PER_JOB = 1_000_000
+# Bytes of keys and values per job: 16 max-size values, or millions of torch's small blobs.
+DEFAULT_MAX_JOB_BYTES = 256 * 1024 * 1024
+# Client sessions (exactly-once windows): one per agent and per worker store.
+DEFAULT_MAX_SESSIONS = 100_000
+# Writes of one client that may await their acknowledgement at once (threads x pipelining).
+DEFAULT_MAX_SESSION_WRITES = 4096
+# Bytes of write results kept for retries (only compare_set's carry a value), over all sessions.
+DEFAULT_MAX_SESSION_BYTES = 256 * 1024 * 1024
 FSYNC_POLICIES = ("always", "batch", "never")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")  # json: one object per line, for log pipelines (logformat.py)
 
 
 class ConfigError(ValueError):
@@ -43,12 +71,35 @@ class ServerConfig:
     memory: bool = False
     fsync: str = "always"
     log_level: str = "info"
+    log_format: str = "text"
     max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_hold: float = DEFAULT_MAX_HOLD
     disconnect_grace: float = DEFAULT_DISCONNECT_GRACE
     job_ttl: float = DEFAULT_JOB_TTL
     snapshot_every: int = DEFAULT_SNAPSHOT_EVERY
+    # Recovery keeps the records before damage in the log and sets the damaged files aside,
+    # instead of refusing to start (storage/recovery.py); an operator's decision, so off.
+    truncate_corrupt_log: bool = False
+    # -- security (README "Security") --
+    token_file: Path | None = None  # None: wire.default_token_file(), created 0600 if missing
+    read_token_file: Path | None = None  # a read-only token, for dashboards and monitoring
+    no_auth: bool = False
+    allowed_hosts: tuple[str, ...] = ()  # Host header names accepted; empty: any
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # require client certificates signed by this CA (mutual TLS)
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT
+    read_timeout: float = DEFAULT_READ_TIMEOUT
+    max_jobs: int = DEFAULT_MAX_JOBS
+    max_keys_per_job: int = DEFAULT_MAX_KEYS_PER_JOB
+    max_job_bytes: int = DEFAULT_MAX_JOB_BYTES
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+    max_session_writes: int = DEFAULT_MAX_SESSION_WRITES
+    max_session_bytes: int = DEFAULT_MAX_SESSION_BYTES
+    session_ttl: float = DEFAULT_SESSION_TTL
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -57,17 +108,50 @@ class ServerConfig:
             raise ConfigError(f"--fsync must be one of {', '.join(FSYNC_POLICIES)}, got {self.fsync!r}")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"--log-format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
         if self.memory and self.data_dir is not None:
             raise ConfigError("--memory and --data-dir exclude each other: pick one")
         if self.max_value_bytes < 1:
             raise ConfigError("--max-value-bytes must be at least 1")
         if self.max_body_bytes < self.max_value_bytes:
             raise ConfigError("--max-body-bytes must be at least --max-value-bytes")
-        for name in ("max_hold", "disconnect_grace", "job_ttl"):
+        if self.max_buffered_bytes < self.max_body_bytes:
+            raise ConfigError("--max-buffered-bytes must be at least --max-body-bytes")
+        if self.max_session_bytes < self.max_value_bytes:
+            raise ConfigError("--max-session-bytes must be at least --max-value-bytes")
+        if self.max_job_bytes < self.max_value_bytes:
+            raise ConfigError("--max-job-bytes must be at least --max-value-bytes")
+        for name in ("max_connections", "max_jobs", "max_keys_per_job", "max_sessions", "max_session_writes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        for name in ("max_hold", "disconnect_grace", "job_ttl", "idle_timeout", "read_timeout", "session_ttl"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
         if self.snapshot_every < 1:
             raise ConfigError("--snapshot-every must be at least 1")
+        if self.no_auth and (self.token_file is not None or self.read_token_file is not None):
+            raise ConfigError("--no-auth excludes --token-file and --read-token-file: pick one")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("--tls-cert and --tls-key go together: give both, or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
+
+    def resolved_token_file(self) -> Path | None:
+        """The write token's file; None with auth off."""
+        if self.no_auth:
+            return None
+        return self.token_file if self.token_file is not None else default_token_file()
+
+    def limits(self) -> Limits:
+        return Limits(
+            max_jobs=self.max_jobs,
+            max_keys_per_job=self.max_keys_per_job,
+            max_job_bytes=self.max_job_bytes,
+            max_sessions=self.max_sessions,
+            max_session_writes=self.max_session_writes,
+            max_session_bytes=self.max_session_bytes,
+        )
 
     def resolved_data_dir(self) -> Path | None:
         if self.memory:

@@ -2,11 +2,23 @@
 
 One port serves both protocols: :class:`Listener` reads each connection's first byte and
 hands the connection to the stream protocol if it is NUL (no HTTP request starts with
-one; see ``wire.STREAM_PREFACE``), else to aiohttp's HTTP server.
+one; see ``wire.STREAM_PREFACE``), else to aiohttp's HTTP server. Every connection is
+counted from accept to close by one :class:`.api.connection.ConnectionTable`, which
+enforces ``--max-connections`` (clamped below the open-files limit), the buffer budget
+and the idle and read deadlines; a connection that has not spoken within ``--idle-timeout``
+is closed.
+
+TLS (``--tls-cert``/``--tls-key``, optionally ``--tls-client-ca`` for mutual TLS) wraps the
+port as a whole: the handshake comes first, then :class:`_FirstByte` reads the first
+*decrypted* byte, so both protocols, the connection table and the refusals work unchanged
+over it. A connection is counted from the end of its handshake; the handshake itself must
+finish within ``--read-timeout``. A client that does not speak TLS to a TLS port fails its
+handshake and is closed (quietly: it is the client's mistake, not the server's).
 
 Order of start: bind the listener (``/healthz`` answers, operations answer 503
 ``not_ready``), recover the log, then print the ready line
-``rdzv-server listening on http://HOST:PORT`` that scripts and tests wait for.
+``rdzv-server listening on http://HOST:PORT`` (``https://`` with TLS) that scripts and tests
+wait for.
 Order of stop (SIGTERM/SIGINT): refuse new work and answer parked long-polls with 503
 ``shutting_down``, stop accepting connections, drain in-flight requests of both
 protocols (stream connections are closed once their replies are out), flush and close
@@ -17,14 +29,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import signal
+import ssl
 import sys
 from collections.abc import Callable
 from typing import Any, cast
 
 from aiohttp import web
 
+from rdzv_client import wire
+
+from . import logformat
 from .api.app import METRICS, create_app
+from .api.auth import TokenError, TokenTable, load_tokens
+from .api.connection import FD_RESERVE, LINGER, Closing, ConnectionTable, http_factory
 from .api.stream import StreamServer
 from .config import ServerConfig
 from .service import Service
@@ -38,9 +57,13 @@ DRAIN_TIMEOUT = 10.0
 LISTEN_BACKLOG = 65535
 # Each node holds a connection or two: lift the soft fd limit to the hard one.
 WANTED_OPEN_FILES = 1 << 20
-# A connection that sends nothing is closed after this long, as aiohttp closes an idle
-# keep-alive connection (its keepalive_timeout default).
-FIRST_BYTE_TIMEOUT = 75.0
+# HTTP request heads: aiohttp's own limits, made explicit. A longer request line or header
+# field, or more fields, is answered 431 headers_too_large; what a head holds while it
+# arrives is charged to --max-buffered-bytes.
+MAX_HEADER_LINE = 8190
+MAX_HEADER_FIELDS = 128
+# TLS 1.0 and 1.1 are deprecated (RFC 8996); every client this server has speaks 1.2 or 1.3.
+TLS_MINIMUM_VERSION = ssl.TLSVersion.TLSv1_2
 #: The first byte of a stream connection (its preface); no HTTP request starts with it.
 STREAM_FIRST_BYTE = b"\x00"
 
@@ -56,9 +79,18 @@ class _FirstByte(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        table = self._listener.table
+        if not table.admit(self):
+            message = f"the server is at its connection limit ({table.max_connections}); retry shortly"
+            Closing(table, wire.ErrorCode.TOO_MANY_CONNECTIONS, message).adopt(transport)
+            return
         self._transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
-        self._listener.undecided.add(self)
-        self._timer = asyncio.get_running_loop().call_later(FIRST_BYTE_TIMEOUT, self._transport.close)
+        self._timer = asyncio.get_running_loop().call_later(table.idle_timeout, self._idle)
+
+    def _idle(self) -> None:
+        self._timer = None
+        self._listener.table.shed("idle_timeout")
+        self.close()
 
     def data_received(self, data: bytes) -> None:
         transport = self._transport
@@ -87,27 +119,40 @@ class _FirstByte(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._listener.undecided.discard(self)
+        self._listener.table.decided(self)
 
 
 class Listener:
     """The server's one port: accepts connections and hands each to HTTP or the stream protocol.
 
-    ``http`` and ``stream`` are protocol factories (aiohttp's ``web.Server`` and
-    :class:`StreamServer`); each owns the connections it is handed, and their shutdown.
+    ``http`` and ``stream`` are protocol factories (:func:`.api.connection.http_factory`
+    and :class:`StreamServer`); each owns the connections it is handed, and their shutdown.
+    ``table`` counts every connection, from accept on.
     """
 
-    def __init__(self, http: ProtocolFactory, stream: ProtocolFactory) -> None:
+    def __init__(self, http: ProtocolFactory, stream: ProtocolFactory, table: ConnectionTable) -> None:
         self.http = http
         self.stream = stream
-        self.undecided: set[_FirstByte] = set()
+        self.table = table
         self._server: asyncio.Server | None = None
 
-    async def start(self, host: str, port: int) -> None:
-        """Bind and listen. Raises OSError (the port is taken, the host is not ours)."""
+    async def start(
+        self, host: str, port: int, *, tls: ssl.SSLContext | None = None, handshake_timeout: float = 60.0
+    ) -> None:
+        """Bind and listen, with TLS when ``tls`` is given: a handshake not done within
+        ``handshake_timeout`` seconds is aborted. Raises OSError (the port is taken, the host
+        is not ours)."""
         loop = asyncio.get_running_loop()
+        extra: dict[str, Any] = {}
+        if tls is not None:
+            extra["ssl"] = tls
+            extra["ssl_handshake_timeout"] = handshake_timeout
+            if sys.version_info >= (3, 11):  # (uvloop has it on 3.10 too; asyncio from 3.11)
+                # Closing a TLS connection waits for the client's close_notify this long: what
+                # LINGER is to a plain refusal. A pooled client that is not reading never sends it.
+                extra["ssl_shutdown_timeout"] = LINGER
         self._server = await loop.create_server(
-            lambda: _FirstByte(self), host, port, reuse_address=True, backlog=LISTEN_BACKLOG
+            lambda: _FirstByte(self), host, port, reuse_address=True, backlog=LISTEN_BACKLOG, **extra
         )
 
     def addresses(self) -> list[tuple[str, int]]:
@@ -119,7 +164,7 @@ class Listener:
         """Accept no more connections; close those that have not spoken yet."""
         if self._server is not None:
             self._server.close()
-        for first_byte in list(self.undecided):
+        for first_byte in list(self.table.undecided):
             first_byte.close()
 
 
@@ -137,21 +182,116 @@ def _raise_open_files_limit() -> None:
             log.warning("Could not raise the open-files limit from %d to %d: %s", soft, target, exc)
 
 
+def connection_limit(wanted: int) -> int:
+    """``--max-connections``, clamped so that descriptors remain for the log and for refusals."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return wanted
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    return max(1, min(wanted, soft - min(FD_RESERVE, soft // 4)))
+
+
+def _tokens(config: ServerConfig) -> TokenTable:
+    """The token table, or auth off, loudly. Raises SystemExit when a token file is unusable."""
+    token_file = config.resolved_token_file()
+    if token_file is None:
+        log.warning(
+            "AUTH IS OFF (--no-auth): anyone who can reach this port can read and change every job, close it, "
+            "or take node rank 0 and point every worker at an address of their choosing. Use it on a trusted "
+            "network only."
+        )
+        return TokenTable(None)
+    try:
+        return load_tokens(token_file, config.read_token_file)
+    except TokenError as exc:
+        raise SystemExit(f"rdzv-server: error: {exc}") from exc
+
+
+def tls_context(config: ServerConfig) -> ssl.SSLContext | None:
+    """The server's TLS context (None without ``--tls-cert``): TLS 1.2 at least, and client
+    certificates required with ``--tls-client-ca``. Raises SystemExit (a one-line error)
+    when a file cannot be read or does not hold what its flag names."""
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = TLS_MINIMUM_VERSION
+    try:
+        context.load_cert_chain(config.tls_cert, config.tls_key, password=_no_key_password)
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        raise SystemExit(
+            f"rdzv-server: error: cannot load the TLS certificate {config.tls_cert} and key {config.tls_key} "
+            f"(--tls-cert, --tls-key): {_ssl_reason(exc)}; give a PEM certificate chain and its unencrypted "
+            "PEM private key"
+        ) from exc
+    if config.tls_client_ca is not None:
+        try:
+            context.load_verify_locations(cafile=config.tls_client_ca)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(
+                f"rdzv-server: error: cannot load the client CA bundle {config.tls_client_ca} (--tls-client-ca): "
+                f"{_ssl_reason(exc)}; give the PEM certificate(s) of the CA that signs the clients' certificates"
+            ) from exc
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def _no_key_password() -> str:
+    # Without a callback OpenSSL would prompt on the terminal for an encrypted key's password,
+    # and a server under systemd would hang there. Raising makes the load fail instead.
+    raise ValueError("the private key is encrypted; this server needs an unencrypted key file")
+
+
+def _ssl_reason(exc: BaseException) -> str:
+    """A one-line reason, without the ``(_ssl.c:LINE)`` OpenSSL's messages end with."""
+    text = (exc.strerror if isinstance(exc, OSError) else None) or str(exc) or type(exc).__name__
+    text = re.sub(r"\s*\(_ssl\.c:\d+\)$", "", text)
+    if text == "[SSL] PEM lib":  # OpenSSL's words for "no PEM block I could use"
+        return "it holds no PEM data of the right kind ([SSL] PEM lib)"
+    return text
+
+
 async def serve(config: ServerConfig, stop: asyncio.Event) -> None:
+    tokens = _tokens(config)
+    tls = tls_context(config)
     svc = Service(config)
     svc.on_fatal = lambda exc: stop.set()
-    app = create_app(svc)
+    app = create_app(svc, tokens)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=DRAIN_TIMEOUT, access_log=None)
     await runner.setup()
     assert runner.server is not None  # set by setup()
-    streams = StreamServer(svc, app[METRICS])
-    listener = Listener(http=runner.server, stream=streams)
+    limit = connection_limit(config.max_connections)
+    clamped = f" (--max-connections {config.max_connections} clamped to the open-files limit)"
+    log.info("Serving at most %d connections%s.", limit, clamped if limit < config.max_connections else "")
+    table = ConnectionTable(
+        max_connections=limit,
+        max_buffered_bytes=config.max_buffered_bytes,
+        idle_timeout=config.idle_timeout,
+        read_timeout=config.read_timeout,
+    )
+    app[METRICS].track_connections(table)
+    streams = StreamServer(svc, app[METRICS], table, tokens)
+    http = http_factory(
+        runner.server,
+        table,
+        # The table closes idle connections; aiohttp's own keep-alive close is only a backstop.
+        keepalive_timeout=config.idle_timeout + config.read_timeout,
+        access_log=None,
+        lingering_time=LINGER,
+        max_line_size=MAX_HEADER_LINE,
+        max_field_size=MAX_HEADER_LINE,
+        max_headers=MAX_HEADER_FIELDS,
+    )
+    listener = Listener(http=http, stream=streams, table=table)
     try:
-        await listener.start(config.host, config.port)
+        await listener.start(config.host, config.port, tls=tls, handshake_timeout=config.read_timeout)
         await svc.start()
         host, port = listener.addresses()[0]
         shown = f"[{host}]" if ":" in host else host
-        print(f"rdzv-server listening on http://{shown}:{port}", flush=True)
+        scheme = "https" if tls is not None else "http"
+        print(f"rdzv-server listening on {scheme}://{shown}:{port}", flush=True)
         await stop.wait()
         log.info("Shutting down: draining in-flight requests and flushing the log.")
     finally:
@@ -164,9 +304,9 @@ async def serve(config: ServerConfig, stop: asyncio.Event) -> None:
 
 
 def run(config: ServerConfig) -> int:
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logformat.formatter(config.log_format))
+    logging.basicConfig(level=config.log_level.upper(), handlers=[handler])
     _raise_open_files_limit()
     try:
         import uvloop

@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from server_process import ServerProcess
+
+# Auth is on by default: a server creates its token in $XDG_CONFIG_HOME/rdzv-server/token and
+# every client on the host reads it there. The whole session (servers, clients, rdzvctl and
+# torchrun agents inherit the environment) shares one fresh config folder, never the user's.
+CONFIG_HOME = tempfile.mkdtemp(prefix="rdzv-tests-config-")
+os.environ["XDG_CONFIG_HOME"] = CONFIG_HOME
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _config_home() -> Iterator[None]:
+    yield
+    shutil.rmtree(CONFIG_HOME, ignore_errors=True)
 
 
 @pytest.fixture

@@ -1,4 +1,9 @@
-"""The real server as a process on 127.0.0.1: start, SIGKILL, SIGTERM, restart on the same port."""
+"""The real server as a process on 127.0.0.1: start, SIGKILL, SIGTERM, restart on the same port.
+
+:class:`TLSFiles` makes a throwaway CA (``trustme``) with a server certificate for 127.0.0.1
+and a client certificate, as PEM files: ``ServerProcess(..., tls=files)`` serves TLS with
+them (``mutual_tls=True`` also requires client certificates signed by that CA).
+"""
 
 from __future__ import annotations
 
@@ -8,19 +13,71 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-READY_PREFIX = "rdzv-server listening on http://"
+# The ready line: "rdzv-server listening on http://HOST:PORT" (https:// with TLS).
+READY_PREFIXES = ("rdzv-server listening on http://", "rdzv-server listening on https://")
 START_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """A throwaway CA's certificate (what clients trust), a server certificate for 127.0.0.1
+    (and localhost) with its key, and a client certificate with its key; all PEM files."""
+
+    ca: Path
+    cert: Path
+    key: Path
+    client_cert: Path
+    client_key: Path
+
+    @classmethod
+    def make(cls, folder: Path, server_names: tuple[str, ...] = ("127.0.0.1", "localhost")) -> TLSFiles:
+        import trustme
+
+        folder.mkdir(parents=True, exist_ok=True)
+        ca = trustme.CA()
+        server = ca.issue_cert(*server_names)
+        client = ca.issue_cert("rdzv-test-client@example.org")
+        files = cls(
+            ca=folder / "ca.pem",
+            cert=folder / "server.pem",
+            key=folder / "server.key",
+            client_cert=folder / "client.pem",
+            client_key=folder / "client.key",
+        )
+        ca.cert_pem.write_to_path(str(files.ca))
+        server.private_key_pem.write_to_path(str(files.key))
+        client.private_key_pem.write_to_path(str(files.client_key))
+        for blob in server.cert_chain_pems:
+            blob.write_to_path(str(files.cert), append=True)
+        for blob in client.cert_chain_pems:
+            blob.write_to_path(str(files.client_cert), append=True)
+        return files
 
 
 class ServerProcess:
     """`python -m rdzv_server` on 127.0.0.1; restarts keep the port and the data dir."""
 
-    def __init__(self, workdir: Path, *, durable: bool, args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        durable: bool,
+        args: tuple[str, ...] = (),
+        tls: TLSFiles | None = None,
+        mutual_tls: bool = False,
+    ) -> None:
         self.workdir = workdir
         self.data_dir = workdir / "data" if durable else None
         self.args = args
+        if tls is not None:
+            self.args += ("--tls-cert", str(tls.cert), "--tls-key", str(tls.key))
+            if mutual_tls:
+                self.args += ("--tls-client-ca", str(tls.ca))
+        self.tls = tls
+        self.scheme = "https" if tls is not None else "http"  # as the ready line says
         self.port = 0
         self.proc: subprocess.Popen[str] | None = None
         self.log_path = workdir / "server.log"
@@ -32,7 +89,8 @@ class ServerProcess:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        """``http://127.0.0.1:PORT``, or ``https://`` for a TLS server: also a client endpoint."""
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(self.port)]
@@ -54,11 +112,24 @@ class ServerProcess:
             line = self.proc.stdout.readline()
             if not line:
                 break
-            if line.startswith(READY_PREFIX):
+            if line.startswith(READY_PREFIXES):
+                self.scheme = line.split("://", 1)[0].rsplit(" ", 1)[1]
                 self.port = int(line.strip().rsplit(":", 1)[1])
                 return
         self.kill()
         raise RuntimeError(f"server did not start; its log:\n{self.log_text()}")
+
+    @property
+    def token(self) -> str:
+        """The token this server created (or found) in its default file; clients send it."""
+        from rdzv_client.wire import default_token_file
+
+        return default_token_file().read_text().strip()
+
+    @property
+    def auth(self) -> dict[str, str]:
+        """The header that authenticates a raw HTTP request to this server."""
+        return {"Authorization": f"Bearer {self.token}"}
 
     def log_text(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""

@@ -4,7 +4,9 @@
 its own code and status; a wire validation error is a 4xx with its code; anything else is
 a bug: a 500 ``internal`` whose traceback goes to the server log, never to the client.
 :func:`error_middleware` renders it over HTTP and adds aiohttp's own HTTP errors (unknown
-route, wrong method, body over ``client_max_size``), which only HTTP has.
+route, wrong method, body over ``client_max_size``), which only HTTP has. What aiohttp
+refuses before any handler runs (its parser's errors) is rendered by
+:class:`.connection.HttpConnection` with the same codes.
 """
 
 from __future__ import annotations
@@ -25,7 +27,11 @@ log = logging.getLogger("rdzv_server.api")
 _HTTP_CODES: dict[int, wire.ErrorCode] = {
     404: wire.ErrorCode.NOT_FOUND,
     405: wire.ErrorCode.METHOD_NOT_ALLOWED,
+    408: wire.ErrorCode.REQUEST_TIMEOUT,
     413: wire.ErrorCode.BODY_TOO_LARGE,
+    415: wire.ErrorCode.UNSUPPORTED_MEDIA_TYPE,
+    417: wire.ErrorCode.EXPECTATION_FAILED,
+    431: wire.ErrorCode.HEADERS_TOO_LARGE,
 }
 
 INTERNAL_MESSAGE = "internal server error; the server log has details"

@@ -21,6 +21,7 @@ from rdzv_client import wire
 
 from ..core import command as c
 from ..service import Service
+from .auth import Grant
 from .error import error_reply
 from .metric import Metrics
 
@@ -53,18 +54,15 @@ async def _wait(svc: Service, rdzv_id: str, req: wire.WaitRequest) -> dict[str, 
 
 
 async def _check(svc: Service, rdzv_id: str, req: wire.CheckRequest) -> dict[str, Any]:
-    kv = svc.machine.kv(rdzv_id)
-    return {"result": await svc.read(lambda: kv.check(req.round, req.keys))}
+    return {"result": await svc.read(lambda: svc.use(rdzv_id).check(req.round, req.keys))}
 
 
 async def _num_keys(svc: Service, rdzv_id: str, req: wire.NumKeysRequest) -> dict[str, Any]:
-    kv = svc.machine.kv(rdzv_id)
-    return {"count": await svc.read(lambda: kv.num_keys(req.round))}
+    return {"count": await svc.read(lambda: svc.use(rdzv_id).num_keys(req.round))}
 
 
 async def _list_keys(svc: Service, rdzv_id: str, req: wire.ListKeysRequest) -> dict[str, Any]:
-    kv = svc.machine.kv(rdzv_id)
-    return {"keys": await svc.read(lambda: kv.list_keys(req.round, req.prefix))}
+    return {"keys": await svc.read(lambda: svc.use(rdzv_id).list_keys(req.round, req.prefix))}
 
 
 async def _join(svc: Service, rdzv_id: str, req: wire.JoinRequest) -> dict[str, Any]:
@@ -101,9 +99,24 @@ OPERATIONS: dict[str, Handler] = {
 }
 assert set(OPERATIONS) == set(wire.REQUESTS), "every wire operation needs a handler"
 
+#: What a read-only token may do: store reads. Everything else changes state, or speaks for a
+#: node (a watch is a heartbeat, and its dropping marks the node dead).
+READ_OPERATIONS = frozenset({"get", "multi_get", "wait", "check", "num_keys", "list_keys"})
 
-async def run_operation(svc: Service, metrics: Metrics, op: str, rdzv_id: str, fields: Any) -> tuple[int, dict[str, Any]]:
-    """Serve operation ``op`` of job ``rdzv_id`` with the decoded request ``fields``.
+
+def forbidden(grant: Grant, op: str, rdzv_id: str) -> dict[str, Any] | None:
+    """The 403 body when ``grant`` does not cover ``op`` on ``rdzv_id``, else None."""
+    if grant.allows(op not in READ_OPERATIONS, rdzv_id):
+        return None
+    what = "only reads" if op not in READ_OPERATIONS else f"only jobs named {grant.job_prefix}*"
+    return wire.error_body(wire.ErrorCode.FORBIDDEN, f"this token allows {what}: {op} on job {rdzv_id[:200]} refused")
+
+
+async def run_operation(
+    svc: Service, metrics: Metrics, grant: Grant, op: str, rdzv_id: str, fields: Any
+) -> tuple[int, dict[str, Any]]:
+    """Serve operation ``op`` of job ``rdzv_id`` with the decoded request ``fields``, for a
+    caller holding ``grant`` (a request it does not cover is a 403 ``forbidden``).
 
     Returns the status and reply body, errors included (never raises but for
     cancellation, which propagates: a dropped connection cancels its request). An unknown
@@ -113,6 +126,10 @@ async def run_operation(svc: Service, metrics: Metrics, op: str, rdzv_id: str, f
     handler = OPERATIONS.get(op)
     if handler is None:
         return 404, wire.error_body(wire.ErrorCode.NOT_FOUND, f"no operation {op[:64]!r}")
+    refused = forbidden(grant, op, rdzv_id)
+    if refused is not None:
+        metrics.auth_failed("forbidden")
+        return 403, refused
     started = time.perf_counter()
     try:
         wire.check_id("rdzv_id", rdzv_id)

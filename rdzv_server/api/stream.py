@@ -13,6 +13,10 @@ Rules:
   answered ``[0, 413, body_too_large]`` and the connection is closed: the framing can no
   longer be trusted. A frame that is read whole but is not a valid request is answered
   with its tag (0 if none can be read) and a 400; the connection stays usable.
+- With auth on, the first frame after the preface must be the hello with a valid token
+  (``wire.HELLO_OP``); an operation before it, or a wrong token, is answered with a tag-0
+  ``401 unauthorized`` frame and the connection is closed. The hello's grant then covers
+  every request on the connection (a read-only token gets ``403 forbidden`` for writes).
 - Every valid request runs as its own task; replies are written in completion order.
 - The connection closing (EOF or reset) cancels every request in flight, as aiohttp's
   ``handler_cancellation`` does for HTTP: a node's dropped watch is how the service
@@ -21,10 +25,17 @@ Rules:
   transport's write buffer is over its high-water mark: a client that does not read its
   replies stops being read, so the server buffers at most one reply per request in flight.
 - After a fatal error the reply is flushed, our side half-closed and further bytes
-  discarded for :data:`LINGER` seconds, so the client reads the error instead of a reset.
+  discarded for a while (:class:`.connection.Closing`), so the client reads the error
+  instead of a reset.
+- Limits (:mod:`.connection`): bytes of a partly received frame (or preface) are charged to
+  the server's buffer budget before they are buffered (over it: ``[0, 429, buffers_full]``
+  and close); a frame must arrive whole within ``read_timeout`` of its first byte (else
+  ``[0, 408, request_timeout]`` and close); a connection with nothing in flight and nothing
+  received for ``idle_timeout`` is closed (clients reconnect).
 
 This is the hot path: nothing here logs, copies or allocates per request beyond the
-decoded request, its task and its reply frame.
+decoded request, its task and its reply frame; the limits cost one stored time per read
+unless a frame spans reads.
 
 What it must not know: HTTP, what the operations do.
 """
@@ -42,6 +53,8 @@ from typing import Any, cast
 from rdzv_client import wire
 
 from ..service import Service
+from .auth import Grant, TokenTable
+from .connection import Closing, ConnectionTable, TrackedConnection
 from .metric import Metrics
 from .operation import run_operation
 
@@ -50,12 +63,12 @@ log = logging.getLogger("rdzv_server.api")
 # A request frame is the body limit plus its tag, op and id; 1 KiB covers a 64-bit tag, any
 # operation name and a 200-character id with their msgpack headers.
 FRAME_OVERHEAD = 1024
+# The largest frame before the hello (which carries a token of a few dozen bytes): a stranger
+# cannot make the server buffer a body's worth of bytes before it has said who it is.
+PRE_HELLO_FRAME_LIMIT = 4096
 # Requests running per connection before it stops reading: deep enough for any client's
 # pipelining, small enough that one client cannot make the server buffer without bound.
 MAX_IN_FLIGHT = 1024
-# How long a connection closed for a protocol error keeps draining the client's bytes, so
-# that closing it sends a FIN after the error frame instead of a reset that may discard it.
-LINGER = 2.0
 
 _PREFACE = wire.STREAM_PREFACE
 _PREFACE_LEN = len(_PREFACE)
@@ -73,23 +86,30 @@ def _tag_of(msg: Any) -> int:
     return 0
 
 
-class StreamConnection(asyncio.Protocol):
+class StreamConnection(asyncio.Protocol, TrackedConnection):
     """One stream connection (see the module docstring for its rules)."""
+
+    protocol = "stream"
+    article = "a stream"
 
     def __init__(self, server: StreamServer) -> None:
         self._server = server
+        self._table = server.table
+        self._deadline = None
         self._svc = server.svc
         self._metrics = server.metrics
         self._loop = asyncio.get_running_loop()
-        self._limit = server.svc.config.max_body_bytes + FRAME_OVERHEAD
+        self._full_limit = server.svc.config.max_body_bytes + FRAME_OVERHEAD
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._greeted = False  # the preface has been read
+        self._grant: Grant | None = server.tokens.grant(None)  # OPEN with auth off; None until the hello
+        # Until the hello a stranger may send a hello and nothing else: it fits in a few KiB.
+        self._limit = self._full_limit if self._grant is not None else PRE_HELLO_FRAME_LIMIT
         self._accepting = True  # new requests are read (False once closing)
         self._replying = True  # replies are written (False after a fatal error)
         self._writing_paused = False
         self._reading_paused = False
-        self._linger: asyncio.TimerHandle | None = None
         self.in_flight: set[asyncio.Task[None]] = set()
         self.closed: asyncio.Future[None] = self._loop.create_future()
 
@@ -104,30 +124,41 @@ class StreamConnection(asyncio.Protocol):
                 # As aiohttp does for HTTP: a peer that vanished without a reset is found eventually.
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         self._server.connections.add(self)
+        self._track(self._table, self._loop)
 
     def data_received(self, data: bytes) -> None:
+        now = self.last_active = self._loop.time()
         if not self._accepting:
             return  # closing: what the client still sends is drained, not served
         buf = self._buffer
         if not self._greeted:
+            if not self._hold(len(data), now):
+                return
             buf += data
             seen = bytes(buf[:_PREFACE_LEN])
             if seen != _PREFACE[: len(seen)]:
-                buf.clear()
+                self._table.rejected(wire.ErrorCode.BAD_REQUEST)
                 self._fail(400, wire.ErrorCode.BAD_REQUEST, f"the stream must open with {_PREFACE!r}")
                 return
             if len(seen) < _PREFACE_LEN:
                 return
             self._greeted = True
             del buf[:_PREFACE_LEN]
+            self._table.release(self, _PREFACE_LEN)
+            if not buf:
+                self.reading_since = None
             self._parse_buffer()
             return
         if buf:
+            if not self._hold(len(data), now):
+                return
             buf += data
             self._parse_buffer()
             return
         consumed = self._parse(data)  # the common case: whole frames, parsed where they lie
-        if consumed < len(data):
+        if consumed < len(data) and self._accepting:
+            if not self._hold(len(data) - consumed, now):
+                return
             buf += memoryview(data)[consumed:]
         self._update_reading()
 
@@ -140,8 +171,8 @@ class StreamConnection(asyncio.Protocol):
         self._transport = None
         self._accepting = False
         self._replying = False
-        if self._linger is not None:
-            self._linger.cancel()
+        self._buffer = bytearray()  # a fatal error may have left a partial frame
+        self._untrack()
         for task in self.in_flight:
             task.cancel()
         self._server.connections.discard(self)
@@ -156,6 +187,29 @@ class StreamConnection(asyncio.Protocol):
         self._writing_paused = False
         self._parse_buffer()
 
+    # -- limits ----------------------------------------------------------------------------
+
+    def busy(self) -> bool:
+        return bool(self.in_flight)
+
+    def _reading_counts(self) -> bool:
+        return not self._held()  # a frame we stopped reading is not late by the client's doing
+
+    def _hold(self, n: int, now: float) -> bool:
+        """Charge ``n`` bytes about to be buffered; False: the budget refused them (we are closed)."""
+        if not self._table.charge(self, n):
+            self._table.refuse_bytes(self)
+            return False
+        if self.reading_since is None:
+            self._start_reading(now)
+        return True
+
+    def shed(self, code: wire.ErrorCode | None, message: str) -> None:
+        if code is not None:
+            self._fail(wire.HTTP_STATUS[code], code, message)
+        elif self._transport is not None:
+            self._transport.close()
+
     # -- framing ---------------------------------------------------------------------------
 
     def _held(self) -> bool:
@@ -169,6 +223,7 @@ class StreamConnection(asyncio.Protocol):
             while end - pos >= _HEADER_LEN and self._accepting and not self._held():
                 (length,) = _read_header(data, pos)
                 if length > self._limit:
+                    self._table.rejected(wire.ErrorCode.BODY_TOO_LARGE)
                     self._fail(
                         413,
                         wire.ErrorCode.BODY_TOO_LARGE,
@@ -186,11 +241,14 @@ class StreamConnection(asyncio.Protocol):
         buf = self._buffer
         if buf and self._greeted:
             consumed = self._parse(buf)
-            if consumed:
+            if consumed and self._buffer is buf:  # (a fatal error gave the buffer up)
                 try:
                     del buf[:consumed]
                 except BufferError:  # a frame's view outlived its request (never expected)
                     self._buffer = buf[consumed:]
+                self._table.release(self, consumed)
+                # What is left is the start of the next frame, which arrived with this read.
+                self.reading_since = self._loop.time() if self._buffer else None
         self._update_reading()
 
     def _update_reading(self) -> None:
@@ -202,6 +260,8 @@ class StreamConnection(asyncio.Protocol):
         if held:
             transport.pause_reading()
         else:
+            if self.reading_since is not None:
+                self.reading_since = self._loop.time()  # the client could not send while held
             transport.resume_reading()
 
     # -- requests --------------------------------------------------------------------------
@@ -216,7 +276,13 @@ class StreamConnection(asyncio.Protocol):
             tag, op, rdzv_id, fields = msg
             valid_tag = type(tag) is int and 0 <= tag < _MAX_TAG
             if valid_tag and type(op) is str and type(rdzv_id) is str and type(fields) is dict:
-                self._start(self._serve(tag, op, rdzv_id, fields))
+                if op == wire.HELLO_OP:
+                    self._hello(tag, fields)
+                elif self._grant is None:
+                    self._metrics.auth_failed("missing")
+                    self._fail(401, wire.ErrorCode.UNAUTHORIZED, f"send {wire.HELLO_OP!r} with the token first")
+                else:
+                    self._start(self._serve(tag, op, rdzv_id, fields))
                 return
         self._send(_tag_of(msg), 400, wire.error_body(wire.ErrorCode.BAD_REQUEST, _SHAPE))
 
@@ -247,12 +313,27 @@ class StreamConnection(asyncio.Protocol):
         self.in_flight.add(task)
         task.add_done_callback(self._finished)
 
+    def _hello(self, tag: int, fields: dict[str, Any]) -> None:
+        """Authenticate the connection (see wire: "stream protocol"): a wrong token closes it."""
+        token = fields.get("token")
+        grant = self._server.tokens.grant(token if type(token) is str else None)
+        if grant is None:
+            self._metrics.auth_failed("missing" if not token else "wrong")
+            self._fail(401, wire.ErrorCode.UNAUTHORIZED, "the token in the hello is not this server's")
+            return
+        self._grant = grant
+        self._limit = self._full_limit
+        self._send(tag, 200, {"access": grant.access.value})
+
     async def _serve(self, tag: int, op: str, rdzv_id: str, fields: dict[str, Any]) -> None:
-        status, body = await run_operation(self._svc, self._metrics, op, rdzv_id, fields)
+        assert self._grant is not None  # checked by _request
+        status, body = await run_operation(self._svc, self._metrics, self._grant, op, rdzv_id, fields)
         self._send(tag, status, body)
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         self.in_flight.discard(task)
+        if not self.in_flight:
+            self.last_active = self._loop.time()  # idle from now, not from the request's arrival
         if not task.cancelled() and task.exception() is not None:
             log.error("Answering a stream request failed.", exc_info=task.exception())
         if self._reading_paused:
@@ -265,19 +346,12 @@ class StreamConnection(asyncio.Protocol):
     # -- closing ---------------------------------------------------------------------------
 
     def _fail(self, status: int, code: wire.ErrorCode, message: str) -> None:
-        """A protocol error: answer with tag 0, stop serving, half-close, drain, then close."""
+        """A protocol error or refusal: answer with tag 0, stop serving, half-close, drain, close."""
         transport = self._transport
         if transport is None or not self._replying:
             return
-        self._accepting = False
-        for task in self.in_flight:
-            task.cancel()
-        transport.write(wire.frame([0, status, wire.error_body(code, message)]))
-        self._replying = False
-        if transport.can_write_eof():
-            transport.write_eof()
-        self._update_reading()
-        self._linger = self._loop.call_later(LINGER, transport.close)
+        self.connection_lost(None)  # cancels what runs, frees the buffer, counts the connection out
+        Closing(self._table, code, message, wire.frame([0, status, wire.error_body(code, message)])).adopt(transport)
 
     def stop_accepting(self) -> None:
         """Shutdown, first step: serve no new requests; those in flight still answer."""
@@ -334,9 +408,11 @@ async def _carry_on(coro: Coroutine[Any, Any, None], blocked_on: Any) -> None:
 class StreamServer:
     """The protocol factory of stream connections (``StreamServer()`` -> a new connection)."""
 
-    def __init__(self, svc: Service, metrics: Metrics) -> None:
+    def __init__(self, svc: Service, metrics: Metrics, table: ConnectionTable, tokens: TokenTable) -> None:
         self.svc = svc
         self.metrics = metrics
+        self.table = table
+        self.tokens = tokens
         self.connections: set[StreamConnection] = set()
 
     def __call__(self) -> StreamConnection:

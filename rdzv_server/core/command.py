@@ -108,6 +108,7 @@ class Leave(Command):
 @dataclass(frozen=True)
 class Close(Command):
     op: ClassVar[str] = "close"
+    cause: str = ""  # who: "agent", "operator", or "" (not said; and records from before causes)
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,7 @@ class Expire(Command):
     op: ClassVar[str] = "expire"
     node_ids: tuple[str, ...]
     why: str
+    cause: str = ""  # event.Cause: how the death was noticed (empty in records from before causes)
 
 
 @dataclass(frozen=True)
@@ -134,9 +136,31 @@ class Collect(Command):
     op: ClassVar[str] = "collect"
 
 
+@dataclass(frozen=True)
+class Refused(Command):
+    """The service: a join of ``node_id`` was refused (``why``: ``settings_conflict``); it
+    changes nothing but the job's timeline, where an operator looks for why a node is missing."""
+
+    op: ClassVar[str] = "refused"
+    node_id: str
+    addr: str
+    why: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Restarted(Command):
+    """The service: the server recovered its log and serves again (``rdzv_id`` is ``""``: every job)."""
+
+    op: ClassVar[str] = "restarted"
+
+
 COMMANDS: dict[str, type[Command]] = {
     c.op: c
-    for c in (Set, Add, CompareSet, Append, MultiSet, DeleteKey, Create, Join, Leave, Close, LastCall, Expire, Collect)
+    for c in (
+        Set, Add, CompareSet, Append, MultiSet, DeleteKey, Create, Join, Leave, Close, LastCall, Expire, Collect,
+        Refused, Restarted,
+    )
 }
 
 

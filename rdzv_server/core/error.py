@@ -55,9 +55,52 @@ class JobClosed(RdzvError):
     status = 410
 
 
+class JobClosedInLine(JobClosed):
+    """The job closed while the node was standby or waiting for a round: it was no part of the
+    run that ended, and its agent should exit gracefully (torch's RendezvousGracefulExitError)."""
+
+    code = "job_closed_in_line"
+    status = 410
+
+
 class JoinTimeout(RdzvError):
     code = "join_timeout"
     status = 408
+
+
+# Limits (README "Limits"): each refuses the request and changes nothing.
+
+
+class TooManyJobs(RdzvError):
+    code = "too_many_jobs"
+    status = 429
+
+
+class TooManyKeys(RdzvError):
+    code = "too_many_keys"
+    status = 429
+
+
+class JobStoreFull(RdzvError):
+    code = "job_store_full"
+    status = 413
+
+
+class TooManySessions(RdzvError):
+    code = "too_many_sessions"
+    status = 429
+
+
+class SessionFull(RdzvError):
+    code = "session_full"
+    status = 429
+
+
+class Forbidden(RdzvError):
+    """The caller's token does not cover this request (a read-only token, another job)."""
+
+    code = "forbidden"
+    status = 403
 
 
 class NotReady(RdzvError):

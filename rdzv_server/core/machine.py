@@ -8,9 +8,21 @@ Rules:
   deterministic given (state, command, now): replaying the logged commands with their
   logged ``now`` rebuilds the same state. It either applies the whole command or raises
   an :class:`RdzvError` having changed nothing.
-- A command carrying ``rid = (client_id, seq)`` is applied at most once: a retry gets the
-  recorded result. The window keeps the last ``DEDUP_WINDOW`` results per client and the
-  last ``MAX_CLIENTS`` clients; it is part of the snapshot, and rebuilt by replay.
+- A command carrying ``rid = (client_id, seq, floor)`` is applied at most once: a retry
+  gets the recorded result. ``floor`` is the client's lowest seq still awaiting its reply
+  (every seq below it was answered), so a session keeps exactly the results its client may
+  still retry, whatever the number of threads sharing the client: results below the floor
+  are dropped, and a seq below the floor with no result is a stale duplicate, refused.
+  A rid without a floor (``(client_id, seq)``) keeps the last ``DEDUP_WINDOW`` results.
+  A session outlives its last write by ``session_ttl``. The sessions are part of
+  the snapshot, and rebuilt by replay.
+- Limits (:class:`Limits`: jobs, keys and bytes per job, sessions, unacknowledged writes
+  per session, remembered result bytes) refuse a command before it changes anything. Key
+  spaces of every round, far-future ones included, count toward their job's quota. Replay runs with ``limits=None`` and ``replay=True``: a logged
+  command was accepted once, so it applies again, whatever the limits are today, and it
+  never consults the exactly-once window (a logged command was, by definition, not a
+  retry), so replay does not depend on settings. Limits are set (:meth:`set_limits`) once
+  replay is done.
 - ``due(now)`` only *detects* what the timer must do and returns commands; they take
   effect when applied (and logged) like any other.
 - Reads (``get``, ``assignment`` ...) never change state.
@@ -23,20 +35,55 @@ What it must not know: I/O, asyncio, the wire format, the real clock.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import command as c
-from .error import BadRequest, JobNotFound
+from .error import (
+    BadRequest,
+    JobNotFound,
+    RdzvError,
+    SessionFull,
+    TooManyJobs,
+    TooManySessions,
+)
+from .event import Cause, JobEvent, Kind
 from .rendezvous import Assignment, Departure, Job, JobSettings, JobState
 from .store import KeyValueStore
 
-# Results remembered per client: a client retries only its last few in-flight writes.
+# Results remembered per client that sends no floor in its rids (an older client, a script).
 DEDUP_WINDOW = 128
-# Clients remembered: one per agent and per worker store; LRU beyond that.
-MAX_CLIENTS = 100_000
+# A session ends this long after its last write: far longer than a client's retry budget.
+DEFAULT_SESSION_TTL = 600.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the server holds at most (ServerConfig's limit flags; README "Limits")."""
+
+    max_jobs: int
+    max_keys_per_job: int
+    max_job_bytes: int
+    max_sessions: int
+    max_session_writes: int
+    max_session_bytes: int
+
+
+@dataclass
+class Session:
+    """The exactly-once window of one client: results it may still retry."""
+
+    last_write: float
+    floor: int = 0  # every seq below it was answered to the client
+    results: OrderedDict[int, dict[str, Any]] = field(default_factory=OrderedDict)  # arrival order
+    bytes: int = 0  # bytes held by the results' values (compare_set returns one)
+
+
+def _result_bytes(result: dict[str, Any]) -> int:
+    return sum(len(v) for v in result.values() if isinstance(v, bytes))
 
 
 @dataclass
@@ -45,6 +92,7 @@ class Entry:
 
     job: Job
     kv: KeyValueStore
+    last_used: float = 0.0  # soft state: the latest store request; an idle job in use is kept
 
 
 @dataclass(frozen=True)
@@ -52,6 +100,7 @@ class Outcome:
     result: dict[str, Any]
     wakes: tuple[Hashable, ...] = ()
     replayed: bool = False  # True when a retry got the recorded result
+    events: tuple[JobEvent, ...] = ()  # what the command added to its job's timeline
 
 
 def key_topic(rdzv_id: str, scope: int | None, key: bytes) -> Hashable:
@@ -63,6 +112,11 @@ def round_topic(rdzv_id: str) -> Hashable:
     return ("round", rdzv_id)
 
 
+def events_topic(rdzv_id: str) -> Hashable:
+    """Woken when the job's timeline grows."""
+    return ("events", rdzv_id)
+
+
 def watch_topic(rdzv_id: str) -> Hashable:
     """Woken when what watchers see (state, round, num_nodes_waiting) changes."""
     return ("watch", rdzv_id)
@@ -72,24 +126,71 @@ def watch_topic(rdzv_id: str) -> Hashable:
 class StateMachine:
     max_value_bytes: int
     job_ttl: float
+    session_ttl: float = DEFAULT_SESSION_TTL
     jobs: dict[str, Entry] = field(default_factory=dict)
-    sessions: OrderedDict[str, OrderedDict[int, dict[str, Any]]] = field(default_factory=OrderedDict)
+    sessions: OrderedDict[str, Session] = field(default_factory=OrderedDict)  # least recent write first
     clock: float = 0.0  # the latest `now` applied: the server clock resumes from here after a restart
+    limits: Limits | None = None  # None: nothing refused (replay, tests)
+    session_bytes: int = 0  # over every session's results
 
     # -- the apply path ----------------------------------------------------------------------
 
-    def apply(self, command: c.Command, now: float, rid: tuple[str, int] | None = None) -> Outcome:
-        """Apply one command. Raises an RdzvError (and changes nothing) on a bad command."""
-        if rid is not None:
-            recorded = self._recorded(rid)
-            if recorded is not None:
-                return Outcome(recorded, (), replayed=True)
+    def apply(
+        self, command: c.Command, now: float, rid: tuple[Any, ...] | None = None, *, replay: bool = False
+    ) -> Outcome:
+        """Apply one command. Raises an RdzvError (and changes nothing) on a bad command.
+
+        ``rid`` is ``(client_id, seq)`` or ``(client_id, seq, floor)``; ``replay`` says the
+        command comes from the log (see the module docstring).
+        """
+        if rid is not None and not replay:
+            session = self._session(rid[0], now)
+            if session is not None:
+                recorded = session.results.get(rid[1])
+                if recorded is not None:
+                    return Outcome(recorded, (), replayed=True)
+                if rid[1] < session.floor:
+                    raise BadRequest(
+                        f"request {rid[1]} of client {rid[0]} was answered already: a stale duplicate, not applied"
+                    )
+            self._admit(rid, session, now)
         handler = _HANDLERS[type(command)]
+        before = self.jobs.get(command.rdzv_id)
+        seen = before.job.timeline.next_seq if before is not None else 1
         outcome: Outcome = handler(self, command, now)
         self.clock = max(self.clock, now)
+        after = self.jobs.get(command.rdzv_id)
+        if after is not None and after.job.timeline.next_seq > seen:
+            events = tuple(after.job.timeline.since(seen - 1))
+            outcome = dataclasses.replace(outcome, events=events, wakes=(*outcome.wakes, events_topic(command.rdzv_id)))
         if rid is not None:
-            self._record(rid, outcome.result)
+            self._record(rid, outcome.result, now)
         return outcome
+
+    def replay(self, record: dict[str, Any]) -> None:
+        """Apply one log record ``{"cmd", "now", "rid"}`` again (recovery, snapshot building).
+
+        Raises RuntimeError if it fails: a logged command applied once, so it cannot fail
+        now unless the log or this code is wrong."""
+        rid = record.get("rid")
+        try:
+            self.apply(c.from_record(record["cmd"]), record["now"], tuple(rid) if rid else None, replay=True)
+        except RdzvError as exc:
+            raise RuntimeError(f"log replay diverged at {record!r:.500}: {exc}") from exc
+
+    def set_limits(self, limits: Limits | None) -> None:
+        """Enforce ``limits`` from now on (the service sets them once recovery is done)."""
+        self.limits = limits
+        for entry in self.jobs.values():
+            self._apply_quota(entry.kv)
+
+    def _apply_quota(self, kv: KeyValueStore) -> KeyValueStore:
+        kv.max_keys = self.limits.max_keys_per_job if self.limits else None
+        kv.max_bytes = self.limits.max_job_bytes if self.limits else None
+        return kv
+
+    def _new_store(self) -> KeyValueStore:
+        return self._apply_quota(KeyValueStore(self.max_value_bytes))
 
     def _entry(self, rdzv_id: str) -> Entry:
         entry = self.jobs.get(rdzv_id)
@@ -97,51 +198,63 @@ class StateMachine:
             raise JobNotFound(f"job {rdzv_id} does not exist: a node creates it by joining (or `create` it)")
         return entry
 
+    def _store(self, rdzv_id: str, now: float) -> KeyValueStore:
+        """The job's keys for a write at ``now``; the write counts as use of the job."""
+        entry = self._entry(rdzv_id)
+        entry.last_used = max(entry.last_used, now)
+        return entry.kv
+
     def _set(self, cmd: c.Set, now: float) -> Outcome:
-        self._entry(cmd.rdzv_id).kv.set(cmd.round, cmd.key, cmd.value)
+        self._store(cmd.rdzv_id, now).set(cmd.round, cmd.key, cmd.value)
         return Outcome({}, (key_topic(cmd.rdzv_id, cmd.round, cmd.key),))
 
     def _add(self, cmd: c.Add, now: float) -> Outcome:
-        value = self._entry(cmd.rdzv_id).kv.add(cmd.round, cmd.key, cmd.amount)
+        value = self._store(cmd.rdzv_id, now).add(cmd.round, cmd.key, cmd.amount)
         return Outcome({"value": value}, (key_topic(cmd.rdzv_id, cmd.round, cmd.key),))
 
     def _compare_set(self, cmd: c.CompareSet, now: float) -> Outcome:
-        value = self._entry(cmd.rdzv_id).kv.compare_set(cmd.round, cmd.key, cmd.expected, cmd.desired)
+        value = self._store(cmd.rdzv_id, now).compare_set(cmd.round, cmd.key, cmd.expected, cmd.desired)
         return Outcome({"value": value}, (key_topic(cmd.rdzv_id, cmd.round, cmd.key),))
 
     def _append(self, cmd: c.Append, now: float) -> Outcome:
-        self._entry(cmd.rdzv_id).kv.append(cmd.round, cmd.key, cmd.value)
+        self._store(cmd.rdzv_id, now).append(cmd.round, cmd.key, cmd.value)
         return Outcome({}, (key_topic(cmd.rdzv_id, cmd.round, cmd.key),))
 
     def _multi_set(self, cmd: c.MultiSet, now: float) -> Outcome:
         if len(cmd.keys) != len(cmd.values):
             raise BadRequest(f"multi_set got {len(cmd.keys)} keys but {len(cmd.values)} values")
-        self._entry(cmd.rdzv_id).kv.multi_set(cmd.round, cmd.keys, cmd.values)
+        self._store(cmd.rdzv_id, now).multi_set(cmd.round, cmd.keys, cmd.values)
         return Outcome({}, tuple(key_topic(cmd.rdzv_id, cmd.round, k) for k in cmd.keys))
 
     def _delete_key(self, cmd: c.DeleteKey, now: float) -> Outcome:
-        deleted = self._entry(cmd.rdzv_id).kv.delete_key(cmd.round, cmd.key)
+        deleted = self._store(cmd.rdzv_id, now).delete_key(cmd.round, cmd.key)
         return Outcome({"deleted": deleted})
 
     def _create(self, cmd: c.Create, now: float) -> Outcome:
         settings = JobSettings(cmd.min_nodes, cmd.max_nodes, cmd.last_call_timeout, cmd.join_timeout, cmd.heartbeat_ttl)
         entry = self.jobs.get(cmd.rdzv_id)
         if entry is None:
-            self._new_job(cmd.rdzv_id, settings, now)
+            self._new_job(cmd.rdzv_id, settings, now, Cause.CREATE)
         else:
             entry.job.adopt_settings(settings, "create")
         return Outcome({})
 
-    def _new_job(self, rdzv_id: str, settings: JobSettings, now: float) -> Entry:
-        job = Job(rdzv_id, settings, idle_since=now)
-        entry = self.jobs[rdzv_id] = Entry(job, KeyValueStore(self.max_value_bytes))
+    def _new_job(self, rdzv_id: str, settings: JobSettings, now: float, cause: Cause) -> Entry:
+        if self.limits is not None and len(self.jobs) >= self.limits.max_jobs:
+            raise TooManyJobs(
+                f"the server holds {len(self.jobs)} jobs, its limit; job {rdzv_id} cannot be created "
+                "(finished jobs are collected after --job-ttl; or raise --max-jobs)"
+            )
+        job = Job(rdzv_id, settings, idle_since=now, opened_at=now)
+        job.timeline.add(now, Kind.JOB_CREATED, cause, job.round)
+        entry = self.jobs[rdzv_id] = Entry(job, self._new_store(), last_used=now)
         return entry
 
     def _join(self, cmd: c.Join, now: float) -> Outcome:
         settings = JobSettings(cmd.min_nodes, cmd.max_nodes, cmd.last_call_timeout, cmd.join_timeout, cmd.heartbeat_ttl)
         entry = self.jobs.get(cmd.rdzv_id)
         if entry is None:
-            entry = self._new_job(cmd.rdzv_id, settings, now)
+            entry = self._new_job(cmd.rdzv_id, settings, now, Cause.JOIN)
         return self._membership_change(
             entry, lambda job: {"round": job.join(cmd.node_id, cmd.addr, cmd.nproc_per_node, settings, now, cmd.master_port)}
         )
@@ -153,7 +266,7 @@ class StateMachine:
 
     def _close(self, cmd: c.Close, now: float) -> Outcome:
         def close(job: Job) -> dict[str, Any]:
-            job.close(now)
+            job.close(now, Cause(cmd.cause) if cmd.cause else Cause.CLOSED)
             return {}
 
         return self._membership_change(self._entry(cmd.rdzv_id), close)
@@ -168,9 +281,9 @@ class StateMachine:
         entry = self.jobs.get(cmd.rdzv_id)
         if entry is None:
             return Outcome({"expired": 0})
-        why = Departure(cmd.why)
+        why, cause = Departure(cmd.why), Cause(cmd.cause) if cmd.cause else None
         return self._membership_change(
-            entry, lambda job: {"expired": sum(job.depart(n, why, now) for n in cmd.node_ids)}
+            entry, lambda job: {"expired": sum(job.depart(n, why, now, cause) for n in cmd.node_ids)}
         )
 
     def _collect(self, cmd: c.Collect, now: float) -> Outcome:
@@ -179,6 +292,18 @@ class StateMachine:
             return Outcome({"collected": False})
         return Outcome({"collected": True}, (round_topic(cmd.rdzv_id), watch_topic(cmd.rdzv_id)))
 
+    def _refused(self, cmd: c.Refused, now: float) -> Outcome:
+        entry = self.jobs.get(cmd.rdzv_id)
+        if entry is not None:
+            job = entry.job
+            job.timeline.add(now, Kind.JOIN_REFUSED, Cause(cmd.why), job.round, cmd.node_id, cmd.addr, reason=cmd.detail)
+        return Outcome({})
+
+    def _restarted(self, cmd: c.Restarted, now: float) -> Outcome:
+        for entry in self.jobs.values():
+            entry.job.timeline.add(now, Kind.SERVER_RESTARTED, Cause.RECOVERY, entry.job.round)
+        return Outcome({}, tuple(events_topic(rdzv_id) for rdzv_id in self.jobs))
+
     def _membership_change(self, entry: Entry, change: Callable[[Job], dict[str, Any]]) -> Outcome:
         job = entry.job
         before_round = (job.state, job.round)
@@ -186,7 +311,7 @@ class StateMachine:
         departures, runs = job.departures, job.runs
         result = change(job)
         if job.runs != runs:  # a fresh run in a closed job: it starts with no keys
-            entry.kv = KeyValueStore(self.max_value_bytes)
+            entry.kv = self._new_store()
         wakes: list[Hashable] = []
         # A departure of a pending node must reach its own long-poll (join_timeout); rare.
         if (job.state, job.round) != before_round or job.departures != departures:
@@ -199,22 +324,94 @@ class StateMachine:
 
     # -- exactly-once window ----------------------------------------------------------------
 
-    def _recorded(self, rid: tuple[str, int]) -> dict[str, Any] | None:
-        window = self.sessions.get(rid[0])
-        return None if window is None else window.get(rid[1])
+    def _session(self, client_id: str, now: float) -> Session | None:
+        """The client's live session (one past its TTL counts as gone)."""
+        session = self.sessions.get(client_id)
+        if session is None or session.last_write + self.session_ttl < now:
+            return None
+        return session
 
-    def _record(self, rid: tuple[str, int], result: dict[str, Any]) -> None:
-        client_id, seq = rid
-        window = self.sessions.get(client_id)
-        if window is None:
-            window = self.sessions[client_id] = OrderedDict()
-            while len(self.sessions) > MAX_CLIENTS:
-                self.sessions.popitem(last=False)
+    def _admit(self, rid: tuple[Any, ...], session: Session | None, now: float) -> None:
+        """Under limits, refuse a write whose session cannot be kept (changes nothing)."""
+        limits = self.limits
+        if limits is None:
+            return
+        if session is None:
+            if len(self.sessions) >= limits.max_sessions and not self._expired_sessions(now):
+                raise TooManySessions(
+                    f"the server remembers {len(self.sessions)} client sessions, its limit; a session ends "
+                    f"{self.session_ttl:g} s after its last write (or raise --max-sessions)"
+                )
+        else:
+            # What the client says it has read may go before anything is counted against it.
+            floor = rid[2] if len(rid) > 2 else session.floor
+            self._trim(session, floor)
+            if len(session.results) >= limits.max_session_writes and not self._trim(session, floor, full=True):
+                raise SessionFull(
+                    f"client {rid[0]} has {len(session.results)} writes awaiting their acknowledgement, the limit "
+                    "(--max-session-writes): wait for replies before sending more"
+                )
+        if self.session_bytes > limits.max_session_bytes:
+            raise SessionFull(
+                f"results kept for retries hold {self.session_bytes} bytes, over --max-session-bytes="
+                f"{limits.max_session_bytes}: retry once clients have read their replies"
+            )
+
+    def _expired_sessions(self, now: float) -> int:
+        """Forget sessions past their TTL (least recent first); return how many."""
+        ttl, n = self.session_ttl, 0
+        while self.sessions:
+            client_id, session = next(iter(self.sessions.items()))
+            if session.last_write + ttl >= now:
+                break
+            del self.sessions[client_id]
+            self.session_bytes -= session.bytes
+            n += 1
+        return n
+
+    def _trim(self, session: Session, floor: int, *, full: bool = False) -> int:
+        """Drop the results below ``floor`` (answered: never retried); return how many.
+
+        Results arrive in about seq order, so the oldest are at the front; ``full`` also
+        looks past the first result at or above the floor (out-of-order arrivals)."""
+        session.floor = max(session.floor, floor)
+        results, dropped = session.results, 0
+        stale = [s for s in results if s < session.floor] if full else []
+        if not full:
+            for seq in results:
+                if seq >= session.floor:
+                    break
+                stale.append(seq)
+        for seq in stale:
+            gone = _result_bytes(results.pop(seq))
+            session.bytes -= gone
+            self.session_bytes -= gone
+            dropped += 1
+        return dropped
+
+    def _record(self, rid: tuple[Any, ...], result: dict[str, Any], now: float) -> None:
+        client_id, seq = rid[0], rid[1]
+        session = self._session(client_id, now)
+        if session is None:  # new, or past its TTL: start afresh
+            old = self.sessions.pop(client_id, None)
+            if old is not None:
+                self.session_bytes -= old.bytes
+            session = self.sessions[client_id] = Session(now)
         else:
             self.sessions.move_to_end(client_id)
-        window[seq] = result
-        while len(window) > DEDUP_WINDOW:
-            window.popitem(last=False)
+            session.last_write = max(session.last_write, now)
+        size = _result_bytes(result)
+        session.results[seq] = result
+        session.bytes += size
+        self.session_bytes += size
+        if len(rid) > 2:
+            self._trim(session, rid[2])
+        else:  # no floor: keep the last DEDUP_WINDOW results (an older seq counts as new again)
+            while len(session.results) > DEDUP_WINDOW:
+                gone = _result_bytes(session.results.popitem(last=False)[1])
+                session.bytes -= gone
+                self.session_bytes -= gone
+        self._expired_sessions(now)
 
     # -- the timer's detection ------------------------------------------------------------
 
@@ -224,14 +421,17 @@ class StateMachine:
         if entry is None:
             return None
         job = entry.job
-        times = [t for t in (job.next_deadline(), self._collect_at(job)) if t is not None]
+        times = [t for t in (job.next_deadline(), self._collect_at(entry)) if t is not None]
         return min(times) if times else None
 
-    def _collect_at(self, job: Job) -> float | None:
+    def _collect_at(self, entry: Entry) -> float | None:
+        """When a closed or idle job may be forgotten: ``job_ttl`` after it closed or went idle,
+        and after its last store request (a store-only job is idle from birth but in use)."""
+        job = entry.job
         if job.state is JobState.CLOSED and job.closed_at is not None:
-            return job.closed_at + self.job_ttl
+            return max(job.closed_at, entry.last_used) + self.job_ttl
         if job.idle_since is not None:
-            return job.idle_since + self.job_ttl
+            return max(job.idle_since, entry.last_used) + self.job_ttl
         return None
 
     def due(self, rdzv_id: str, now: float) -> list[c.Command]:
@@ -240,7 +440,7 @@ class StateMachine:
         if entry is None:
             return []
         job = entry.job
-        collect_at = self._collect_at(job)
+        collect_at = self._collect_at(entry)
         if collect_at is not None and collect_at <= now:
             return [c.Collect(rdzv_id)]
         out: list[c.Command] = []
@@ -258,6 +458,12 @@ class StateMachine:
 
     def kv(self, rdzv_id: str) -> KeyValueStore:
         return self._entry(rdzv_id).kv
+
+    def use(self, rdzv_id: str, now: float) -> KeyValueStore:
+        """The job's keys for a store read at ``now``: reading is use (soft state, never logged)."""
+        entry = self._entry(rdzv_id)
+        entry.last_used = max(entry.last_used, now)
+        return entry.kv
 
     def job(self, rdzv_id: str) -> Job:
         return self._entry(rdzv_id).job
@@ -286,7 +492,7 @@ class StateMachine:
         return {
             "clock": self.clock,
             "jobs": [[e.job.to_snapshot(), e.kv.to_snapshot()] for e in self.jobs.values()],
-            "sessions": [[cid, list(window.items())] for cid, window in self.sessions.items()],
+            "sessions": [[cid, s.last_write, s.floor, list(s.results.items())] for cid, s in self.sessions.items()],
         }
 
     def restore(self, data: dict[str, Any]) -> None:
@@ -294,14 +500,20 @@ class StateMachine:
         self.jobs = {}
         for job_data, kv_data in data["jobs"]:
             job = Job.from_snapshot(job_data)
-            self.jobs[job.rdzv_id] = Entry(job, KeyValueStore.from_snapshot(kv_data, self.max_value_bytes))
-        self.sessions = OrderedDict(
-            (cid, OrderedDict((seq, result) for seq, result in window)) for cid, window in data["sessions"]
-        )
+            kv = self._apply_quota(KeyValueStore.from_snapshot(kv_data, self.max_value_bytes))
+            self.jobs[job.rdzv_id] = Entry(job, kv, last_used=self.clock)
+        self.sessions = OrderedDict()
+        self.session_bytes = 0
+        for cid, last_write, floor, results in data["sessions"]:
+            session = self.sessions[cid] = Session(last_write, floor, OrderedDict((seq, r) for seq, r in results))
+            session.bytes = sum(_result_bytes(r) for r in session.results.values())
+            self.session_bytes += session.bytes
 
     def reset_heartbeats(self, now: float) -> None:
+        """After a restart: every node, and every job's use, gets one full TTL of grace."""
         for entry in self.jobs.values():
             entry.job.reset_heartbeats(now)
+            entry.last_used = now
 
 
 _HANDLERS: dict[type[c.Command], Callable[[StateMachine, Any, float], Outcome]] = {
@@ -318,4 +530,6 @@ _HANDLERS: dict[type[c.Command], Callable[[StateMachine, Any, float], Outcome]] 
     c.LastCall: StateMachine._last_call,
     c.Expire: StateMachine._expire,
     c.Collect: StateMachine._collect,
+    c.Refused: StateMachine._refused,
+    c.Restarted: StateMachine._restarted,
 }

@@ -8,7 +8,8 @@ client's fault). Time is always an argument (``now``, seconds on the server's cl
 Roles of a node (:class:`Role`):
 - CANDIDATE: joined the round that is forming (state OPEN).
 - WAITING: arrived after the round formed, fits in the next one (counts in num_nodes_waiting).
-- STANDBY: arrived when ``max_nodes`` were already in; admitted when a slot frees.
+- STANDBY: arrived when ``max_nodes`` were already in; admitted when a slot frees (torch's
+  redundancy list: a spare).
 - MEMBER: in the last formed round's membership (``members``, node_rank order). A member
   is ALIVE, DEAD (heartbeat TTL or dropped connection) or LEFT (graceful shutdown).
 
@@ -33,19 +34,32 @@ Rules:
    waiting nodes plus dead members (so survivors restart at once instead of waiting for a
    collective to time out); once a later round is open or formed, at least 1.
    Standby nodes do not count: a full round keeps running.
-5. Departures: a pending node that leaves, dies or passes ``join_timeout`` is removed;
-   a member that dies or leaves is marked so; if no member is alive and nodes are
-   waiting, the next round opens for them.
+5. Departures: a pending node that leaves, dies (heartbeat TTL, or a dropped connection)
+   or passes ``join_timeout`` is removed; a member that dies or leaves is marked so; if
+   no member is alive and nodes are in line, the next round opens for them.
+   ``join_timeout`` bounds a node's wait for a round to *form*. It runs for candidates
+   and waiting nodes from their join (a member's from its re-join), and for a standby
+   node only while a round forms (OPEN), from the moment that round opened: a spare
+   that waited for hours still gets the whole timeout to be placed, and one that cannot
+   be placed does not wait forever. A standby node of a formed (or closed) round is a
+   spare of a running job: no join_timeout at all (torch exempts its redundancy list
+   alike); it stays until it is placed, leaves, dies by the TTL, or the job closes.
 6. CLOSED: joins fail with :class:`JobClosed` while any node of the job is alive or
    pending (their agents must stop). Once every node has departed, the next join starts
    a fresh run under the same id (new settings allowed, next round number, and the
    caller clears the keys: ``runs`` counts these restarts). torchrun closes a job when an
    agent finishes, so this is what lets a user run the same command again.
+   A standby or waiting node still in line when the job closes was waiting for a round
+   that will never come and was no part of the run: it gets :class:`JobClosedInLine`
+   (its agent exits gracefully, as torch's redundancy list does); a candidate (a
+   participant of the round that was forming) and a member get :class:`JobClosed`.
 
 Invariants (checked by the property tests): in a formed round node ranks are exactly
 0..n-1 and global ranks are disjoint, contiguous per node and cover 0..world_size-1;
 members that survive into the next round keep their relative order; num_nodes_waiting
-is never negative; every node is in exactly one role.
+is never negative; every node is in exactly one role; ``join_clock`` holds exactly the
+pending nodes whose join_timeout runs (candidates, waiting nodes, and standby nodes while
+the job is OPEN) in ascending ``joined_at``, and ``untimed`` every other standby node.
 
 Heartbeat times (``heartbeats``) are soft state: never logged, reset to ``now`` for every
 node on restore so that each gets one full TTL of grace after a server restart.
@@ -59,7 +73,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .error import IllegalTransition, JobClosed, JoinTimeout, NodeNotFound, SettingsConflict
+from .error import IllegalTransition, JobClosed, JobClosedInLine, JoinTimeout, NodeNotFound, SettingsConflict
+from .event import Cause, Kind, Timeline
 from .rank import Candidate, Tier, place
 
 
@@ -116,7 +131,9 @@ class Node:
     addr: str
     nproc_per_node: int
     arrival: int  # job-wide join counter: orders new nodes
-    joined_at: float  # server clock at join, for join_timeout
+    # Server clock when the node's join_timeout started: its join (a member's re-join); for a
+    # standby node, the opening of the round it waits in (rule 5). Stale while it runs untimed.
+    joined_at: float
     role: Role
     liveness: Liveness = Liveness.ALIVE
     node_rank: int | None = None  # in the last formed round; kept while the next one forms
@@ -167,9 +184,13 @@ class Job:
     world: int = 0  # world_size of the last formed round
     departures: int = 0  # count of departures, so callers can tell one happened
     runs: int = 0  # fresh runs started in a closed job (rule 6)
+    opened_at: float = 0.0  # when the current round opened: its formation time is measured from here
+    timeline: Timeline = field(default_factory=Timeline)  # what happened, and why (core/event.py)
     # Derived indexes, rebuilt on restore, so that no join costs O(nodes):
     counts: Counter[tuple[Role, Liveness]] = field(default_factory=Counter)
-    pending_since: OrderedDict[str, float] = field(default_factory=OrderedDict)  # joined_at order
+    # Pending nodes whose join_timeout runs, in joined_at order (join_timed_out is O(timed out)):
+    join_clock: OrderedDict[str, float] = field(default_factory=OrderedDict)
+    untimed: dict[str, None] = field(default_factory=dict)  # standby nodes with no join_timeout (rule 5)
     # Soft state (not logged, not snapshotted):
     heartbeats: OrderedDict[str, float] = field(default_factory=OrderedDict)
 
@@ -195,16 +216,17 @@ class Job:
         self._after_change(now)
         return result
 
-    def depart(self, node_id: str, why: Departure, now: float) -> bool:
+    def depart(self, node_id: str, why: Departure, now: float, cause: Cause | None = None) -> bool:
         """A node leaves, dies or times out. Returns False if that is a no-op.
 
-        A join timeout only removes a node still in line: a timer's decision made stale by
-        a command applied in between (the node got its place) must not evict a member.
+        A join timeout only removes a node whose join_timeout still runs and has passed at
+        ``now``: a timer's decision made stale by a command applied in between (the node got
+        its place, or became a spare of a formed round) must not evict it.
         """
         node = self.nodes.get(node_id)
-        if node is None or (why is Departure.JOIN_TIMEOUT and not node.pending):
+        if node is None or (why is Departure.JOIN_TIMEOUT and not self._join_timed_out(node_id, now)):
             return False
-        self._dispatch(Event.DEPART, node_id, why, now)
+        self._dispatch(Event.DEPART, node_id, why, now, departure_cause(why, cause))
         self._after_change(now)
         return True
 
@@ -216,10 +238,10 @@ class Job:
         self._after_change(now)
         return formed
 
-    def close(self, now: float) -> None:
+    def close(self, now: float, cause: Cause = Cause.CLOSED) -> None:
         if self.state is JobState.CLOSED:
             return
-        self._dispatch(Event.CLOSE, now)
+        self._dispatch(Event.CLOSE, now, cause)
         self._after_change(now)
 
     # -- handlers ------------------------------------------------------------------------
@@ -239,7 +261,7 @@ class Job:
         if node is not None and node.pending:
             return self.round + 1  # already in line (a retried join)
         if node is not None or not self._alive_members():
-            self._open_next_round()
+            self._open_next_round(now)
             return self._join_open(node_id, offer, now)
         full = self._alive_members() + self._count(Role.WAITING) >= self.settings.max_nodes
         self._add_node(node_id, offer, Role.STANDBY if full else Role.WAITING, now)
@@ -247,6 +269,9 @@ class Job:
 
     def _join_closed(self, node_id: str, offer: Offer, now: float) -> int:
         if not self.idle():
+            node = self.nodes.get(node_id)
+            if node is not None and node.role in (Role.STANDBY, Role.WAITING):
+                raise self._closed_in_line(node_id)  # its join retried: same answer as its poll
             raise JobClosed(
                 f"job {self.rdzv_id} is closed; node {node_id} cannot join while nodes of the closed run remain "
                 "(wait for them to exit, or use a new --rdzv-id)"
@@ -255,11 +280,12 @@ class Job:
             self._forget(old)
         self.members, self.world, self.closed_at = [], 0, None
         self.runs += 1
-        self._open_next_round()
+        self._open_next_round(now)
         return self._join_open(node_id, offer, now)
 
-    def _depart(self, node_id: str, why: Departure, now: float) -> None:
+    def _depart(self, node_id: str, why: Departure, now: float, cause: Cause) -> None:
         node = self.nodes[node_id]
+        self.timeline.add(now, Kind.NODE_DEPARTED, cause, self.round, node_id, node.addr, role=node.role.value)
         self.heartbeats.pop(node_id, None)
         self._remember_departure(node_id, why)
         if node.node_rank is not None:  # in self.members: keep it there, marked
@@ -267,8 +293,8 @@ class Job:
         else:
             self._forget(node_id)
         if self.state is JobState.COMPLETE:
-            if not self._alive_members() and self.pending_since:
-                self._open_next_round()
+            if not self._alive_members() and self._in_line():
+                self._open_next_round(now)
                 self._check_completion(now)
         elif self.state is JobState.OPEN:
             self._check_completion(now)
@@ -277,13 +303,18 @@ class Job:
         deadline = self.last_call_deadline
         if deadline is None or now < deadline:
             return False
-        self._form_round()
+        self._form_round(now, Cause.LAST_CALL)
         return True
 
-    def _close(self, now: float) -> None:
+    def _close(self, now: float, cause: Cause) -> None:
+        self.timeline.add(now, Kind.JOB_CLOSED, cause, self.round)
         self.state = JobState.CLOSED
         self.closed_at = now
         self.last_call_deadline = None
+        for node_id in list(self.join_clock):  # rule 5: no round forms any more
+            node = self.nodes[node_id]
+            if node.role is Role.STANDBY:
+                self._stop_clock(node)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -306,44 +337,72 @@ class Job:
         self.arrivals += 1
         addr, nproc, port = offer
         node = self.nodes[node_id] = Node(node_id, addr, nproc, self.arrivals, now, role, master_port=port)
+        self.timeline.add(now, Kind.NODE_JOINED, Cause(role.value), self.round, node_id, addr, nproc_per_node=nproc)
         self.counts[(role, node.liveness)] += 1
-        self.pending_since[node_id] = now
+        if role is Role.STANDBY and self.state is not JobState.OPEN:
+            self.untimed[node_id] = None  # a spare of the formed round (rule 5)
+        else:
+            self.join_clock[node_id] = now
         self.departed.pop(node_id, None)
         self.heartbeats[node_id] = now
         self.heartbeats.move_to_end(node_id)
 
     def _set(self, node: Node, role: Role, liveness: Liveness = Liveness.ALIVE) -> None:
-        """The one place a node changes role: keeps ``counts`` and ``pending_since`` exact."""
+        """The one place a node changes role: keeps ``counts``, ``join_clock`` and ``untimed`` exact.
+
+        A node that comes into line (a member's re-join) starts its clock at ``joined_at``,
+        set to ``now`` by the caller; a node that leaves the line stops it. Between pending
+        roles the clock is kept: a waiting node that becomes a candidate keeps its deadline,
+        and the callers that make standby nodes timed or untimed (a round opens, forms, the
+        job closes) say so with :meth:`_start_clock` / :meth:`_stop_clock`.
+        """
         was_pending = node.pending
         self.counts[(node.role, node.liveness)] -= 1
         node.role, node.liveness = role, liveness
         self.counts[(role, liveness)] += 1
         if was_pending and not node.pending:
-            self.pending_since.pop(node.node_id, None)
+            self.join_clock.pop(node.node_id, None)
+            self.untimed.pop(node.node_id, None)
         elif node.pending and not was_pending:
-            self.pending_since[node.node_id] = node.joined_at
+            self.join_clock[node.node_id] = node.joined_at
+
+    def _start_clock(self, node: Node, now: float) -> None:
+        """An untimed standby node's join_timeout starts at ``now`` (a round opened for it)."""
+        del self.untimed[node.node_id]
+        node.joined_at = now  # >= every joined_at in join_clock: appending keeps its order
+        self.join_clock[node.node_id] = now
+
+    def _stop_clock(self, node: Node) -> None:
+        """A standby node becomes a spare of a formed (or closed) round: no join_timeout."""
+        self.join_clock.pop(node.node_id, None)
+        self.untimed[node.node_id] = None
 
     def _forget(self, node_id: str) -> None:
         node = self.nodes.pop(node_id)
         self.counts[(node.role, node.liveness)] -= 1
-        self.pending_since.pop(node_id, None)
+        self.join_clock.pop(node_id, None)
+        self.untimed.pop(node_id, None)
         self.heartbeats.pop(node_id, None)
 
     def _rejoin(self, node: Node, offer: Offer, now: float) -> None:
         (node.next_addr, node.next_nproc, node.next_port), node.joined_at = offer, now
+        self.timeline.add(now, Kind.NODE_JOINED, Cause.REJOINED, self.round, node.node_id, offer[0], nproc_per_node=offer[1])
         self._set(node, Role.CANDIDATE)
         self.departed.pop(node.node_id, None)
         self.heartbeats[node.node_id] = now
         self.heartbeats.move_to_end(node.node_id)
 
-    def _open_next_round(self) -> None:
+    def _open_next_round(self, now: float) -> None:
         self.state = JobState.OPEN
         self.round += 1
+        self.opened_at = now
         self.last_call_deadline = None
-        for node_id in list(self.pending_since):
+        for node_id in list(self.join_clock):
             node = self.nodes[node_id]
             if node.role is Role.WAITING:
                 self._set(node, Role.CANDIDATE)
+        for node_id in list(self.untimed):  # rule 5: the spares' join_timeout runs while a round forms
+            self._start_clock(self.nodes[node_id], now)
 
     def _check_completion(self, now: float) -> None:
         """Apply rule 2 after any change to an OPEN job."""
@@ -351,17 +410,19 @@ class Job:
         in_line = joined + self._count(Role.STANDBY)
         max_nodes = self.settings.max_nodes
         expected = self._alive_members() > 0
-        if joined >= max_nodes or (in_line >= max_nodes and not expected):
-            self._form_round()
+        if joined >= max_nodes:
+            self._form_round(now, Cause.MAX_NODES)
+        elif in_line >= max_nodes and not expected:
+            self._form_round(now, Cause.MEMBERS_BACK)
         elif in_line >= self.settings.min_nodes:
             if self.last_call_deadline is None:
                 self.last_call_deadline = now + self.settings.last_call_timeout
                 if self.settings.last_call_timeout == 0:
-                    self._form_round()
+                    self._form_round(now, Cause.LAST_CALL)
         else:
             self.last_call_deadline = None
 
-    def _form_round(self) -> None:
+    def _form_round(self, now: float, reason: Cause) -> None:
         previous = set(self.members)
         candidates = []
         for node in self.nodes.values():
@@ -384,16 +445,23 @@ class Job:
         for c in overflow:
             node = self.nodes[c.node_id]
             self._set(node, Role.STANDBY)
+            self._stop_clock(node)  # rule 5: a spare of the formed round
             node.node_rank = node.global_rank_start = None
         self.members = []
         for p in placements:
             node = self.nodes[p.node_id]
+            if node.role is Role.STANDBY:
+                self.timeline.add(now, Kind.STANDBY_PROMOTED, reason, self.round, node.node_id, node.addr)
             self._set(node, Role.MEMBER)
             node.node_rank, node.global_rank_start = p.node_rank, p.global_rank_start
             self.members.append(p.node_id)
         self.world = sum(p.nproc_per_node for p in placements)
         self.state = JobState.COMPLETE
         self.last_call_deadline = None
+        self.timeline.add(
+            now, Kind.ROUND_FORMED, reason, self.round, num_nodes=len(self.members), world_size=self.world,
+            formation_s=round(now - self.opened_at, 6), standby=self._count(Role.STANDBY),
+        )
 
     def _after_change(self, now: float) -> None:
         self.version += 1
@@ -418,8 +486,12 @@ class Job:
         """Members of the last formed round that are alive and have not re-joined."""
         return self.counts[(Role.MEMBER, Liveness.ALIVE)]
 
+    def _in_line(self) -> bool:
+        """Whether any node is pending (candidate, waiting or standby)."""
+        return bool(self.join_clock or self.untimed)
+
     def idle(self) -> bool:
-        return not self.pending_since and self._alive_members() == 0
+        return not self._in_line() and self._alive_members() == 0
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -434,10 +506,14 @@ class Job:
     def assignment(self, node_id: str, min_round: int) -> Assignment | None:
         """The node's place once it is a live member of a formed round >= ``min_round``.
 
-        None while it is still in line. Raises :class:`JobClosed`, :class:`JoinTimeout`
-        (it waited too long and was removed) or :class:`NodeNotFound`.
+        None while it is still in line. Raises :class:`JobClosedInLine` (the job closed while
+        the node was standby or waiting, rule 6), :class:`JobClosed`, :class:`JoinTimeout` (it
+        waited too long and was removed) or :class:`NodeNotFound`.
         """
         if self.state is JobState.CLOSED:
+            node = self.nodes.get(node_id)
+            if node is not None and node.role in (Role.STANDBY, Role.WAITING):
+                raise self._closed_in_line(node_id)
             raise JobClosed(f"job {self.rdzv_id} is closed")
         node = self.nodes.get(node_id)
         if node is None or (node.role is Role.MEMBER and node.liveness is not Liveness.ALIVE):
@@ -463,6 +539,29 @@ class Job:
             master_port=master.master_port,
         )
 
+    def _closed_in_line(self, node_id: str) -> JobClosedInLine:
+        return JobClosedInLine(
+            f"job {self.rdzv_id} closed while node {node_id} was in line (standby or waiting) for a round; "
+            "the run it waited to join has ended, so the node should exit gracefully"
+        )
+
+    def pending_reason(self, now: float) -> str | None:
+        """Why the round is still open, in words an operator can act on (None unless OPEN)."""
+        if self.state is not JobState.OPEN:
+            return None
+        s = self.settings
+        in_line = self._count(Role.CANDIDATE) + self._count(Role.STANDBY)
+        if in_line < s.min_nodes:
+            return f"waiting for min_nodes: {in_line} of {s.min_nodes} joined"
+        reasons = []
+        expected = self._alive_members()
+        if expected:
+            reasons.append(f"waiting for {expected} previous member{'s' if expected > 1 else ''} to re-join")
+        if self.last_call_deadline is not None:
+            left = max(0.0, self.last_call_deadline - now)
+            reasons.append(f"last call ends in {left:.1f} s ({in_line} of up to {s.max_nodes} joined)")
+        return "; ".join(reasons) or None
+
     def world_size(self) -> int:
         """Of the last formed round (also once closed); 0 while a round forms."""
         return 0 if self.state is JobState.OPEN else self.world
@@ -487,14 +586,19 @@ class Job:
         return out
 
     def join_timed_out(self, now: float) -> list[str]:
-        """Pending nodes that joined ``join_timeout`` ago or more (O(timed out))."""
+        """Pending nodes whose join_timeout (rule 5) has passed at ``now``, oldest first
+        (O(timed out): spares of a formed round are not in ``join_clock`` at all)."""
         limit = now - self.settings.join_timeout
         out = []
-        for node_id, joined_at in self.pending_since.items():
+        for node_id, joined_at in self.join_clock.items():
             if joined_at > limit:
                 break
             out.append(node_id)
         return out
+
+    def _join_timed_out(self, node_id: str, now: float) -> bool:
+        since = self.join_clock.get(node_id)
+        return since is not None and since <= now - self.settings.join_timeout
 
     def next_deadline(self) -> float | None:
         """The earliest time at which the timer may have something to do for this job."""
@@ -503,8 +607,8 @@ class Job:
             times.append(self.last_call_deadline)
         if self.heartbeats:
             times.append(next(iter(self.heartbeats.values())) + self.settings.heartbeat_ttl)
-        if self.pending_since:
-            times.append(next(iter(self.pending_since.values())) + self.settings.join_timeout)
+        if self.join_clock:
+            times.append(next(iter(self.join_clock.values())) + self.settings.join_timeout)
         return min(times) if times else None
 
     def reset_heartbeats(self, now: float) -> None:
@@ -546,6 +650,7 @@ class Job:
             "waiting": [entry(n) for n in by_arrival if n.role is Role.WAITING],
             "standby": [entry(n) for n in by_arrival if n.role is Role.STANDBY],
             "num_nodes_waiting": self.num_nodes_waiting(self.round),
+            "pending_reason": self.pending_reason(now),
             "last_call_timeout": self.settings.last_call_timeout,
             "join_timeout": self.settings.join_timeout,
             "heartbeat_ttl": self.settings.heartbeat_ttl,
@@ -586,6 +691,8 @@ class Job:
             "departed": list(self.departed.items()),
             "runs": self.runs,
             "world": self.world,
+            "opened_at": self.opened_at,
+            "timeline": self.timeline.to_snapshot(),
         }
 
     @classmethod
@@ -604,11 +711,28 @@ class Job:
         job.departed = OrderedDict((k, v) for k, v in data["departed"])
         job.runs = data["runs"]
         job.world = data["world"]
+        job.opened_at = data.get("opened_at", 0.0)
+        if "timeline" in data:
+            job.timeline = Timeline.from_snapshot(data["timeline"])
         for node in sorted(job.nodes.values(), key=lambda n: (n.joined_at, n.arrival)):
             job.counts[(node.role, node.liveness)] += 1
-            if node.pending:
-                job.pending_since[node.node_id] = node.joined_at
+            if node.role is Role.STANDBY and job.state is not JobState.OPEN:
+                job.untimed[node.node_id] = None
+            elif node.pending:
+                job.join_clock[node.node_id] = node.joined_at
         return job
+
+
+_DEPARTURE_CAUSES = {
+    Departure.LEFT: Cause.LEFT,
+    Departure.DEAD: Cause.HEARTBEAT_EXPIRED,  # the timer's own verdict; a dropped watch names its cause
+    Departure.JOIN_TIMEOUT: Cause.JOIN_TIMEOUT,
+}
+
+
+def departure_cause(why: Departure, cause: Cause | None = None) -> Cause:
+    """The event cause of a departure: the one its command names, else the one ``why`` implies."""
+    return cause or _DEPARTURE_CAUSES[why]
 
 
 def _describe(s: JobSettings) -> str:

@@ -14,6 +14,11 @@ Rules (those of torch's TCPStore, which callers rely on):
 - A missing key is ``None`` from ``get``: blocking is the server layer's business.
 - No value may grow past ``max_value_bytes`` (``append`` included); such a write is
   :class:`ValueTooLarge` and changes nothing.
+- Quota: the job holds at most ``max_keys`` keys and ``max_bytes`` bytes of keys plus
+  values over all its key spaces; a write that would pass either is :class:`TooManyKeys`
+  or :class:`JobStoreFull` and changes nothing. ``keys`` and ``bytes`` are kept exact on
+  every change (O(1) per key written), so the check costs nothing to read. Replay runs
+  without a quota (``None``): what was logged was accepted once and must apply again.
 
 What it must not know: time, I/O, rendezvous membership.
 """
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from .error import NotAnInteger, ValueTooLarge
+from .error import JobStoreFull, NotAnInteger, TooManyKeys, ValueTooLarge
 
 # TCPStore counters are int64; so are ours, so a result never outgrows the wire.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -30,8 +35,12 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 class KeyValueStore:
     """The keys of one job."""
 
-    def __init__(self, max_value_bytes: int) -> None:
+    def __init__(self, max_value_bytes: int, max_keys: int | None = None, max_bytes: int | None = None) -> None:
         self.max_value_bytes = max_value_bytes
+        self.max_keys = max_keys
+        self.max_bytes = max_bytes
+        self.keys = 0  # over every key space
+        self.bytes = 0  # len(key) + len(value) over every key space
         self._spaces: dict[int | None, dict[bytes, bytes]] = {}
 
     # -- reads -------------------------------------------------------------------------
@@ -62,7 +71,7 @@ class KeyValueStore:
         return sorted(k for k in self._spaces.get(scope, {}) if k.startswith(prefix))
 
     def total_keys(self) -> int:
-        return sum(len(space) for space in self._spaces.values())
+        return self.keys
 
     # -- writes ------------------------------------------------------------------------
 
@@ -79,16 +88,51 @@ class KeyValueStore:
                 "(raise it with --max-value-bytes)"
             )
 
-    def set(self, scope: int | None, key: bytes, value: bytes) -> None:
+    def _quota(self, new_keys: int, new_bytes: int) -> None:
+        """Raise unless ``new_keys`` more keys and ``new_bytes`` more bytes fit the job's quota."""
+        if self.max_keys is not None and new_keys > 0 and self.keys + new_keys > self.max_keys:
+            raise TooManyKeys(
+                f"the job holds {self.keys} keys and this write adds {new_keys}; the limit is {self.max_keys} "
+                "keys per job (delete keys you no longer need, or raise --max-keys-per-job)"
+            )
+        if self.max_bytes is not None and new_bytes > 0 and self.bytes + new_bytes > self.max_bytes:
+            raise JobStoreFull(
+                f"the job holds {self.bytes} bytes of keys and values and this write adds {new_bytes}; the limit "
+                f"is {self.max_bytes} bytes per job (delete keys you no longer need, or raise --max-job-bytes)"
+            )
+
+    def _put(self, scope: int | None, key: bytes, value: bytes) -> None:
+        """Store one checked value, keeping ``keys`` and ``bytes`` exact."""
+        space = self._space(scope)
+        old = space.get(key)
+        if old is None:
+            self.keys += 1
+            self.bytes += len(key) + len(value)
+        else:
+            self.bytes += len(value) - len(old)
+        space[key] = value
+
+    def _change(self, scope: int | None, key: bytes, value: bytes) -> None:
+        """Check the value's size and the quota, then store it."""
         self._fits(key, value)
-        self._space(scope)[key] = value
+        old = self.get(scope, key)
+        self._quota(old is None, len(value) + (len(key) if old is None else -len(old)))
+        self._put(scope, key, value)
+
+    def set(self, scope: int | None, key: bytes, value: bytes) -> None:
+        self._change(scope, key, value)
 
     def multi_set(self, scope: int | None, keys: Sequence[bytes], values: Sequence[bytes]) -> None:
-        for key, value in zip(keys, values):
+        latest = dict(zip(keys, values))  # a key named twice keeps its last value, as dict updates do
+        new_keys = new_bytes = 0
+        for key, value in latest.items():
             self._fits(key, value)
-        space = self._space(scope)
-        for key, value in zip(keys, values):
-            space[key] = value
+            old = self.get(scope, key)
+            new_keys += old is None
+            new_bytes += len(value) + (len(key) if old is None else -len(old))
+        self._quota(new_keys, new_bytes)
+        for key, value in latest.items():
+            self._put(scope, key, value)
 
     def add(self, scope: int | None, key: bytes, amount: int) -> int:
         current = self.get(scope, key)
@@ -101,7 +145,7 @@ class KeyValueStore:
         number += amount
         if not INT64_MIN <= number <= INT64_MAX:
             raise NotAnInteger(f"add on key {key[:64]!r}: the result {number} does not fit a signed 64-bit integer")
-        self._space(scope)[key] = str(number).encode("ascii")
+        self._change(scope, key, str(number).encode("ascii"))
         return number
 
     def compare_set(self, scope: int | None, key: bytes, expected: bytes, desired: bytes) -> bytes:
@@ -109,28 +153,29 @@ class KeyValueStore:
         if current is None and expected:
             return expected
         if current is None or current == expected:
-            self._fits(key, desired)
-            self._space(scope)[key] = desired
+            self._change(scope, key, desired)
             return desired
         return current
 
     def append(self, scope: int | None, key: bytes, value: bytes) -> None:
         existing = self.get(scope, key)
         combined = value if existing is None else existing + value
-        self._fits(key, combined)
-        self._space(scope)[key] = combined
+        self._change(scope, key, combined)
 
     def delete_key(self, scope: int | None, key: bytes) -> bool:
         space = self._spaces.get(scope)
         if space is None or key not in space:
             return False
-        del space[key]
+        self.keys -= 1
+        self.bytes -= len(key) + len(space.pop(key))
         return True
 
     def drop_rounds_before(self, round_: int) -> None:
         """Forget every round key space numbered below ``round_`` (the job space stays)."""
         for scope in [s for s in self._spaces if s is not None and s < round_]:
-            del self._spaces[scope]
+            space = self._spaces.pop(scope)
+            self.keys -= len(space)
+            self.bytes -= sum(len(k) + len(v) for k, v in space.items())
 
     # -- snapshot ----------------------------------------------------------------------
 
@@ -143,5 +188,7 @@ class KeyValueStore:
         for scope, items in data:
             assert scope is None or isinstance(scope, int)
             assert isinstance(items, list)
-            store._spaces[scope] = {bytes(k): bytes(v) for k, v in items}
+            space = store._spaces[scope] = {bytes(k): bytes(v) for k, v in items}
+            store.keys += len(space)
+            store.bytes += sum(len(k) + len(v) for k, v in space.items())
         return store

@@ -9,8 +9,8 @@ plain msgpack-able dicts, stored opaquely. It may use ``core/``; ``core/`` never
 
 Layout: :mod:`.log` is the seam (the :class:`Log` protocol and its values);
 :mod:`.file_log` and :mod:`.memory_log` implement it; :mod:`.segment` and :mod:`.snapshot`
-are the two file formats; :mod:`.recovery` reads a directory back; :mod:`.data_dir` is where
-it lives and who may use it.
+are the two file formats; :mod:`.recovery` reads a directory back; :mod:`.compaction`
+builds snapshots in a separate process; :mod:`.data_dir` is where it lives and who may use it.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from .error import (
     LogClosedError,
     LogCorruptError,
     LogFailedError,
+    SnapshotBuildError,
     StorageError,
 )
 from .file_log import DEFAULT_BATCH_WINDOW_S, FileLog
-from .log import DEFAULT_SNAPSHOT_EVERY, FsyncPolicy, Log, Recovered
+from .log import DEFAULT_SNAPSHOT_EVERY, FsyncPolicy, Log, Recovered, Replica, ReplicaFactory
 from .memory_log import MemoryLog
 
 __all__ = [
@@ -39,6 +40,9 @@ __all__ = [
     "LogFailedError",
     "MemoryLog",
     "Recovered",
+    "Replica",
+    "ReplicaFactory",
+    "SnapshotBuildError",
     "StorageError",
     "default_data_dir",
 ]

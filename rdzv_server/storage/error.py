@@ -19,13 +19,16 @@ class StorageError(Exception):
 class LogCorruptError(StorageError):
     """Data on disk that recovery will not paper over: acknowledged writes could be lost.
 
-    Raised for a bad frame in a segment that is not the last one, a gap or overlap between
-    segments, a snapshot-to-log gap, or a frame whose CRC matches but whose payload does not
-    decode. ``path`` and ``offset`` name the first byte that could not be trusted.
+    Raised for a bad frame with verified records after it (in any segment), a bad frame in
+    a segment that is not the last one, a gap or overlap between segments, a snapshot-to-log
+    gap, or a frame whose CRC matches but whose payload does not decode. ``path`` and
+    ``offset`` name the first byte that could not be trusted; ``remedy``, when given, tells
+    the operator what to do, and ends the message (which stays one line).
     """
 
-    def __init__(self, message: str, path: Path, offset: int) -> None:
-        super().__init__(f"{message} (file {path}, offset {offset})")
+    def __init__(self, message: str, path: Path, offset: int, *, remedy: str = "") -> None:
+        where = f"{message} (file {path}, offset {offset})"
+        super().__init__(f"{where}. {remedy}" if remedy else where)
         self.path = path
         self.offset = offset
 
@@ -36,6 +39,15 @@ class LogFailedError(StorageError):
     The original ``OSError`` is the ``__cause__``. The log is not retried: after a failed
     fsync the kernel may already have dropped the dirty pages, so a later fsync that
     succeeds would prove nothing about the records written before it.
+    """
+
+
+class SnapshotBuildError(StorageError):
+    """Rebuilding a snapshot from the log failed; the log is unchanged and stays usable.
+
+    The message says why (the builder process died or was stopped, a closed segment does
+    not verify, a record did not replay). Every record is still durable in the log; a
+    later snapshot tries again.
     """
 
 

@@ -1,7 +1,8 @@
 """The durable log: segments and snapshots in a data directory, written off the event loop.
 
 What it owns: the write path (one writer task on the event loop feeding one writer thread),
-the fsync policies, segment rotation at snapshots, and which old files may be deleted.
+the fsync policies, segment rotation at snapshots, starting and installing snapshot builds
+(:mod:`.compaction`), and which old files may be deleted.
 
 What it must not know: HTTP, or what records and states mean.
 
@@ -30,9 +31,16 @@ Invariants:
   ``NEVER``, fsynced). After any write or fsync error the log is failed for good: every
   pending and later future fails with :class:`LogFailedError` and nothing is retried.
 - A snapshot at index ``i`` first rotates the log (the writer fsyncs the segment holding
-  ``i``, whatever the policy, and creates ``log-<i+1>``, fsyncing the directory), then
-  writes the snapshot file. So a snapshot on disk implies every record it covers was
-  written and fsynced before it, and the log continues at ``i + 1``.
+  ``i``, whatever the policy, and creates ``log-<i+1>``, fsyncing the directory). On the
+  event loop that is all: O(1), whatever the state's size. Then a builder process rebuilds
+  the state at ``i`` from the newest durable snapshot and the closed segments up to ``i``
+  and writes ``snapshot-<i>.msgpack.tmp`` (fsynced); this log renames it into place and
+  fsyncs the directory. So a snapshot on disk implies every record it covers was written
+  and fsynced before it, and the log continues at ``i + 1``.
+- Snapshots finish in cut order, one build at a time; a cut whose index the newest durable
+  snapshot already covers builds nothing. A failed build changes nothing on disk (the
+  records stay in the log, and the next cut builds from the same base). ``close`` stops a
+  running build rather than wait for it: the records are durable without it.
 - Retention keeps one generation back: after snapshot ``i`` is durable, the previous
   snapshot ``p`` and the segments after ``p`` are kept; older snapshots and segments
   wholly covered by ``p`` are deleted. If snapshot ``i`` is later found damaged, recovery
@@ -42,6 +50,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import logging
 import os
@@ -51,12 +60,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .compaction import BuildJob, SnapshotBuilder
 from .data_dir import DataDirLock, fsync_directory
-from .error import LogClosedError, LogFailedError
-from .log import FsyncPolicy, Recovered
+from .error import LogClosedError, LogFailedError, SnapshotBuildError
+from .log import FsyncPolicy, Recovered, ReplicaFactory
 from .recovery import recover
 from .segment import encode_frame, segment_name
-from .snapshot import encode_snapshot, parse_snapshot_name, write_snapshot
+from .snapshot import install_snapshot, parse_snapshot_name, snapshot_name, temp_path
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +165,7 @@ class FileLog:
         # One thread, so writes happen one after another in the order they were handed over.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rdzv-log-writer")
         self._snapshot_task: asyncio.Future[None] | None = None  # the latest cut's
+        self._builder: SnapshotBuilder | None = None  # the build running now
         self._failure: BaseException | None = None
         self._closing = False
 
@@ -166,12 +177,15 @@ class FileLog:
         *,
         fsync_fn: Callable[[int], None] = os.fsync,
         batch_window_s: float = DEFAULT_BATCH_WINDOW_S,
+        truncate_corrupt: bool = False,
     ) -> tuple[FileLog, Recovered]:
         """Lock and recover ``data_dir`` (creating it if needed); return the log and history.
 
-        ``fsync_fn`` is called for every fsync of a file or directory (a seam for tests);
+        ``fsync_fn`` is called for every fsync of a file or directory by this process (a
+        seam for tests; a snapshot builder process fsyncs its file with ``os.fsync``);
         ``batch_window_s`` is the least time between the starts of two writes under
-        :attr:`FsyncPolicy.BATCH`.
+        :attr:`FsyncPolicy.BATCH`; ``truncate_corrupt`` keeps the records before damage
+        instead of refusing (``--truncate-corrupt-log``, see :mod:`.recovery`).
 
         Synchronous: it blocks until recovery is done, which is what the server must do
         before it reports ready. Raises :class:`~.error.DataDirLockedError` if another
@@ -181,7 +195,7 @@ class FileLog:
         data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         lock = DataDirLock(data_dir)
         try:
-            outcome = recover(data_dir, fsync_fn)
+            outcome = recover(data_dir, fsync_fn, truncate_corrupt=truncate_corrupt)
             segment_firsts = list(outcome.segment_firsts)
             path = data_dir / segment_name(outcome.append_first)
             segment = _Segment(path, fsync_fn, create=not outcome.append_exists)
@@ -226,11 +240,13 @@ class FileLog:
         self._wake_writer()
         return future
 
-    def snapshot(self, state: dict[str, Any]) -> asyncio.Future[None]:
+    def snapshot(self, replica: ReplicaFactory) -> asyncio.Future[None]:
         """Cut now at the last appended record; see :meth:`.log.Log.snapshot`.
 
-        The returned task writes the snapshot file and then deletes what it makes
-        redundant; it finishes after every snapshot cut before it.
+        O(1) here: the index and the rotation queued behind exactly the records the cut
+        includes. The returned task builds the snapshot in a builder process with
+        ``replica``, installs it and deletes what it makes redundant; it finishes after
+        every snapshot cut before it.
         """
         if self._closing:
             raise LogClosedError(f"The log in {self._data_dir} is closed; cannot snapshot.")
@@ -239,11 +255,7 @@ class FileLog:
             failed: asyncio.Future[None] = loop.create_future()
             failed.set_exception(self._failed_error())
             return failed
-        # The cut, all synchronous: the index, the encoded state, and the rotation queued
-        # behind exactly the records the state includes. Encoding here also frees the
-        # caller to mutate its objects as soon as this returns.
         index = self._last_index
-        blob = encode_snapshot(index, state)
         self._cut_index = index
         rotated: asyncio.Future[None] | None = None
         if self._segment_first <= index:
@@ -253,7 +265,7 @@ class FileLog:
             self._segment_firsts.append(index + 1)
             self._wake_writer()
         task = loop.create_task(
-            self._finish_snapshot(index, blob, rotated, self._snapshot_task),
+            self._finish_snapshot(index, replica, rotated, self._snapshot_task),
             name=f"rdzv-snapshot {index} {self._data_dir}",
         )
         self._snapshot_task = task
@@ -262,7 +274,7 @@ class FileLog:
     async def _finish_snapshot(
         self,
         index: int,
-        blob: bytes,
+        replica: ReplicaFactory,
         rotated: asyncio.Future[None] | None,
         before: asyncio.Future[None] | None,
     ) -> None:
@@ -272,11 +284,47 @@ class FileLog:
             await asyncio.wait([before])
         if rotated is not None:
             await rotated
-        await asyncio.to_thread(write_snapshot, self._data_dir, index, blob, self._fsync)
+        base = self._snapshot_index
+        if base is not None and base >= index:
+            return  # the newest durable snapshot covers this cut already
+        if self._closing:
+            raise LogClosedError(f"The log in {self._data_dir} is closing; the snapshot at {index} is not built.")
+        builder = SnapshotBuilder(self._build_job(index, base, replica))
+        self._builder = builder
+        try:
+            report = await asyncio.to_thread(builder.run)
+        except SnapshotBuildError as exc:
+            if self._closing:
+                raise LogClosedError(f"The log in {self._data_dir} closed while snapshot {index} was built.") from exc
+            raise
+        finally:
+            self._builder = None
+        final = self._data_dir / snapshot_name(index)
+        await asyncio.to_thread(install_snapshot, builder.job.temp, final, self._fsync)
+        logger.info(
+            "Wrote snapshot %s (%d bytes, %d records replayed onto the previous one in %.2f s, off the event loop).",
+            final,
+            report.size,
+            report.records,
+            report.seconds,
+        )
         previous, self._snapshot_index = self._snapshot_index, index
         if previous is not None and previous != index:
             covered = self._release_covered(previous)
             await asyncio.to_thread(_delete_files, self._data_dir, covered, (previous, index))
+
+    def _build_job(self, index: int, base: int | None, replica: ReplicaFactory) -> BuildJob:
+        """The closed segments from the one holding ``base + 1`` through the one ending at ``index``."""
+        firsts = sorted(self._segment_firsts)
+        start = max(0, bisect.bisect_right(firsts, (base or 0) + 1) - 1)
+        return BuildJob(
+            index=index,
+            base_index=base,
+            base_path=None if base is None else self._data_dir / snapshot_name(base),
+            segments=tuple((first, self._data_dir / segment_name(first)) for first in firsts[start:] if first <= index),
+            temp=temp_path(self._data_dir, index),
+            replica=replica,
+        )
 
     async def close(self) -> None:
         """Write and fsync everything pending, close files, release the directory lock.
@@ -293,8 +341,11 @@ class FileLog:
                 self._wake_writer()
                 await self._writer
             if self._snapshot_task is not None:
-                # Snapshots already cut finish their files and retention (the last one
-                # finishes after all the others); their errors belong to their callers.
+                # A running build is stopped (and later ones never start): the records are
+                # durable without it, and a shutdown should not wait for it. A snapshot
+                # already built still gets installed. Errors belong to the callers.
+                if self._builder is not None:
+                    self._builder.stop()
                 await asyncio.wait([self._snapshot_task])
             if self._failure is None:
                 try:

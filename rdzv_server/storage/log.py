@@ -14,17 +14,22 @@ Contract every implementation keeps:
   order on disk and the order of recovery.
 - The future ``append`` returns resolves only once the record is durable under the fsync
   policy, and never resolves successfully after a write or fsync has failed.
-- ``snapshot(state)`` covers exactly the records appended before the call: the caller takes
-  the state and calls ``snapshot`` with no append in between. ``snapshot`` is a plain
-  method that makes the cut before it returns a future for the rest, so the cut does not
-  drift even when the caller hands that future to ``ensure_future`` and appends more
-  before the event loop runs it (an ``async def`` would only start on the next turn).
+- ``snapshot(replica)`` covers exactly the records appended before the call. ``snapshot``
+  is a plain method that makes the cut before it returns a future for the rest, so the cut
+  does not drift even when the caller hands that future to ``ensure_future`` and appends
+  more before the event loop runs it (an ``async def`` would only start on the next turn).
+- The caller never hands over its live state: nothing proportional to the state's size may
+  run on the event loop, and building or encoding a big state there stalls every client.
+  The log rebuilds the state at the cut itself, from what it stores (the previous snapshot
+  and the records after it), by replaying them into a fresh :class:`Replica` made by the
+  factory it is given: the same deterministic apply path as recovery, off the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -67,6 +72,26 @@ class Recovered:
     last_index: int
 
 
+class Replica(Protocol):
+    """The state machine as snapshot building sees it (``core.machine.StateMachine`` fits).
+
+    ``restore`` loads a snapshot's state into a fresh replica; ``replay`` applies one logged
+    record again, deterministically (it raises if the record cannot apply: the log and the
+    code disagree); ``to_snapshot`` returns the state, msgpack-able.
+    """
+
+    def restore(self, state: dict[str, Any]) -> None: ...
+
+    def replay(self, record: dict[str, Any]) -> None: ...
+
+    def to_snapshot(self) -> dict[str, Any]: ...
+
+
+#: Makes a fresh, empty replica. It must pickle (a module-level class or function, or a
+#: ``functools.partial`` of one with plain arguments): it may run in another process.
+ReplicaFactory = Callable[[], Replica]
+
+
 class Log(Protocol):
     """The durable log the service appends every applied operation to."""
 
@@ -81,16 +106,17 @@ class Log(Protocol):
         """
         ...
 
-    def snapshot(self, state: dict[str, Any]) -> asyncio.Future[None]:
-        """Cut at every record appended so far; the future resolves once ``state`` is stored.
+    def snapshot(self, replica: ReplicaFactory) -> asyncio.Future[None]:
+        """Cut at every record appended so far; the future resolves once the state there is stored.
 
-        The cut (and the encoding of ``state``, so the caller may mutate it afterwards)
-        happens before this returns; the future then writes the snapshot atomically and
-        drops the files it makes redundant. Raises at once what msgpack raises for a state
-        it cannot encode, and :class:`~.error.LogClosedError` once closing. The future
-        fails with :class:`~.error.LogFailedError` after a write failure, and with the
-        ``OSError`` of writing the snapshot file itself, which leaves the log usable (the
-        records are still durable in the log).
+        The cut happens before this returns, in O(1) on the event loop; the future then
+        rebuilds the state at the cut with ``replica`` (see the module docstring), writes
+        it atomically and drops the files it makes redundant. Raises
+        :class:`~.error.LogClosedError` once closing. The future fails with
+        :class:`~.error.LogFailedError` after a write failure, with
+        :class:`~.error.SnapshotBuildError` when rebuilding fails, and with the ``OSError``
+        of writing the snapshot file itself; the last two leave the log usable (the records
+        are still durable in the log, and a later snapshot tries again).
         """
         ...
 

@@ -4,9 +4,10 @@ What it owns: standing in for :class:`~.file_log.FileLog` in tests and throwaway
 Appends are acknowledged at once (their futures are already done) and a restart starts
 empty.
 
-It still encodes every record and state with msgpack and drops the bytes, so a record
-the file log would reject fails the same way here: tests that run in memory catch a state
-machine emitting something unencodable (a set, an object) before a durable server does.
+It still encodes every record with msgpack and drops the bytes, so a record the file log
+would reject fails the same way here: tests that run in memory catch a state machine
+emitting something unencodable (a set, an object) before a durable server does. A snapshot
+keeps nothing either: it only restarts the count of records since the last one.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import msgpack
 
 from .error import LogClosedError
+from .log import ReplicaFactory
 
 
 class MemoryLog:
@@ -46,15 +48,14 @@ class MemoryLog:
         future.set_result(None)
         return future
 
-    def snapshot(self, state: dict[str, Any]) -> asyncio.Future[None]:
+    def snapshot(self, replica: ReplicaFactory) -> asyncio.Future[None]:
         """Reset :attr:`records_since_snapshot`; return an already-resolved future.
 
-        The state is encoded, then dropped. Raises ``TypeError`` for a state msgpack
-        cannot encode and :class:`~.error.LogClosedError` after :meth:`close`.
+        Nothing is built (there is nothing to build from). Raises
+        :class:`~.error.LogClosedError` after :meth:`close`.
         """
         if self._closed:
             raise LogClosedError("The in-memory log is closed; cannot snapshot.")
-        msgpack.packb(state, use_bin_type=True)
         self._cut_index = self._last_index
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         future.set_result(None)

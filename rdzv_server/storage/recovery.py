@@ -1,26 +1,47 @@
 """Recovery: rebuild the durable history from a data directory, or refuse to start.
 
-What it owns: choosing the snapshot to start from, replaying the segments after it, and the
-one repair recovery is allowed to make (truncating a torn tail of the last segment).
+What it owns: choosing the snapshot to start from, replaying the segments after it, the one
+repair recovery makes on its own (truncating a torn tail of the last segment), and the
+repair an operator may ask for (``--truncate-corrupt-log``: keep everything before damage).
 
 Rules, in the order they are applied:
 1. Leftover ``snapshot-*.tmp`` files are deleted: a snapshot only counts once renamed.
 2. The newest snapshot that verifies is the base; a newer one that fails verification is
    skipped with a warning. Falling back is only accepted if replay then reaches at least
    the skipped snapshot's index; otherwise acknowledged writes would silently vanish, so
-   :class:`LogCorruptError` is raised.
+   :class:`LogCorruptError` is raised (``--truncate-corrupt-log`` does not change this).
 3. Replay starts in the last segment whose first index is at or below ``base + 1`` (older
    segments are wholly covered by the snapshot and are not read), and continues through
    every later segment. Each segment must start exactly where the previous one ended; a
-   gap or overlap raises :class:`LogCorruptError`.
-4. A bad frame (short, zero length, CRC mismatch) in the last segment on disk is what a
-   crash mid-write leaves: the file is truncated there (and fsynced), the dropped bytes
-   are reported, and appending continues at that point. The same in any other segment
-   cannot be a torn write (later segments were written after it was complete), so it
-   raises :class:`LogCorruptError`.
-5. Appends continue in the last segment if it ends exactly at the last recovered index;
-   otherwise (no segment yet, or a snapshot newer than the log's end) a new segment
-   starting at ``last_index + 1`` is created by the caller.
+   gap or overlap is damage.
+4. A torn tail is the only thing truncated silently (with a warning): a bad frame (short,
+   zero length, CRC mismatch) in the last segment *with no whole, verified frame anywhere
+   after it*. That is what a crash mid-write leaves: the write was cut short, so nothing
+   it carried was acknowledged. The file is truncated there (and fsynced), the dropped
+   bytes are reported, and appending continues at that point.
+5. Anything else is damage: a bad frame followed by a verified one (in the last segment
+   too: a torn write only ever loses the end of the file, so verified records after the
+   bad spot were written, and fsynced, after it), a bad frame in a segment that is not
+   the last, a frame that passes its CRC but is not a record, a gap between segments or
+   between the snapshot and the log. Records after it may have been acknowledged, so
+   recovery refuses with :class:`LogCorruptError` naming the file, the byte offset and
+   what to do. The price of this rule: a power loss that persists a later page of the
+   last write but not an earlier one (possible on some file systems) also reads as
+   damage, and needs the operator's ``--truncate-corrupt-log`` although nothing
+   acknowledged was lost. Refusing when unsure is the point.
+6. With ``truncate_corrupt`` (``--truncate-corrupt-log``) damage is cut off instead: every
+   record before it is kept, and nothing is deleted. Segments after the damaged one are
+   renamed aside (``<name>.corrupt-<UTC time>``) first, newest first, so that a crash
+   midway leaves a contiguous log; then the damaged segment is copied aside (fsynced) and
+   only then truncated where its trustworthy prefix ends. Appends continue after the kept
+   records (or after the snapshot, if it is newer). What was dropped is logged.
+7. Appends continue in the last kept segment if it ends exactly at the last recovered
+   index; otherwise (no segment yet, or a snapshot newer than the log's end) a new
+   segment starting at ``last_index + 1`` is created by the caller.
+
+No garbage-collector switch here: recovery runs in a thread beside the serving event loop,
+and ``gc.disable()`` is process-wide, so a thread flipping it would race every other
+thread (the caller that wants recovery faster decides, on its own thread).
 
 What it must not know: what records mean, or anything about writing new ones.
 """
@@ -28,14 +49,16 @@ What it must not know: what records mean, or anything about writing new ones.
 from __future__ import annotations
 
 import bisect
-import gc
 import logging
 import os
+import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .data_dir import fsync_directory
 from .error import LogCorruptError
 from .log import Recovered
 from .segment import parse_segment_name, scan_segment
@@ -61,11 +84,13 @@ class RecoveryOutcome:
     append_exists: bool
 
 
-def recover(data_dir: Path, fsync: Callable[[int], None]) -> RecoveryOutcome:
+def recover(data_dir: Path, fsync: Callable[[int], None], *, truncate_corrupt: bool = False) -> RecoveryOutcome:
     """Recover the history stored in ``data_dir`` (which must exist).
 
+    ``truncate_corrupt``: cut damage off instead of refusing (rule 6 of the module).
     Raises :class:`LogCorruptError` when the directory holds damage that recovery must not
-    repair silently, and ``OSError`` when a file cannot be read, deleted or truncated.
+    repair silently, and ``OSError`` when a file cannot be read, copied, renamed, deleted
+    or truncated.
     """
     snapshots: dict[int, Path] = {}
     segments: dict[int, Path] = {}
@@ -82,17 +107,23 @@ def recover(data_dir: Path, fsync: Callable[[int], None]) -> RecoveryOutcome:
         first = parse_segment_name(name)
         if first is not None:
             segments[first] = path
+    return _recover(data_dir, snapshots, segments, fsync, truncate_corrupt)
 
-    # Decoding a million records allocates millions of containers; the cyclic collector
-    # would rescan them over and over (a third more recovery time, measured), and
-    # msgpack output cannot form a cycle, so there is nothing for it to find.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return _recover(data_dir, snapshots, segments, fsync)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+
+@dataclass(frozen=True)
+class _Damage:
+    """Where the trustworthy log ends: in ``replayed[position]``, at byte ``offset``.
+
+    ``whole``: that segment is dropped whole (it starts after a gap); otherwise it keeps
+    its bytes before ``offset``. ``verified_after`` counts verified frames after the damage
+    in that segment.
+    """
+
+    message: str
+    position: int
+    offset: int
+    whole: bool
+    verified_after: int
 
 
 def _recover(
@@ -100,6 +131,7 @@ def _recover(
     snapshots: dict[int, Path],
     segments: dict[int, Path],
     fsync: Callable[[int], None],
+    truncate_corrupt: bool,
 ) -> RecoveryOutcome:
     state: dict[str, Any] | None = None
     base_index: int | None = None
@@ -123,42 +155,58 @@ def _recover(
 
     firsts = sorted(segments)
     start = bisect.bisect_right(firsts, base + 1) - 1
-    if firsts and start < 0:
-        raise LogCorruptError(
-            f"records {base + 1} to {firsts[0] - 1} are missing: the oldest segment starts "
-            f"at record {firsts[0]} but "
-            + (
-                f"the snapshot used covers only up to {base}"
-                if base_index is not None
-                else "no usable snapshot covers the records before it"
-            )
-            + _skipped_note(skipped),
-            segments[firsts[0]],
-            0,
-        )
-
     records: list[dict[str, Any]] = []
     truncated_bytes = 0
     end_index = base + 1  # one past the last record replay has seen
     replayed = firsts[max(start, 0) :]
+    damage: _Damage | None = None
     for position, first in enumerate(replayed):
         path = segments[first]
+        if position == 0 and first > end_index:
+            damage = _Damage(
+                f"records {base + 1} to {first - 1} are missing: the oldest segment starts "
+                f"at record {first} but "
+                + (
+                    f"the snapshot used covers only up to {base}"
+                    if base_index is not None
+                    else "no usable snapshot covers the records before it"
+                )
+                + _skipped_note(skipped),
+                position,
+                0,
+                whole=True,
+                verified_after=0,
+            )
+            break
         if position > 0 and first != end_index:
-            raise LogCorruptError(
+            damage = _Damage(
                 f"segment starts at record {first} but the segment before it ends at record "
                 f"{end_index - 1}" + _skipped_note(skipped),
-                path,
+                position,
                 0,
+                whole=True,
+                verified_after=0,
             )
+            break
         scan = scan_segment(path, first, decode_after=base)
-        if scan.problem is not None:
-            if position != len(replayed) - 1:
-                raise LogCorruptError(
-                    f"{scan.problem} in a segment that is not the last one, so it is not a "
-                    "torn write and records after it would be lost",
-                    path,
-                    scan.valid_end,
-                )
+        records.extend(scan.records)
+        end_index = first + scan.count
+        if scan.problem is None:
+            continue
+        bad = f"{scan.problem} (record {end_index})" if not scan.undecodable else scan.problem
+        if position != len(replayed) - 1:
+            message = (
+                f"{bad} in a segment that is not the last one, so it is not a torn write and "
+                "records after it would be lost"
+            )
+        elif scan.undecodable:
+            message = f"{bad}: damage or a bug, never a torn write"
+        elif scan.resumes_at is not None:
+            message = (
+                f"{bad}, and {scan.verified_after} whole, verified records follow it from offset "
+                f"{scan.resumes_at}, so this is damage to written records, not a write torn by a crash"
+            )
+        else:
             truncated_bytes = scan.size - scan.valid_end
             logger.warning(
                 "Truncating %d bytes from the end of %s at offset %d because %s "
@@ -170,10 +218,25 @@ def _recover(
                 scan.count,
             )
             _truncate(path, scan.valid_end, fsync)
-        records.extend(scan.records)
-        end_index = first + scan.count
+            continue
+        damage = _Damage(message, position, scan.valid_end, whole=False, verified_after=scan.verified_after)
+        break
 
+    kept = replayed if damage is None else replayed[: damage.position + (0 if damage.whole else 1)]
     last_index = base + len(records)
+    if damage is not None and not truncate_corrupt:
+        path = segments[replayed[damage.position]]
+        raise LogCorruptError(
+            damage.message,
+            path,
+            damage.offset,
+            remedy=(
+                f"Refusing to start, so that no acknowledged write is dropped silently: restore "
+                f"{data_dir} from a backup, or start once with --truncate-corrupt-log to keep the "
+                f"records before this point (through record {last_index}) and set the damaged files "
+                "aside (renamed *.corrupt-<time>, never deleted)."
+            ),
+        )
     if skipped:
         newest_skipped = max(skipped)
         if last_index < newest_skipped:
@@ -182,8 +245,12 @@ def _recover(
                 f"only reach record {last_index}",
                 snapshots[newest_skipped],
                 0,
+                remedy=f"Refusing to start: restore {data_dir} from a backup.",
             )
-    append_exists = bool(replayed) and end_index == last_index + 1
+    if damage is not None:
+        _set_aside_damage(data_dir, [segments[first] for first in replayed[damage.position :]], damage, last_index, fsync)
+        firsts = [first for first in firsts if first not in replayed[len(kept) :]]
+    append_exists = bool(kept) and end_index == last_index + 1
     return RecoveryOutcome(
         recovered=Recovered(
             snapshot=state,
@@ -193,9 +260,70 @@ def _recover(
         ),
         snapshot_index=base_index,
         segment_firsts=tuple(firsts),
-        append_first=replayed[-1] if append_exists else last_index + 1,
+        append_first=kept[-1] if append_exists else last_index + 1,
         append_exists=append_exists,
     )
+
+
+def _set_aside_damage(
+    data_dir: Path, paths: list[Path], damage: _Damage, last_index: int, fsync: Callable[[int], None]
+) -> None:
+    """Rule 6: ``paths[0]`` is the damaged segment, the rest come after it; nothing is deleted."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    damaged, later = paths[0], paths[1:]
+    dropped = damage.verified_after
+    moved: list[str] = []
+    for path in reversed(later):  # newest first: a crash midway leaves a contiguous log
+        first = parse_segment_name(path.name)
+        assert first is not None
+        scan = scan_segment(path, first, decode_after=2**63)
+        dropped += scan.count + scan.verified_after
+        aside = _aside_name(path, stamp)
+        os.rename(path, aside)
+        moved.append(aside.name)
+    if damage.whole:
+        first = parse_segment_name(damaged.name)
+        assert first is not None
+        scan = scan_segment(damaged, first, decode_after=2**63)
+        dropped += scan.count + scan.verified_after
+        aside = _aside_name(damaged, stamp)
+        os.rename(damaged, aside)
+        moved.append(aside.name)
+        fsync_directory(data_dir, fsync)
+    else:
+        fsync_directory(data_dir, fsync)  # the renames are durable before the truncation
+        aside = _aside_name(damaged, stamp)
+        shutil.copyfile(damaged, aside)
+        fd = os.open(aside, os.O_RDONLY)
+        try:
+            fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_directory(data_dir, fsync)
+        _truncate(damaged, damage.offset, fsync)
+        moved.append(f"{aside.name} (a copy of {damaged.name} before it was truncated at offset {damage.offset})")
+    logger.error(
+        "--truncate-corrupt-log: dropped every record after record %d from the log in %s because %s "
+        "(file %s, offset %d); the damaged frame and at least %d verified records after it are dropped. "
+        "Kept everything before it; set aside, not deleted: %s.",
+        last_index,
+        data_dir,
+        damage.message,
+        damaged,
+        damage.offset,
+        dropped,
+        ", ".join(reversed(moved)),
+    )
+
+
+def _aside_name(path: Path, stamp: str) -> Path:
+    """``<name>.corrupt-<stamp>``, numbered if that exists (a second repair in one second)."""
+    aside = path.with_name(f"{path.name}.corrupt-{stamp}")
+    number = 1
+    while aside.exists():
+        aside = path.with_name(f"{path.name}.corrupt-{stamp}-{number}")
+        number += 1
+    return aside
 
 
 def _skipped_note(skipped: dict[int, LogCorruptError]) -> str:

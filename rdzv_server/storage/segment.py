@@ -15,8 +15,15 @@ keeps frames minimal and makes a gap between segments visible from the names and
 counts alone.
 
 What it must not know: which segment is the last one, snapshots, or what to do about a bad
-frame. :func:`scan_segment` only reports; :mod:`.recovery` decides between truncating a torn
-tail and refusing to start.
+frame. :func:`scan_segment` only reports (where the trustworthy prefix ends, why, and whether
+any whole, verified frame follows the bad spot); :mod:`.recovery` decides between truncating
+a torn tail and refusing to start.
+
+Finding a verified frame after a bad one means trying every later byte offset as a frame
+start (a damaged length field hides where the next frame begins). A candidate is cheap to
+reject: a length of 0 or one that runs past the end of the file costs one header read, and
+runs of zero bytes (what a crash leaves most often) are skipped at once. A false match needs
+a plausible length and a matching CRC-32 (about 1 in 2**32 per plausible candidate).
 """
 
 from __future__ import annotations
@@ -29,8 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-
-from .error import LogCorruptError
 
 FRAME_HEADER = struct.Struct("<II")
 _SEGMENT_NAME = re.compile(r"^log-(\d{20})\.bin$")
@@ -55,11 +60,15 @@ def encode_frame(record: dict[str, Any]) -> bytes:
 
 @dataclass(frozen=True)
 class SegmentScan:
-    """The verified prefix of one segment.
+    """The verified prefix of one segment, and what follows it.
 
     ``count`` whole frames end at byte ``valid_end``; ``records`` holds the decoded records
     whose index is above the ``decode_after`` the scan was asked for. ``problem`` says why
     the scan stopped before ``size`` (``None`` when every byte is a whole, verified frame).
+    ``undecodable`` is true when the frame at ``valid_end`` passes its CRC check but is not
+    a record: never a torn write. ``resumes_at`` is the offset of the first whole, verified
+    frame after the bad spot (``None``: none, which is what a torn tail looks like), and
+    ``verified_after`` counts the verified frames from there to the end of the file.
     """
 
     first_index: int
@@ -68,15 +77,17 @@ class SegmentScan:
     valid_end: int
     size: int
     problem: str | None
+    undecodable: bool = False
+    resumes_at: int | None = None
+    verified_after: int = 0
 
 
 def scan_segment(path: Path, first_index: int, decode_after: int) -> SegmentScan:
     """Verify the frames of ``path`` from the start; decode those with index > ``decode_after``.
 
-    Stops at the first frame that is short, has a zero length, or fails its CRC, and
-    reports it in ``problem``; the caller decides what that means. A frame whose CRC
-    matches but whose payload is not a msgpack map raises :class:`LogCorruptError` at once:
-    that is not a torn write but a bug or tampering, and must never be truncated away.
+    Stops at the first frame that is short, has a zero length, fails its CRC, or passes its
+    CRC but does not decode to a msgpack map, and reports it in ``problem``; the caller
+    decides what that means. Raises ``OSError`` if the file cannot be read.
     """
     data = path.read_bytes()
     size = len(data)
@@ -94,6 +105,7 @@ def scan_segment(path: Path, first_index: int, decode_after: int) -> SegmentScan
     offset = 0
     count = 0
     problem: str | None = None
+    undecodable = False
     while offset < size:
         if size - offset < header_size:
             problem = f"a frame header is cut short ({size - offset} of {header_size} bytes)"
@@ -116,22 +128,26 @@ def scan_segment(path: Path, first_index: int, decode_after: int) -> SegmentScan
         if count >= skip:
             try:
                 record = unpackb(payload, raw=False, strict_map_key=False)
-            except Exception as exc:  # msgpack raises several unrelated types on garbage
-                raise LogCorruptError(
-                    f"record {first_index + count} passes its CRC check but is not valid "
-                    f"msgpack ({exc})",
-                    path,
-                    offset,
-                ) from exc
+            except Exception as exc:  # noqa: BLE001 (msgpack raises several unrelated types on garbage)
+                problem = f"record {first_index + count} passes its CRC check but is not valid msgpack ({exc})"
+                undecodable = True
+                break
             if not isinstance(record, dict):
-                raise LogCorruptError(
-                    f"record {first_index + count} is a {type(record).__name__}, not a map",
-                    path,
-                    offset,
-                )
+                problem = f"record {first_index + count} is a {type(record).__name__}, not a map"
+                undecodable = True
+                break
             append(record)
         count += 1
         offset = end
+    resumes_at: int | None = None
+    verified_after = 0
+    if problem is not None:
+        resumes_at = next_verified_frame(data, offset + 1)
+        position = resumes_at
+        while position is not None:
+            verified_after += 1
+            length, _ = unpack_header(data, position)
+            position = next_verified_frame(data, position + header_size + length)
     return SegmentScan(
         first_index=first_index,
         count=count,
@@ -139,4 +155,39 @@ def scan_segment(path: Path, first_index: int, decode_after: int) -> SegmentScan
         valid_end=offset,
         size=size,
         problem=problem,
+        undecodable=undecodable,
+        resumes_at=resumes_at,
+        verified_after=verified_after,
     )
+
+
+_NONZERO_BYTE = re.compile(rb"[^\x00]")
+
+
+def next_verified_frame(data: bytes, start: int) -> int | None:
+    """The first offset at or after ``start`` where a whole frame passes its CRC check.
+
+    ``None`` when there is none. See the module docstring for the cost.
+    """
+    size = len(data)
+    header_size = FRAME_HEADER.size
+    unpack_header = FRAME_HEADER.unpack_from
+    crc32 = zlib.crc32
+    view = memoryview(data)
+    offset = start
+    # The smallest frame is a header and one payload byte.
+    while offset + header_size < size:
+        length, crc = unpack_header(data, offset)
+        if length == 0:
+            # The 4 bytes of this length field are 0; no frame starts until a length field
+            # includes the next non-zero byte, so at most 3 bytes before it.
+            found = _NONZERO_BYTE.search(data, offset + 4)
+            if found is None:
+                return None
+            offset = max(offset + 1, found.start() - 3)
+            continue
+        end = offset + header_size + length
+        if end <= size and crc32(view[offset + header_size : end]) == crc:
+            return offset
+        offset += 1
+    return None

@@ -12,7 +12,10 @@ Format. ``snapshot-<index:020d>.msgpack`` holds a 28-byte header and a payload::
     payload            msgpack(state, use_bin_type=True)
 
 Invariant: a file with the final name is complete and was fsynced before it got that name;
-a crash mid-write leaves only a ``.tmp`` file, which recovery deletes. A final-named file
+a crash mid-write leaves only a ``.tmp`` file, which recovery deletes. The two halves
+(:func:`write_snapshot_temp`, :func:`install_snapshot`) may run in different processes: the
+snapshot builder writes the temporary file, the server that holds the directory's lock
+renames it. A final-named file
 that fails verification is therefore damage after the fact, and recovery falls back to an
 older snapshot rather than trusting it.
 
@@ -58,14 +61,16 @@ def encode_snapshot(index: int, state: dict[str, Any]) -> bytes:
     return header + payload
 
 
-def write_snapshot(data_dir: Path, index: int, blob: bytes, fsync: Callable[[int], None]) -> Path:
-    """Write ``blob`` as the snapshot at ``index`` atomically and durably; return its path.
+def temp_path(data_dir: Path, index: int) -> Path:
+    """Where the snapshot at ``index`` is written before it is renamed into place."""
+    return data_dir / (snapshot_name(index) + TEMP_SUFFIX)
 
-    Raises ``OSError`` if any step fails; the temporary file is removed on the way out, and
-    an existing snapshot with the same name is untouched until the rename replaces it.
+
+def write_snapshot_temp(temp: Path, blob: bytes, fsync: Callable[[int], None]) -> None:
+    """Write ``blob`` to ``temp`` (replacing it) and fsync it; the first half of a snapshot.
+
+    Raises ``OSError`` if any step fails, after removing ``temp``.
     """
-    final = data_dir / snapshot_name(index)
-    temp = final.with_name(final.name + TEMP_SUFFIX)
     try:
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -76,11 +81,35 @@ def write_snapshot(data_dir: Path, index: int, blob: bytes, fsync: Callable[[int
             fsync(fd)
         finally:
             os.close(fd)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def install_snapshot(temp: Path, final: Path, fsync: Callable[[int], None]) -> None:
+    """Rename the fsynced ``temp`` to ``final`` and make the rename durable; the second half.
+
+    An existing snapshot named ``final`` is untouched until the rename replaces it whole.
+    Raises ``OSError`` if the rename or the directory fsync fails (``temp`` is removed).
+    """
+    try:
         os.replace(temp, final)
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
-    fsync_directory(data_dir, fsync)
+    fsync_directory(final.parent, fsync)
+
+
+def write_snapshot(data_dir: Path, index: int, blob: bytes, fsync: Callable[[int], None]) -> Path:
+    """Write ``blob`` as the snapshot at ``index`` atomically and durably; return its path.
+
+    Raises ``OSError`` if any step fails; the temporary file is removed on the way out, and
+    an existing snapshot with the same name is untouched until the rename replaces it.
+    """
+    final = data_dir / snapshot_name(index)
+    temp = temp_path(data_dir, index)
+    write_snapshot_temp(temp, blob, fsync)
+    install_snapshot(temp, final, fsync)
     return final
 
 

@@ -11,8 +11,9 @@ node is frozen with SIGSTOP first, its descendants are listed, then everything g
 SIGKILL.)
 
 The :class:`Cluster` fixture starts nodes, reads what their workers wrote, polls the
-server's membership document ``GET /v1/jobs/{rdzv_id}``, and at teardown kills every
-process that carries its token (nothing outlives a test). When a test fails, the tail
+server's membership document ``GET /v1/jobs/{rdzv_id}`` (with the server's token, over TLS
+for a TLS server), and at teardown kills every process that carries its token (nothing
+outlives a test). ``tls_server`` is a memory-only server with TLS from a throwaway CA. When a test fails, the tail
 of every node's log and of the server's log is added to the report.
 """
 
@@ -22,6 +23,7 @@ import http.client
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -33,6 +35,7 @@ from typing import Any
 
 import psutil
 import pytest
+from server_process import ServerProcess, TLSFiles
 
 TRAIN = Path(__file__).with_name("train.py")
 TOKEN_ENV = "E2E_NODE_TOKEN"
@@ -194,8 +197,10 @@ class Cluster:
         env: Mapping[str, str] | None = None,
         max_restarts: int = 0,
         args: Iterable[str] = (),
+        endpoint: str | None = None,
     ) -> Node:
-        """Start one torchrun node running train.py against ``server``."""
+        """Start one torchrun node running train.py against ``server`` (at ``endpoint``, by
+        default ``server.endpoint``)."""
         if server not in self.servers:
             self.servers.append(server)
         workdir = self.tmp_path / "nodes" / name
@@ -203,7 +208,7 @@ class Cluster:
         cmd = [
             sys.executable, "-m", "torch.distributed.run",
             "--rdzv-backend=rdzv-server",
-            f"--rdzv-endpoint={server.endpoint}",
+            f"--rdzv-endpoint={endpoint or server.endpoint}",
             f"--rdzv-id={rdzv_id}",
             f"--nnodes={nnodes}",
             f"--nproc-per-node={nproc}",
@@ -296,9 +301,16 @@ class Cluster:
         socket for the garbage collector to warn about in some later test).
         """
         url = urllib.parse.urlsplit(server.url)
-        conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=timeout)
+        conn: http.client.HTTPConnection
+        files: TLSFiles | None = getattr(server, "tls", None)
+        if files is not None:
+            context = ssl.create_default_context(cafile=str(files.ca))
+            context.load_cert_chain(str(files.client_cert), str(files.client_key))  # for mutual TLS
+            conn = http.client.HTTPSConnection(url.hostname or "127.0.0.1", url.port, timeout=timeout, context=context)
+        else:
+            conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=timeout)
         try:
-            conn.request("GET", f"/v1/jobs/{rdzv_id}", headers={"Accept": "application/json"})
+            conn.request("GET", f"/v1/jobs/{rdzv_id}", headers={"Accept": "application/json", **server.auth})
             resp = conn.getresponse()
             status, body = resp.status, resp.read()
         except (OSError, http.client.HTTPException):
@@ -368,6 +380,15 @@ class Cluster:
             text = server.log_text() if hasattr(server, "log_text") else ""
             sections.append((f"server {i} log tail", "\n".join(text.splitlines()[-LOG_TAIL_LINES:])))
         return sections
+
+
+@pytest.fixture
+def tls_server(tmp_path: Path) -> Iterator[ServerProcess]:
+    """A memory-only server with TLS; ``tls_server.tls.ca`` is the CA its clients trust."""
+    srv = ServerProcess(tmp_path, durable=False, tls=TLSFiles.make(tmp_path / "tls"))
+    srv.start()
+    yield srv
+    srv.close()
 
 
 @pytest.fixture

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +24,8 @@ def rdzvctl(*args: str, endpoint: str | None = None, env: dict[str, str] | None 
     if endpoint is not None:
         argv += ["--endpoint", endpoint]
     return subprocess.run(
-        argv + list(args), capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})}
+        argv + list(args), check=False, capture_output=True, text=True, timeout=60,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -129,3 +132,133 @@ def test_no_server_exits_3_with_a_hint() -> None:
 def test_usage_errors_exit_2() -> None:
     assert rdzvctl("kv", "get", "only-a-job").returncode == 2
     assert rdzvctl("frobnicate").returncode == 2
+
+
+def test_events_prints_the_jobs_timeline_with_causes(server: Any, joined_job: str) -> None:
+    out = rdzvctl("events", joined_job, endpoint=server.endpoint)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == ["SEQ", "TIME", "ROUND", "EVENT", "CAUSE", "NODE", "ADDR", "DETAIL"]
+    rows = [line.split()[3:7] for line in lines[1:]]
+    assert rows[:2] == [["job_created", "join", "-", "-"], ["node_joined", "candidate", "node-a", "10.1.2.3"]]
+    assert rows[2][:2] == ["round_formed", "max_nodes"] and "world_size=2" in lines[3]
+    as_json = rdzvctl("--json", "events", joined_job, "--since", "2", endpoint=server.endpoint)
+    assert [json.loads(line)["kind"] for line in as_json.stdout.splitlines()] == ["round_formed"]
+
+
+def test_events_follow_prints_new_events_and_ends_when_the_job_is_gone(server_factory: Any) -> None:
+    srv = server_factory(args=("--job-ttl", "2"))
+    job = f"ctl-{uuid.uuid4().hex[:10]}"
+    with Client(srv.endpoint) as c:
+        c.create_job(job, min_nodes=1, max_nodes=1)
+        follow = subprocess.Popen(
+            [sys.executable, "-m", "rdzv_client.ctl", "--endpoint", srv.endpoint, "events", job, "--follow"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        time.sleep(1.0)
+        c.join(job, node_id="node-a", addr="10.9.9.9", nproc_per_node=1, min_nodes=1, max_nodes=1, timeout=10)
+        c.leave(job, "node-a")  # the job is idle again: collected 2 s later
+    out, err = follow.communicate(timeout=30)
+    assert follow.returncode == 0, err
+    assert "node_joined" in out and "10.9.9.9" in out and "left" in out
+    assert out.rstrip().endswith("is gone (collected after its --job-ttl)")
+
+
+def test_show_says_what_an_open_round_is_waiting_for(server: Any, client: Client) -> None:
+    job = f"ctl-{uuid.uuid4().hex[:10]}"
+    client.create_job(job, min_nodes=2, max_nodes=2)
+    lines = rdzvctl("show", job, endpoint=server.endpoint).stdout.splitlines()
+    assert lines[1] == "pending: waiting for min_nodes: 0 of 2 joined"
+    assert lines[2:4] == ["", "no nodes in the current round"]
+
+
+def start_watch(endpoint: str, job: str, *args: str, stdout: Any = subprocess.PIPE) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "rdzv_client.ctl", "--endpoint", endpoint, "watch", job, *args],
+        stdout=stdout, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def read_first_frame(watch: subprocess.Popen[str]) -> list[str]:
+    """The lines of the first frame: a created job's frame ends with its job_created event."""
+    assert watch.stdout is not None
+    lines: list[str] = []
+    for _ in range(50):  # bounded: a first frame is about ten lines
+        line = watch.stdout.readline()
+        assert line, f"the watch ended early: {lines} {watch.stderr.read() if watch.stderr else ''}"
+        lines.append(line.rstrip("\n"))
+        if "job_created" in line:
+            return lines
+    raise AssertionError(f"no job_created event in the first frame: {lines}")
+
+
+def test_watch_redraws_when_a_node_joins(server: Any, client: Client) -> None:
+    job = f"ctl-{uuid.uuid4().hex[:10]}"
+    client.create_job(job, min_nodes=1, max_nodes=1)
+    # A long --interval: the second frame can only come from the event, not the clock.
+    watch = start_watch(server.endpoint, job, "--frames", "2", "--interval", "25")
+    first = read_first_frame(watch)
+    started = time.monotonic()
+    client.join(job, node_id="node-w", addr="10.7.7.7", nproc_per_node=2, min_nodes=1, max_nodes=1, timeout=10)
+    rest, err = watch.communicate(timeout=30)
+    assert watch.returncode == 0, err
+    assert time.monotonic() - started < 20  # drawn on the change
+    assert first[0].startswith(f"job {job}  state open  round 0") and first[1].startswith("pending: ")
+    assert not any("node_joined" in line for line in first)
+    second = rest.splitlines()
+    assert second[0] == "" and second[1].startswith(f"job {job}  state complete")  # a blank line between frames
+    assert sum(line.startswith(f"job {job}  ") for line in second) == 1  # --frames 2: no third frame
+    rows = [line.split() for line in second]
+    assert ["0", "node-w", "10.7.7.7", "2", "0-1", "yes"] == next(r for r in rows if "node-w" in r)[:6]
+    kinds = [r[3] for r in rows if len(r) > 3 and r[0].isdigit() and r[3].islower() and "_" in r[3]]
+    assert kinds == ["job_created", "node_joined", "round_formed"]
+
+
+def test_watch_ends_with_exit_0_when_the_job_is_collected(server_factory: Any) -> None:
+    srv = server_factory(args=("--job-ttl", "2"))
+    job = f"ctl-{uuid.uuid4().hex[:10]}"
+    with Client(srv.endpoint) as c:
+        c.create_job(job, min_nodes=1, max_nodes=1)
+        watch = start_watch(srv.endpoint, job, "--interval", "1")
+        read_first_frame(watch)
+        c.join(job, node_id="node-a", addr="10.9.9.9", nproc_per_node=1, min_nodes=1, max_nodes=1, timeout=10)
+        c.leave(job, "node-a")  # the job is idle again: collected 2 s later
+    out, err = watch.communicate(timeout=30)
+    assert watch.returncode == 0, err
+    assert "node_departed" in out and "left" in out
+    assert out.rstrip().endswith(f"job {job} is gone (collected after its --job-ttl)")
+
+
+def test_watch_ends_on_ctrl_c_with_exit_0_and_no_traceback(server: Any, client: Client) -> None:
+    job = f"ctl-{uuid.uuid4().hex[:10]}"
+    client.create_job(job, min_nodes=1, max_nodes=1)
+    watch = start_watch(server.endpoint, job, "--interval", "25")
+    read_first_frame(watch)
+    time.sleep(0.3)  # parked in the events long-poll
+    watch.send_signal(signal.SIGINT)
+    _, err = watch.communicate(timeout=30)
+    assert (watch.returncode, err) == (0, "")
+
+
+def test_watch_on_a_terminal_clears_the_screen_for_each_frame(server: Any, client: Client) -> None:
+    job = f"ctl-{uuid.uuid4().hex[:10]}"
+    client.create_job(job, min_nodes=1, max_nodes=1)
+    main, replica = pty.openpty()
+    try:
+        watch = start_watch(server.endpoint, job, "--frames", "1", stdout=replica)
+        os.close(replica)
+        _, err = watch.communicate(timeout=30)
+        assert watch.returncode == 0, err
+        seen = b""
+        for _ in range(100):  # bounded: the frame is a few hundred bytes
+            try:
+                chunk = os.read(main, 4096)
+            except OSError:  # EIO: the terminal's other end is closed and drained
+                break
+            if not chunk:
+                break
+            seen += chunk
+    finally:
+        os.close(main)
+    assert seen.startswith(b"\x1b[H\x1b[2J" + f"job {job}  state open".encode())
+    assert b"job_created" in seen

@@ -47,7 +47,7 @@ class Answer:
 def send(
     srv: ServerProcess, method: str, path: str, body: bytes | None = None, ctype: str | None = JSON, accept: str | None = None
 ) -> Answer:
-    headers = {}
+    headers = dict(srv.auth)  # authenticated: these cases are about the input, not the caller
     if ctype is not None:
         headers["Content-Type"] = ctype
     if accept is not None:
@@ -204,6 +204,11 @@ CASES = [
     Case("empty addr", "join", j({**JOIN_OK, "addr": ""}), 400, "bad_request"),
     # routes and media types
     Case("unsupported Content-Type", "set", b"key,value\nvictim,v\n", 415, "unsupported_media_type", ctype="text/csv"),
+    # A browser posts these three cross-site without asking: none may reach an operation.
+    Case("JSON sent as text/plain", "set", j(SET_OK), 415, "unsupported_media_type", ctype="text/plain"),
+    Case("JSON sent as a form", "set", j(SET_OK), 415, "unsupported_media_type", ctype="application/x-www-form-urlencoded"),
+    Case("JSON sent as multipart", "set", j(SET_OK), 415, "unsupported_media_type", ctype="multipart/form-data; boundary=x"),
+    Case("an empty form post", "close", b"", 415, "unsupported_media_type", ctype="application/x-www-form-urlencoded"),
     Case("unknown operation route", "frobnicate", j({}), 404, "not_found"),
     Case("unknown top-level route", "/v2/jobs", None, 404, "not_found", ctype=None, method="GET"),
     Case("GET on an operation route", "set", None, 405, "method_not_allowed", ctype=None, method="GET"),
@@ -285,6 +290,12 @@ def test_answers_are_json_for_json_callers_and_msgpack_when_asked(server: Server
     assert jobs.content_type == MSGPACK and CANARY_JOB in [x["rdzv_id"] for x in jobs.decoded()["jobs"]]
     doc = send(server, "GET", f"/v1/jobs/{CANARY_JOB}", ctype=None)
     assert doc.content_type == JSON and doc.decoded()["rdzv_id"] == CANARY_JOB
+
+
+def test_an_empty_body_of_an_accepted_type_is_an_empty_request(server: ServerProcess) -> None:
+    for ctype in (JSON, MSGPACK, "application/json; charset=utf-8"):
+        answer = send(server, "POST", wire.op_path(CANARY_JOB, "num_keys"), b"", ctype=ctype)
+        assert answer.status == 200, answer
 
 
 def test_the_server_keeps_serving_after_every_bad_request(server: ServerProcess) -> None:

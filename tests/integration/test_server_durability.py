@@ -1,14 +1,18 @@
-"""Durability of the real server process: acknowledged writes survive SIGKILL, membership
-survives a restart (with a TTL of grace for every node), a torn log tail is truncated at
-recovery, SIGTERM shuts down cleanly, a rid applies once across a restart, and recovery
-starts from a snapshot."""
+"""Durability of the real server process: acknowledged writes survive SIGKILL (also under
+concurrent writers, across snapshots built while they write), membership survives a restart
+(with a TTL of grace for every node), a torn log tail is truncated at recovery, damage
+mid-log refuses to start until --truncate-corrupt-log keeps what precedes it, SIGTERM shuts
+down cleanly, a rid applies once across a restart, and recovery starts from a snapshot."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import gc
 import json
 import re
 import struct
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -17,10 +21,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 from server_process import ServerProcess
 
 from rdzv_client import Client, wire
+from rdzv_server.config import ServerConfig
+from rdzv_server.core import command as c
+from rdzv_server.service import Service
 
 
 def new_job() -> str:
@@ -183,6 +191,109 @@ def test_a_torn_last_record_is_truncated_and_everything_before_it_recovers(
         assert again.num_keys(job) == survivors + 1
 
 
+def frames(segment: Path) -> list[tuple[int, dict[str, Any]]]:
+    """(byte offset, record) of every frame of a clean segment."""
+    data = segment.read_bytes()
+    found, offset = [], 0
+    while offset < len(data):
+        length, _ = struct.unpack_from("<II", data, offset)
+        found.append((offset, msgpack.unpackb(data[offset + 8 : offset + 8 + length], raw=False, strict_map_key=False)))
+        offset += 8 + length
+    return found
+
+
+def test_damage_mid_log_refuses_to_start_until_truncate_corrupt_log_keeps_every_key_before_it(
+    durable_server: ServerProcess, client: Client
+) -> None:
+    job = new_job()
+    client.create_job(job, min_nodes=1, max_nodes=1)
+    for i in range(30):
+        client.set(job, f"k{i}", f"v{i}")  # acknowledged: fsynced
+    durable_server.kill()
+    assert durable_server.data_dir is not None
+    segment = newest_segment(durable_server.data_dir)
+    (bad,) = [offset for offset, record in frames(segment) if record["cmd"].get("key") == b"k10"]
+    data = bytearray(segment.read_bytes())
+    data[bad + 12] ^= 0xFF  # a bit flip inside the record that set k10; k11..k29 stay intact
+    segment.write_bytes(bytes(data))
+
+    logged = len(durable_server.log_text())
+    with pytest.raises(RuntimeError, match="server did not start"):
+        start_again(durable_server)
+    assert durable_server.proc is not None and durable_server.proc.returncode == 1
+    said = durable_server.log_text()[logged:]
+    errors = [line for line in said.splitlines() if line.startswith("rdzv-server: error:")]
+    assert len(errors) == 1, said
+    assert f"file {segment}, offset {bad}" in errors[0]
+    assert "--truncate-corrupt-log" in errors[0]
+    assert "Traceback" not in said
+
+    durable_server.args = ("--truncate-corrupt-log",)
+    start_again(durable_server)
+    with Client(durable_server.endpoint, retry_budget=10.0) as after:
+        assert after.ready() is True
+        assert after.multi_get(job, [f"k{i}" for i in range(10)], timeout=1) == [f"v{i}".encode() for i in range(10)]
+        assert after.num_keys(job) == 10
+        after.set(job, "after-repair", "kept")
+    assert "--truncate-corrupt-log: dropped every record after record" in durable_server.log_text()
+    (aside,) = durable_server.data_dir.glob(segment.name + ".corrupt-*")
+    assert aside.read_bytes() == bytes(data)  # the damaged file, set aside whole
+
+    durable_server.args = ()
+    crash_and_restart(durable_server)  # the repaired log needs no flag
+    with Client(durable_server.endpoint, retry_budget=10.0) as again:
+        assert again.get(job, "after-repair", timeout=1) == b"kept"
+        assert again.num_keys(job) == 11
+
+
+def test_sigkill_under_concurrent_writes_loses_no_acknowledged_write_across_snapshots(server_factory: Any) -> None:
+    # Snapshots every 100 records: builds run back to back while the writers write, so the
+    # kill lands amid segment rotations, builds and installs.
+    srv: ServerProcess = server_factory(durable=True, args=("--snapshot-every", "100"))
+    assert srv.data_dir is not None
+    job = new_job()
+    with Client(srv.endpoint, retry_budget=10.0) as c:
+        c.create_job(job, min_nodes=1, max_nodes=1)
+    writers = 4
+    acked = [-1] * writers  # the highest i each writer had acknowledged
+    stop = threading.Event()
+
+    def write(w: int) -> None:
+        with Client(srv.endpoint, retry_budget=1.0) as own:
+            i = 0
+            while not stop.is_set():
+                try:
+                    own.set(job, f"w{w}/{i}", f"value-{i}")
+                except Exception:  # noqa: BLE001 (the server was killed mid-request)
+                    return
+                acked[w] = i
+                i += 1
+
+    threads = [threading.Thread(target=write, args=(w,)) for w in range(writers)]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while sum(acked) < 600 or len(list(srv.data_dir.glob("snapshot-*.msgpack"))) < 2:
+            assert time.monotonic() < deadline, f"acked {acked}; {sorted(p.name for p in srv.data_dir.iterdir())}"
+            time.sleep(0.02)
+        srv.kill()  # SIGKILL amid the writes
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    total = sum(a + 1 for a in acked)
+    assert list(srv.data_dir.glob("snapshot-*.msgpack"))
+    start_again(srv)
+    with Client(srv.endpoint, retry_budget=10.0) as after:
+        for w in range(writers):
+            keys = [f"w{w}/{i}" for i in range(acked[w] + 1)]
+            assert after.multi_get(job, keys, timeout=1) == [f"value-{i}".encode() for i in range(acked[w] + 1)]
+        # Writes in flight at the kill may or may not have been applied; none beyond that.
+        assert total <= after.num_keys(job) <= total + writers
+    assert recovered_records(srv) < total  # it recovered from a snapshot, not the whole log
+
+
 def test_sigterm_exits_zero_and_keeps_the_data(durable_server: ServerProcess, client: Client) -> None:
     job = new_job()
     client.create_job(job, min_nodes=1, max_nodes=1)
@@ -219,7 +330,7 @@ def test_recovery_starts_from_a_snapshot(server_factory: Any) -> None:
             c.add(job, "counter", 1)
     assert srv.data_dir is not None
     deadline = time.monotonic() + 10.0
-    while not list(srv.data_dir.glob("snapshot-*")):  # written off the request path
+    while not list(srv.data_dir.glob("snapshot-*.msgpack")):  # written off the request path (.tmp until renamed)
         assert time.monotonic() < deadline, f"no snapshot in {sorted(p.name for p in srv.data_dir.iterdir())}"
         time.sleep(0.05)
     crash_and_restart(srv)
@@ -227,13 +338,44 @@ def test_recovery_starts_from_a_snapshot(server_factory: Any) -> None:
         assert after.multi_get(job, [f"s/{i}" for i in range(100)], timeout=1) == [str(i).encode() for i in range(100)]
         assert after.get(job, "counter", timeout=1) == b"100"
         assert after.num_keys(job) == 101
-    assert list(srv.data_dir.glob("snapshot-*"))
+    assert list(srv.data_dir.glob("snapshot-*.msgpack"))
     assert recovered_records(srv) < 201  # the snapshot covered a prefix; only the tail was replayed
+
+
+async def test_snapshots_are_rebuilt_from_the_log_never_read_from_the_live_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # In process: nothing proportional to the state may run on the event loop, so the
+    # service must never ask its live machine for a snapshot.
+    config = ServerConfig(data_dir=tmp_path / "data", fsync="always", snapshot_every=5)
+    svc = Service(config)
+    await svc.start()
+    assert gc.isenabled()  # recovery gave the collector back
+    monkeypatch.setattr(svc.machine, "to_snapshot", lambda: pytest.fail("the live state was snapshotted"))
+    try:
+        await svc.write(c.Create("job", 1, 1, 1.0, 600.0, 600.0))
+        for i in range(5):
+            await svc.write(c.Set("job", b"k%d" % i, b"v%d" % i))
+        deadline = time.monotonic() + 30
+        while not list(config.data_dir.glob("snapshot-*.msgpack")):
+            assert time.monotonic() < deadline, "no snapshot was written"
+            await asyncio.sleep(0.02)
+    finally:
+        await svc.close()
+    again = Service(config)
+    await again.start()
+    try:
+        assert again.recovered_records <= 1  # the snapshot covered the writes
+        assert [again.machine.kv("job").get(None, b"k%d" % i) for i in range(5)] == [b"v%d" % i for i in range(5)]
+    finally:
+        await again.close()
 
 
 def _post_json(srv: ServerProcess, rdzv_id: str, op: str, fields: dict[str, Any]) -> tuple[int, Any]:
     req = urllib.request.Request(
-        srv.url + wire.op_path(rdzv_id, op), data=json.dumps(fields).encode(), headers={"Content-Type": "application/json"}
+        srv.url + wire.op_path(rdzv_id, op),
+        data=json.dumps(fields).encode(),
+        headers={"Content-Type": "application/json", **srv.auth},
     )
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:

@@ -202,7 +202,7 @@ async def test_conflicting_settings_are_a_409_settings_conflict(server: ServerPr
     assert info.value.code is wire.ErrorCode.SETTINGS_CONFLICT
     body = {"node_id": "third", "addr": "h", "nproc_per_node": 1, "min_nodes": 1, "max_nodes": 3}
     url = server.url + wire.op_path(job, "join")
-    async with aiohttp.ClientSession() as session, session.post(url, json=body) as resp:
+    async with aiohttp.ClientSession() as session, session.post(url, json=body, headers=server.auth) as resp:
         assert resp.status == 409
         answer = await resp.json()
     assert answer["error"] == "settings_conflict" and answer["message"]
@@ -310,6 +310,7 @@ async def _open_raw_watch(srv: ServerProcess, rdzv_id: str, node_id: str, round_
     reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
     head = (
         f"POST {wire.op_path(rdzv_id, 'watch')} HTTP/1.1\r\nHost: {srv.endpoint}\r\n"
+        f"Authorization: Bearer {srv.token}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     )
     writer.write(head.encode() + body)
@@ -467,7 +468,9 @@ def test_health_readiness_metrics_and_dashboard_routes(server: ServerProcess) ->
     status, ctype, body = http_get(server.url + "/readyz")
     assert status == 200 and json.loads(body)["status"] == "ready"
     create = urllib.request.Request(
-        server.url + wire.op_path(new_job(), "create"), data=b"{}", headers={"Content-Type": "application/json"}
+        server.url + wire.op_path(new_job(), "create"),
+        data=b"{}",
+        headers={"Content-Type": "application/json", **server.auth},
     )
     with urllib.request.urlopen(create, timeout=10) as resp:  # at least one operation counted
         assert resp.status == 200

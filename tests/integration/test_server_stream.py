@@ -65,19 +65,33 @@ def encode_frame(obj: Any) -> bytes:
     return struct.pack(">I", len(payload)) + payload
 
 
-class Stream:
-    """One stream connection: ``call`` for request-reply, ``send``/``recv`` to pipeline."""
+def hello_frame(tag: int, token: str) -> bytes:
+    """The stream protocol's authentication frame (sent right after the preface)."""
+    return encode_frame([tag, wire.HELLO_OP, "", {"token": token}])
 
-    def __init__(self, host: str, port: int, *, preface: bytes = PREFACE, timeout: float = 10.0) -> None:
+
+class Stream:
+    """One stream connection: ``call`` for request-reply, ``send``/``recv`` to pipeline.
+
+    With a ``token`` it authenticates first (the hello, its 200 read), as every client does."""
+
+    def __init__(
+        self, host: str, port: int, *, preface: bytes = PREFACE, token: str | None = None, timeout: float = 10.0
+    ) -> None:
         self.sock = socket.create_connection((host, port), timeout=timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._buf = bytearray()
         self._next_tag = 1
         if preface:
             self.sock.sendall(preface)
+        if token is not None:
+            welcome = self.call(wire.HELLO_OP, "", token=token)
+            assert (welcome.status, welcome.body) == (200, {"access": "write"}), welcome
 
     @classmethod
     def to(cls, srv: ServerProcess, **kwargs: Any) -> Stream:
+        """A stream to ``srv``, authenticated with its token unless ``token=None`` is given."""
+        kwargs.setdefault("token", srv.token)
         return cls("127.0.0.1", srv.port, **kwargs)
 
     def send(self, tag: int, op: str, rdzv_id: str, fields: dict[str, Any]) -> None:
@@ -156,7 +170,7 @@ def http_op(srv: ServerProcess, rdzv_id: str, op: str, fields: dict[str, Any]) -
     req = urllib.request.Request(
         srv.url + wire.op_path(urllib.parse.quote(rdzv_id, safe=""), op),
         data=msgpack.packb(fields, use_bin_type=True),
-        headers={"Content-Type": wire.CONTENT_TYPE_MSGPACK, "Accept": wire.CONTENT_TYPE_MSGPACK},
+        headers={"Content-Type": wire.CONTENT_TYPE_MSGPACK, "Accept": wire.CONTENT_TYPE_MSGPACK, **srv.auth},
     )
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
@@ -166,8 +180,8 @@ def http_op(srv: ServerProcess, rdzv_id: str, op: str, fields: dict[str, Any]) -
             return err.code, msgpack.unpackb(err.read(), raw=False)
 
 
-def http_get(url: str) -> tuple[int, str, bytes]:
-    with urllib.request.urlopen(url, timeout=10) as resp:
+def http_get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str, bytes]:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=10) as resp:
         return resp.status, resp.headers.get("Content-Type", ""), resp.read()
 
 
@@ -305,7 +319,7 @@ def test_writes_are_shared_between_stream_and_http_on_the_same_port(
 def test_http_routes_and_keep_alive_still_work_on_the_port(server: ServerProcess, job: str) -> None:
     status, _, body = http_get(server.url + "/healthz")
     assert status == 200 and json.loads(body) == {"status": "ok"}
-    status, _, body = http_get(server.url + "/v1/jobs")
+    status, _, body = http_get(server.url + "/v1/jobs", server.auth)
     assert status == 200 and job in {j["rdzv_id"] for j in json.loads(body)["jobs"]}
     status, ctype, body = http_get(server.url + "/")
     assert status == 200 and ctype.startswith("text/html") and b"<html" in body.lower()
@@ -374,13 +388,17 @@ def test_a_parked_get_does_not_block_a_later_set_on_the_same_connection(
 def test_frames_split_across_reads_and_many_in_one_read_are_all_served(
     server: ServerProcess, job: str, stream_to: Callable[..., Stream]
 ) -> None:
-    s = stream_to(server, preface=b"")
-    data = PREFACE + encode_frame([1, "set", job, {"key": b"k", "value": b"v" * 300}]) + encode_frame(
-        [2, "get", job, {"key": b"k"}]
+    s = stream_to(server, preface=b"", token=None)
+    data = (
+        PREFACE
+        + hello_frame(3, server.token)
+        + encode_frame([1, "set", job, {"key": b"k", "value": b"v" * 300}])
+        + encode_frame([2, "get", job, {"key": b"k"}])
     )
-    for i in range(0, len(data), 7):  # preface and frames cut mid-header and mid-body
+    for i in range(0, len(data), 7):  # preface, hello and frames cut mid-header and mid-body
         s.sock.sendall(data[i : i + 7])
         time.sleep(0.002)
+    assert s.recv() == Reply(3, 200, {"access": "write"})
     assert s.recv() == Reply(1, 200, {})
     assert s.recv() == Reply(2, 200, {"found": True, "value": b"v" * 300})
     # Then many frames and half of the next in one write; the rest in another.
@@ -449,7 +467,7 @@ def test_a_wrong_preface_is_answered_with_a_400_then_the_connection_closes(
     server: ServerProcess, stream_to: Callable[..., Stream]
 ) -> None:
     for preface in (b"\x00RDZV9\r\n", b"\x00\x00\x00\x10garbage!"):
-        s = stream_to(server, preface=preface)
+        s = stream_to(server, preface=preface, token=None)
         reply = s.recv()
         assert (reply.tag, reply.status, reply.error) == (0, 400, "bad_request"), reply
         assert s.at_eof()
@@ -541,7 +559,7 @@ def join_two(srv: ServerProcess, stream_to: Callable[..., Stream], job: str) -> 
 
 
 def nodes_alive(srv: ServerProcess, job: str) -> dict[str, bool]:
-    body = http_get(srv.url + f"/v1/jobs/{job}")[2]
+    body = http_get(srv.url + f"/v1/jobs/{job}", srv.auth)[2]
     return {n["node_id"]: n["alive"] for n in json.loads(body)["nodes"]}
 
 
@@ -627,7 +645,7 @@ def test_the_stream_is_served_on_an_ipv6_host(server_factory: Callable[..., Serv
     except OSError:
         pytest.skip("no IPv6 loopback here")
     srv = server_factory(args=("--host", "::1"))
-    s = Stream("::1", srv.port)
+    s = Stream("::1", srv.port, token=srv.token)
     try:
         job = new_job()
         s.ok("create", job)

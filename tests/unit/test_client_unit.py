@@ -34,6 +34,7 @@ from rdzv_client.error import (
     ConflictError,
     JobClosedError,
     JoinTimeoutError,
+    LimitError,
     NotFoundError,
     RdzvConnectionError,
     RdzvError,
@@ -172,6 +173,7 @@ def test_public_names_are_exactly_these() -> None:
             "ConflictError",
             "JobClosedError",
             "JoinTimeoutError",
+            "LimitError",
             "NotFoundError",
             "RdzvConnectionError",
             "RdzvError",
@@ -257,6 +259,48 @@ async def test_a_retried_write_resends_the_same_rid() -> None:
     assert await c.add("job", "k", 1) == 6
     last = t.sent[-1][1]
     assert last is not None and last["rid"] != rids[0]  # a new write, a new rid
+
+
+class GatedTransport(ScriptedTransport):
+    """Holds the first call until ``release`` is set; answers the rest at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def call(self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], timeout: float) -> Answer:
+        self.sent.append((op, fields, timeout))
+        if len(self.sent) == 1:
+            await self.release.wait()
+        return ok(value=1)
+
+
+async def test_every_write_tells_the_server_its_lowest_unanswered_seq() -> None:
+    """The floor lets the server forget exactly the results no retry can ask for."""
+    t = GatedTransport()
+    c = AsyncClient("a:1", transport=t)
+    slow = asyncio.ensure_future(c.add("job", "k", 1))  # seq 1, held
+    await asyncio.sleep(0)
+    for _ in range(3):
+        await c.add("job", "k", 1)  # seqs 2..4 answered while 1 is not
+    t.release.set()
+    await slow
+    await c.add("job", "k", 1)  # seq 5: everything before it was answered
+    rids = [fields["rid"] for _, fields, _ in t.sent if fields is not None]
+    assert [r[1:] for r in rids] == [[1, 1], [2, 1], [3, 1], [4, 1], [5, 5]]
+
+
+async def test_a_busy_server_shedding_connections_is_retried() -> None:
+    t = ScriptedTransport(failed(wire.ErrorCode.TOO_MANY_CONNECTIONS), failed(wire.ErrorCode.BUFFERS_FULL), ok(value=2))
+    assert await client_over(t).add("job", "k", 2) == 2
+    assert len(t.sent) == 3
+
+
+async def test_a_limit_that_needs_the_caller_is_raised_at_once() -> None:
+    t = ScriptedTransport(failed(wire.ErrorCode.TOO_MANY_KEYS), ok())
+    with pytest.raises(LimitError) as info:
+        await client_over(t).set("job", "k", "v")
+    assert info.value.code is wire.ErrorCode.TOO_MANY_KEYS and len(t.sent) == 1
 
 
 async def test_client_errors_are_raised_without_retry() -> None:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from rdzv_server.core import command as c
-from rdzv_server.core.error import JobClosed, JobNotFound, RdzvError
+from rdzv_server.core.error import JobClosed, JobClosedInLine, JobNotFound, RdzvError
 from rdzv_server.core.machine import StateMachine
 from rdzv_server.core.rank import Candidate, Tier, place
 from rdzv_server.core.rendezvous import Job, JobState, Liveness, Role
@@ -41,10 +41,16 @@ def check_job(job: Job, now: float) -> None:
         assert isinstance(n.role, Role) and isinstance(n.liveness, Liveness)
         if n.pending:
             assert n.liveness is Liveness.ALIVE
-    # the incremental index of pending nodes, in joined_at order (join_timed_out relies on it)
-    assert dict(job.pending_since) == {n.node_id: n.joined_at for n in nodes.values() if n.pending}
-    since = list(job.pending_since.values())
+    # rule 5: join_timeout runs for every pending node but the standby nodes of a formed or
+    # closed round; join_clock holds them in joined_at order (join_timed_out relies on it)
+    def untimed(n: Any) -> bool:
+        return n.role is Role.STANDBY and job.state is not JobState.OPEN
+
+    assert dict(job.join_clock) == {n.node_id: n.joined_at for n in nodes.values() if n.pending and not untimed(n)}
+    assert set(job.untimed) == {n.node_id for n in nodes.values() if untimed(n)}
+    since = list(job.join_clock.values())
     assert since == sorted(since)
+    assert not set(job.join_timed_out(now)) & set(job.untimed)
     # heartbeats: only for live nodes, oldest first (expired relies on it)
     assert set(job.heartbeats) <= {n.node_id for n in nodes.values() if live(n.role, n.liveness)}
     beats = list(job.heartbeats.values())
@@ -78,7 +84,7 @@ def check_job(job: Job, now: float) -> None:
         assert job.world_size() == sum(m.nproc_per_node for m in members)
         assert s.min_nodes <= len(members) <= s.max_nodes
         if alive_members == 0:  # rule 5: with no alive member the next round opens for whoever is in line
-            assert not job.pending_since
+            assert waiting + standby == 0
         # rule 4
         assert job.num_nodes_waiting(job.round) == waiting + dead_members
         for round_ in range(job.round):
@@ -111,6 +117,14 @@ def check_job(job: Job, now: float) -> None:
     else:
         assert job.last_call_deadline is None
         assert job.num_nodes_waiting(job.round) == 0
+        # rule 6: standby and waiting nodes learn that they were no part of the closed run
+        for n in nodes.values():
+            try:
+                job.assignment(n.node_id, job.round)
+            except JobClosed as exc:
+                assert isinstance(exc, JobClosedInLine) == (n.role in (Role.STANDBY, Role.WAITING))
+            else:
+                raise AssertionError("an assignment of a closed job")
 
 
 def check_restore(sm: StateMachine) -> None:
@@ -121,7 +135,7 @@ def check_restore(sm: StateMachine) -> None:
     for rdzv_id, entry in sm.jobs.items():
         job, again = entry.job, restored.job(rdzv_id)
         assert +again.counts == +job.counts
-        assert dict(again.pending_since) == dict(job.pending_since)
+        assert dict(again.join_clock) == dict(job.join_clock) and again.untimed == job.untimed
         assert again.world_size() == job.world_size()
         for round_ in range(job.round + 1):
             assert again.num_nodes_waiting(round_) == job.num_nodes_waiting(round_)
@@ -202,6 +216,8 @@ class Rendezvous(RuleBasedStateMachine):
         if state is JobState.CLOSED:
             if not idle:  # rule 6: the closed run still has nodes
                 assert isinstance(result, JobClosed)
+                in_line = node is not None and node.role in (Role.STANDBY, Role.WAITING)
+                assert isinstance(result, JobClosedInLine) == in_line
                 return
             # rule 6: every node departed: a fresh run with the next round number
             assert isinstance(result, dict) and result["round"] == round_ + 1
@@ -276,12 +292,13 @@ class Rendezvous(RuleBasedStateMachine):
                 job = self.job()
                 spared = {}
                 if isinstance(command, c.Expire) and command.why == "join_timeout" and job is not None:
-                    # rule 5 removes *pending* nodes that pass join_timeout; an earlier command of
-                    # the same batch may have admitted one into a round meanwhile
+                    # rule 5 removes *pending* nodes that pass join_timeout, never a spare of a
+                    # formed round; an earlier command of the same batch may have admitted one
+                    # into a round (or made it a spare) meanwhile
                     spared = {
                         n: (job.nodes[n].role, job.nodes[n].liveness)
                         for n in command.node_ids
-                        if n in job.nodes and not job.nodes[n].pending
+                        if n in job.nodes and (not job.nodes[n].pending or n in job.untimed)
                     }
                 result = self.apply(command)
                 assert isinstance(result, dict)

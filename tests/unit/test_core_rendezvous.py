@@ -13,6 +13,7 @@ from rdzv_server.core.error import (
     BadRequest,
     IllegalTransition,
     JobClosed,
+    JobClosedInLine,
     JobNotFound,
     JoinTimeout,
     NodeNotFound,
@@ -825,6 +826,110 @@ def test_a_dead_waiting_node_is_forgotten_and_not_counted() -> None:
     assert cl.waiting(0) == 0
 
 
+# -- rule 5: join_timeout and standby nodes ------------------------------------------------------------
+
+
+def beat(cl: Cluster, nodes: list[str], now: float) -> None:
+    for node_id in nodes:
+        cl.sm.heartbeat(RDZV_ID, node_id, now)
+
+
+def test_a_standby_node_of_a_formed_round_never_passes_join_timeout() -> None:
+    cl = Cluster(min_nodes=2, max_nodes=2, join_timeout=60.0, heartbeat_ttl=300.0)
+    form(cl, ["a", "b"])
+    cl.join("s", 1.0)
+    assert cl.role("s") is Role.STANDBY
+    assert cl.sm.deadline(RDZV_ID) == 300.0  # the heartbeats' TTL, no join deadline at 61
+    for now in (61.0, 250.0, 500.0, 10_000.0):
+        beat(cl, ["a", "b", "s"], now)
+        assert cl.tick(now) == []
+    assert cl.role("s") is Role.STANDBY
+    assert cl.job.join_timed_out(1e9) == []
+    assert cl.sm.assignment(RDZV_ID, "s", 1) is None  # still in line, as long as the job runs
+
+
+def test_a_standby_node_still_dies_by_the_heartbeat_ttl() -> None:
+    cl = Cluster(min_nodes=2, max_nodes=2, join_timeout=1e6, heartbeat_ttl=30.0)
+    form(cl, ["a", "b"])
+    cl.join("s", 1.0)
+    beat(cl, ["a", "b"], 25.0)
+    assert cl.sm.deadline(RDZV_ID) == 31.0
+    assert cl.sm.due(RDZV_ID, 31.0) == [c.Expire(RDZV_ID, ("s",), "dead")]
+    cl.tick(31.0)
+    assert "s" not in cl.job.nodes
+    with pytest.raises(NodeNotFound):
+        cl.sm.assignment(RDZV_ID, "s", 1)
+    assert cl.job.state is JobState.COMPLETE and cl.members() == ["a", "b"]  # the round never noticed
+
+
+def test_candidates_and_waiting_nodes_still_pass_join_timeout_beside_a_spare() -> None:
+    cl = Cluster(min_nodes=3, max_nodes=4, last_call_timeout=5.0, join_timeout=60.0, heartbeat_ttl=1e6)
+    cl.join("x", 0.0)  # a candidate of round 0, which never gets its third node
+    cl.join("y", 10.0)
+    assert cl.sm.due(RDZV_ID, 60.0) == [c.Expire(RDZV_ID, ("x",), "join_timeout")]
+    cl.tick(60.0)
+    with pytest.raises(JoinTimeout):
+        cl.sm.assignment(RDZV_ID, "x", 0)
+
+    cl = Cluster(min_nodes=2, max_nodes=3, last_call_timeout=0.0, join_timeout=60.0, heartbeat_ttl=1e6)
+    form(cl, ["a", "b"])
+    cl.join("w", 10.0)  # waiting (its agent-side peers never restart for it, say)
+    cl.join("s", 11.0)  # standby: 2 alive members + 1 waiting reach max_nodes
+    assert (cl.role("w"), cl.role("s")) == (Role.WAITING, Role.STANDBY)
+    assert cl.sm.deadline(RDZV_ID) == 70.0
+    assert cl.sm.due(RDZV_ID, 70.0) == [c.Expire(RDZV_ID, ("w",), "join_timeout")]
+    cl.tick(70.0)
+    assert "w" not in cl.job.nodes and cl.role("s") is Role.STANDBY
+    assert cl.tick(1e5) == []
+
+
+def test_a_standby_nodes_join_timeout_runs_from_the_opening_of_a_round_it_cannot_be_placed_in() -> None:
+    """A spare that waited long is not timed out the moment a round opens (it gets the whole
+    join_timeout to be placed), but one that cannot be placed does not wait forever either."""
+    cl = Cluster(min_nodes=3, max_nodes=3, join_timeout=60.0, heartbeat_ttl=1e6)
+    form(cl, ["a", "b", "c"])
+    cl.join("s", 5.0)
+    cl.die("b", 90.0)
+    cl.die("c", 91.0)
+    assert cl.tick(99.0) == []  # s waited 94 s > join_timeout: still a spare
+    cl.join("a", 100.0)  # the survivor re-joins: round 1 opens; a + s cannot reach min_nodes=3
+    assert cl.job.state is JobState.OPEN and cl.role("s") is Role.STANDBY
+    assert cl.sm.deadline(RDZV_ID) == 160.0
+    assert cl.sm.due(RDZV_ID, 159.0) == []
+    assert sorted(cl.tick(160.0)[0].node_ids) == ["a", "s"]
+    assert "s" not in cl.job.nodes and not cl.job.nodes["a"].pending  # a stays listed as its old round's member
+    with pytest.raises(JoinTimeout):
+        cl.sm.assignment(RDZV_ID, "s", 1)
+
+
+def test_a_standby_node_left_over_by_a_new_round_is_a_spare_again() -> None:
+    cl = Cluster(min_nodes=2, max_nodes=2, join_timeout=60.0, heartbeat_ttl=1e6)
+    form(cl, ["a", "b"])
+    cl.join("s", 1.0)
+    cl.join("t", 2.0)
+    cl.die("a", 100.0)
+    cl.join("b", 101.0)  # round 1 opens and forms at once: b, then s; t overflows
+    assert cl.members() == ["b", "s"] and cl.role("t") is Role.STANDBY
+    assert cl.job.untimed == {"t": None} and not cl.job.join_clock
+    assert cl.tick(1e5) == []
+    assert cl.role("t") is Role.STANDBY
+
+
+def test_a_stale_join_timeout_spares_a_node_that_became_a_spare_of_a_formed_round() -> None:
+    """The timer saw s's join_timeout pass while a round formed; an earlier command of the same
+    batch formed it and left s over as a spare: the expiry must not remove it (rule 5)."""
+    cl = Cluster(min_nodes=2, max_nodes=2, last_call_timeout=5.0, join_timeout=60.0, heartbeat_ttl=1e6)
+    form(cl, ["a", "b"])
+    cl.join("s", 1.0)
+    cl.join("t", 2.0)
+    cl.die("b", 9.0)
+    cl.join("a", 10.0)  # round 1 opens at 10: a, with s and t timed from 10; b is dead
+    assert cl.job.state is JobState.COMPLETE  # a + s + t >= max_nodes and nobody expected: formed
+    assert cl.role("t") is Role.STANDBY
+    assert cl.apply(c.Expire(RDZV_ID, ("t",), "join_timeout"), 70.0) == {"expired": 0}
+    assert cl.role("t") is Role.STANDBY
+
+
 # -- rule 6: closed -----------------------------------------------------------------------------------------
 
 
@@ -913,6 +1018,59 @@ def test_assignment_of_a_closed_job_is_job_closed() -> None:
         cl.sm.assignment(RDZV_ID, "a", 0)
     with pytest.raises(JobClosed):
         cl.sm.assignment(RDZV_ID, "nobody", 0)
+
+
+def test_standby_and_waiting_nodes_of_a_closed_job_are_told_they_were_in_line() -> None:
+    """They waited for a round that will never come and were no part of the run: their agents
+    exit gracefully (torch's redundancy list); members and candidates get JobClosed."""
+    cl = Cluster(min_nodes=2, max_nodes=3, last_call_timeout=0.0)
+    form(cl, ["a", "b"])
+    cl.join("w", 1.0)  # waiting
+    cl.join("s", 2.0)  # standby
+    cl.close(3.0)
+    for node_id in ("w", "s"):
+        with pytest.raises(JobClosedInLine) as in_line:
+            cl.sm.assignment(RDZV_ID, node_id, 1)
+        assert (in_line.value.code, in_line.value.status) == ("job_closed_in_line", 410)
+        assert node_id in in_line.value.message and RDZV_ID in in_line.value.message
+    for node_id in ("a", "b", "nobody"):
+        with pytest.raises(JobClosed) as closed:
+            cl.sm.assignment(RDZV_ID, node_id, 0)
+        assert type(closed.value) is JobClosed
+
+
+def test_a_candidate_of_a_round_that_was_forming_when_the_job_closed_is_job_closed() -> None:
+    cl = Cluster(min_nodes=2, max_nodes=3, last_call_timeout=10.0, join_timeout=60.0, heartbeat_ttl=1e6)
+    cl.join("a", 0.0)
+    cl.join("b", 0.0)
+    cl.tick(10.0)
+    cl.join("w", 11.0)  # waiting
+    cl.join("s", 12.0)  # standby
+    cl.join("a", 13.0)  # round 1 opens: a and w candidates, s standby (timed while it forms)
+    assert (cl.role("w"), cl.role("s")) == (Role.CANDIDATE, Role.STANDBY)
+    cl.close(14.0)
+    for node_id in ("a", "w"):
+        with pytest.raises(JobClosed) as closed:
+            cl.sm.assignment(RDZV_ID, node_id, 1)
+        assert type(closed.value) is JobClosed
+    with pytest.raises(JobClosedInLine):
+        cl.sm.assignment(RDZV_ID, "s", 1)
+    assert cl.job.untimed == {"s": None}  # no round forms any more: it goes when its agent leaves
+    assert cl.job.join_timed_out(73.0) == ["w", "a"]  # joined at 11, re-joined at 13
+
+
+def test_a_retried_join_of_a_standby_node_of_a_closed_job_is_job_closed_in_line_and_changes_nothing() -> None:
+    cl = Cluster(min_nodes=2, max_nodes=2)
+    form(cl, ["a", "b"])
+    cl.join("s", 1.0)
+    cl.close(2.0)
+    before = snapshot(cl.sm)
+    with pytest.raises(JobClosedInLine):
+        cl.join("s", 3.0)
+    with pytest.raises(JobClosed) as closed:
+        cl.join("newcomer", 3.0)
+    assert type(closed.value) is JobClosed
+    assert snapshot(cl.sm) == before
 
 
 def test_close_of_an_open_job_drops_its_last_call() -> None:
@@ -1161,8 +1319,8 @@ def test_the_window_keeps_the_last_dedup_window_results_per_client() -> None:
     cl.apply(c.Create(RDZV_ID, 1, 1, 0.0, 1.0, 1.0), 0.0)
     for seq in range(DEDUP_WINDOW + 1):
         cl.sm.apply(c.Add(RDZV_ID, b"n", 1), 1.0, ("client", seq))
-    assert len(cl.sm.sessions["client"]) == DEDUP_WINDOW
-    assert 0 not in cl.sm.sessions["client"]
+    assert len(cl.sm.sessions["client"].results) == DEDUP_WINDOW
+    assert 0 not in cl.sm.sessions["client"].results
     newest = cl.sm.apply(c.Add(RDZV_ID, b"n", 1), 2.0, ("client", DEDUP_WINDOW))
     assert newest.replayed and newest.result == {"value": DEDUP_WINDOW + 1}
     oldest = cl.sm.apply(c.Add(RDZV_ID, b"n", 1), 2.0, ("client", 1))
@@ -1170,7 +1328,7 @@ def test_the_window_keeps_the_last_dedup_window_results_per_client() -> None:
     forgotten = cl.sm.apply(c.Add(RDZV_ID, b"n", 1), 2.0, ("client", 0))
     assert not forgotten.replayed  # fell out of the window: applied again
     assert forgotten.result == {"value": DEDUP_WINDOW + 2}
-    assert len(cl.sm.sessions["client"]) == DEDUP_WINDOW
+    assert len(cl.sm.sessions["client"].results) == DEDUP_WINDOW
 
 
 @pytest.mark.parametrize(
@@ -1197,7 +1355,7 @@ def test_a_failed_command_changes_nothing_not_even_the_window_or_clock(command: 
         cl.sm.apply(command, 5.0, ("client", 2))
     assert snapshot(cl.sm) == before
     assert cl.sm.clock == 1.0
-    assert 2 not in cl.sm.sessions["client"]
+    assert 2 not in cl.sm.sessions["client"].results
 
 
 def test_a_failed_command_in_a_new_round_space_changes_nothing() -> None:
@@ -1343,7 +1501,7 @@ def assert_same_behaviour(live: StateMachine, restored: StateMachine, now: float
         assert without_heartbeat_ages(rj.describe(now)) == without_heartbeat_ages(lj.describe(now))
         assert rj.summary() == lj.summary()
         assert +rj.counts == +lj.counts
-        assert dict(rj.pending_since) == dict(lj.pending_since)
+        assert dict(rj.join_clock) == dict(lj.join_clock) and rj.untimed == lj.untimed
         assert rj.world_size() == lj.world_size()
         for round_ in range(lj.round + 1):
             assert rj.num_nodes_waiting(round_) == lj.num_nodes_waiting(round_)

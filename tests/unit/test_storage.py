@@ -2,20 +2,25 @@
 
 Crashes are simulated by killing a child process (SIGKILL) or by damaging files the way a
 torn write or bit rot would; fsyncs are observed through FileLog's ``fsync_fn`` seam.
+Snapshots are built for real, in a builder process, from :class:`Seen` replicas: their
+state is the list of records replayed into them, so a snapshot shows exactly what it covers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import struct
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from rdzv_server import storage
@@ -28,6 +33,7 @@ from rdzv_server.storage import (
     LogFailedError,
     MemoryLog,
     Recovered,
+    SnapshotBuildError,
     default_data_dir,
 )
 
@@ -36,6 +42,43 @@ HEADER = struct.Struct("<II")
 
 def rec(i: int) -> dict[str, Any]:
     return {"op": "set", "k": b"key-%d" % i, "v": b"x" * 16, "i": i}
+
+
+def covering(*indices: int) -> dict[str, Any]:
+    """The state of a :class:`Seen` snapshot that covers ``rec(i)`` for these ``i``."""
+    return {"records": [rec(i) for i in indices]}
+
+
+class Seen:
+    """A replica whose state is every record replayed into it (pickled by reference)."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.records = list(state["records"])
+
+    def replay(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+
+    def to_snapshot(self) -> dict[str, Any]:
+        return {"records": self.records}
+
+
+class Poisoned(Seen):
+    """Fails on a record carrying ``"poison"``, as a replica whose code disagrees with the log."""
+
+    def replay(self, record: dict[str, Any]) -> None:
+        if "poison" in record:
+            raise RuntimeError("log replay diverged")
+        super().replay(record)
+
+
+class Stuck(Seen):
+    """Takes far longer than any test to replay anything (a build that is still running)."""
+
+    def replay(self, record: dict[str, Any]) -> None:
+        time.sleep(60)
 
 
 def seg(data_dir: Path, first: int) -> Path:
@@ -99,14 +142,14 @@ async def write_log(
     data_dir: Path,
     records: list[dict[str, Any]],
     *,
-    snapshot_after: dict[int, dict[str, Any]] | None = None,
+    snapshot_after: tuple[int, ...] = (),
 ) -> None:
-    """Append ``records`` (snapshotting ``state`` after the record at each given position)."""
+    """Append ``records``, snapshotting after the record at each position in ``snapshot_after``."""
     log, _ = FileLog.open(data_dir, FsyncPolicy.ALWAYS)
     for position, record in enumerate(records, start=1):
         await log.append(record)
-        if snapshot_after and position in snapshot_after:
-            await log.snapshot(snapshot_after[position])
+        if position in snapshot_after:
+            await log.snapshot(Seen)
     await log.close()
 
 
@@ -185,8 +228,23 @@ def test_every_acknowledged_record_survives_a_killed_process(tmp_path: Path) -> 
     assert recovered.records == [{"i": i} for i in range(1, recovered.last_index + 1)]
 
 
+async def test_recovery_never_switches_the_garbage_collector(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It runs in a thread beside the event loop; the collector's switch is process-wide.
+    await write_log(tmp_path, [rec(i) for i in range(1, 6)], snapshot_after=(3,))
+
+    def switched() -> None:
+        raise AssertionError("recovery switched the garbage collector")
+
+    monkeypatch.setattr(gc, "disable", switched)
+    monkeypatch.setattr(gc, "enable", switched)
+    recovered = await asyncio.to_thread(lambda: asyncio.run(recover(tmp_path)))
+    assert recovered.records == [rec(4), rec(5)]
+
+
 async def test_recovered_log_counts_records_since_its_snapshot(tmp_path: Path) -> None:
-    await write_log(tmp_path, [rec(i) for i in range(1, 6)], snapshot_after={3: {"at": 3}})
+    await write_log(tmp_path, [rec(i) for i in range(1, 6)], snapshot_after=(3,))
     log, recovered = FileLog.open(tmp_path, FsyncPolicy.ALWAYS)
     assert log.records_since_snapshot == len(recovered.records) == 2
     await log.append(rec(6))
@@ -220,17 +278,118 @@ async def test_torn_last_record_is_truncated_and_appending_continues(tmp_path: P
     assert recovered.truncated_bytes == 0
 
 
-async def test_crc_mismatch_mid_last_segment_truncates_there(tmp_path: Path) -> None:
+async def test_crc_mismatch_in_the_last_record_is_a_torn_tail(tmp_path: Path) -> None:
     await write_log(tmp_path, [rec(i) for i in range(1, 11)])
     path = seg(tmp_path, 1)
     size = path.stat().st_size
-    fifth = frame_offsets(path)[4]
-    flip_byte(path, fifth + HEADER.size + 2)  # inside record 5's payload
+    last = frame_offsets(path)[-1]
+    flip_byte(path, last + HEADER.size + 2)  # inside record 10's payload: nothing valid after it
 
     recovered = await recover(tmp_path)
+    assert recovered.records == [rec(i) for i in range(1, 10)]
+    assert recovered.truncated_bytes == size - last
+    assert path.stat().st_size == last
+
+
+async def test_crc_mismatch_mid_last_segment_with_valid_records_after_refuses_naming_file_and_offset(
+    tmp_path: Path,
+) -> None:
+    await write_log(tmp_path, [rec(i) for i in range(1, 11)])
+    path = seg(tmp_path, 1)
+    before = path.read_bytes()
+    fifth = frame_offsets(path)[4]
+    flip_byte(path, fifth + HEADER.size + 2)  # inside record 5's payload; records 6-10 are intact
+
+    with pytest.raises(LogCorruptError) as caught:
+        FileLog.open(tmp_path, FsyncPolicy.ALWAYS)
+    assert caught.value.path == path
+    assert caught.value.offset == fifth
+    message = str(caught.value)
+    assert f"file {path}, offset {fifth}" in message
+    assert "5 whole, verified records follow it" in message
+    assert "--truncate-corrupt-log" in message and "\n" not in message
+    # Nothing was repaired behind the operator's back.
+    assert len(path.read_bytes()) == len(before)
+    assert data_files(tmp_path) == {path.name}
+
+
+async def test_damaged_length_field_mid_segment_is_found_by_resynchronising(tmp_path: Path) -> None:
+    await write_log(tmp_path, [rec(i) for i in range(1, 11)])
+    path = seg(tmp_path, 1)
+    third = frame_offsets(path)[2]
+    flip_byte(path, third + 3)  # the length's top byte: the frame now "runs past the end"
+
+    with pytest.raises(LogCorruptError, match="runs past the end .* 7 whole, verified records") as caught:
+        FileLog.open(tmp_path, FsyncPolicy.ALWAYS)
+    assert (caught.value.path, caught.value.offset) == (path, third)
+
+
+async def test_truncate_corrupt_keeps_the_records_before_the_damage_and_sets_the_segment_aside(
+    tmp_path: Path,
+) -> None:
+    await write_log(tmp_path, [rec(i) for i in range(1, 11)])
+    path = seg(tmp_path, 1)
+    fifth = frame_offsets(path)[4]
+    flip_byte(path, fifth + HEADER.size + 2)
+    damaged = path.read_bytes()
+
+    log, recovered = FileLog.open(tmp_path, FsyncPolicy.ALWAYS, truncate_corrupt=True)
     assert recovered.records == [rec(i) for i in range(1, 5)]
-    assert recovered.truncated_bytes == size - fifth
+    assert recovered.last_index == 4
     assert path.stat().st_size == fifth
+    (aside,) = [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
+    assert aside.name.startswith(path.name + ".corrupt-")
+    assert aside.read_bytes() == damaged  # kept whole, never deleted
+    await log.append(rec(100))
+    await log.close()
+
+    # The repaired log is clean: a start without the flag recovers it, and keeps the copy.
+    recovered = await recover(tmp_path)
+    assert recovered.records == [rec(i) for i in range(1, 5)] + [rec(100)]
+    assert aside.exists()
+
+
+async def test_truncate_corrupt_sets_aside_every_segment_after_the_damaged_one(tmp_path: Path) -> None:
+    await write_log(tmp_path, [rec(i) for i in range(1, 11)], snapshot_after=(5,))
+    snap(tmp_path, 5).unlink()  # replay must read log-1, which is not the last segment
+    third = frame_offsets(seg(tmp_path, 1))[2]
+    flip_byte(seg(tmp_path, 1), third + HEADER.size)
+    later = seg(tmp_path, 6).read_bytes()
+
+    log, recovered = FileLog.open(tmp_path, FsyncPolicy.ALWAYS, truncate_corrupt=True)
+    assert recovered.records == [rec(1), rec(2)]
+    await log.append(rec(3))
+    await log.close()
+    assert not seg(tmp_path, 6).exists()
+    names = {p.name for p in tmp_path.iterdir()}
+    (moved,) = [n for n in names if n.startswith(seg(tmp_path, 6).name + ".corrupt-")]
+    assert (tmp_path / moved).read_bytes() == later
+    assert any(n.startswith(seg(tmp_path, 1).name + ".corrupt-") for n in names)
+    assert (await recover(tmp_path)).records == [rec(1), rec(2), rec(3)]
+
+
+async def test_truncate_corrupt_cuts_the_log_at_a_gap_between_segments(tmp_path: Path) -> None:
+    await write_log(tmp_path, [rec(i) for i in range(1, 9)], snapshot_after=(5,))
+    snap(tmp_path, 5).unlink()
+    truncate(seg(tmp_path, 1), frame_offsets(seg(tmp_path, 1))[-1])  # record 5 is gone
+
+    log, recovered = FileLog.open(tmp_path, FsyncPolicy.ALWAYS, truncate_corrupt=True)
+    assert recovered.records == [rec(i) for i in range(1, 5)]
+    await log.append(rec(5))
+    await log.close()
+    assert not seg(tmp_path, 6).exists()
+    assert any(p.name.startswith(seg(tmp_path, 6).name + ".corrupt-") for p in tmp_path.iterdir())
+    assert (await recover(tmp_path)).records == [rec(i) for i in range(1, 6)]
+
+
+async def test_truncate_corrupt_leaves_a_clean_log_and_a_torn_tail_as_they_were(tmp_path: Path) -> None:
+    await write_log(tmp_path, [rec(i) for i in range(1, 6)])
+    append_bytes(seg(tmp_path, 1), b"\x10\x00\x00\x00torn")
+    log, recovered = FileLog.open(tmp_path, FsyncPolicy.ALWAYS, truncate_corrupt=True)
+    await log.close()
+    assert recovered.records == [rec(i) for i in range(1, 6)]
+    assert recovered.truncated_bytes == 8
+    assert data_files(tmp_path) == {seg(tmp_path, 1).name}
 
 
 async def test_zero_filled_tail_is_truncated_not_read_as_empty_frames(tmp_path: Path) -> None:
@@ -244,7 +403,7 @@ async def test_zero_filled_tail_is_truncated_not_read_as_empty_frames(tmp_path: 
 
 
 async def test_bad_frame_in_an_older_segment_refuses_to_start(tmp_path: Path) -> None:
-    await write_log(tmp_path, [rec(i) for i in range(1, 11)], snapshot_after={5: {"at": 5}})
+    await write_log(tmp_path, [rec(i) for i in range(1, 11)], snapshot_after=(5,))
     # Without the snapshot, replay must read log-1, which is no longer the last segment.
     snap(tmp_path, 5).unlink()
     third = frame_offsets(seg(tmp_path, 1))[2]
@@ -258,7 +417,7 @@ async def test_bad_frame_in_an_older_segment_refuses_to_start(tmp_path: Path) ->
 
 
 async def test_failed_open_releases_the_directory_lock(tmp_path: Path) -> None:
-    await write_log(tmp_path, [rec(i) for i in range(1, 11)], snapshot_after={5: {"at": 5}})
+    await write_log(tmp_path, [rec(i) for i in range(1, 11)], snapshot_after=(5,))
     snap(tmp_path, 5).unlink()
     flip_byte(seg(tmp_path, 1), HEADER.size)
     with pytest.raises(LogCorruptError):
@@ -270,7 +429,7 @@ async def test_failed_open_releases_the_directory_lock(tmp_path: Path) -> None:
 
 
 async def test_gap_between_segments_refuses_to_start(tmp_path: Path) -> None:
-    await write_log(tmp_path, [rec(i) for i in range(1, 9)], snapshot_after={5: {"at": 5}})
+    await write_log(tmp_path, [rec(i) for i in range(1, 9)], snapshot_after=(5,))
     snap(tmp_path, 5).unlink()  # replay from record 1, through log-1 and into log-6
     path = seg(tmp_path, 1)
     truncate(path, frame_offsets(path)[-1])  # a whole frame gone: record 5 is missing
@@ -284,7 +443,7 @@ async def test_log_starting_after_the_snapshot_refuses_to_start(tmp_path: Path) 
     await write_log(
         tmp_path,
         [rec(i) for i in range(1, 13)],
-        snapshot_after={5: {"at": 5}, 10: {"at": 10}},
+        snapshot_after=(5, 10),
     )
     assert data_files(tmp_path) == {
         seg(tmp_path, 11).name,
@@ -315,18 +474,17 @@ async def test_crc_valid_garbage_is_corruption_not_a_torn_tail(tmp_path: Path) -
 async def test_snapshot_then_more_records_recovers_snapshot_and_later_records(
     tmp_path: Path,
 ) -> None:
-    state = {"keys": {b"a": b"1"}, "round": 3}
-    await write_log(tmp_path, [rec(i) for i in range(1, 8)], snapshot_after={4: state})
+    await write_log(tmp_path, [rec(i) for i in range(1, 8)], snapshot_after=(4,))
     recovered = await recover(tmp_path)
-    assert recovered.snapshot == state
+    assert recovered.snapshot == covering(1, 2, 3, 4)
     assert recovered.records == [rec(5), rec(6), rec(7)]
     assert recovered.last_index == 7
 
 
 async def test_snapshot_with_no_later_records_reports_its_index(tmp_path: Path) -> None:
-    await write_log(tmp_path, [rec(1), rec(2)], snapshot_after={2: {"at": 2}})
+    await write_log(tmp_path, [rec(1), rec(2)], snapshot_after=(2,))
     recovered = await recover(tmp_path)
-    assert recovered.snapshot == {"at": 2}
+    assert recovered.snapshot == covering(1, 2)
     assert recovered.records == []
     assert recovered.last_index == 2
 
@@ -336,10 +494,9 @@ async def test_snapshot_covers_exactly_the_records_appended_before_the_call(
 ) -> None:
     log, _ = FileLog.open(tmp_path, FsyncPolicy.ALWAYS)
     first = [log.append(rec(i)) for i in range(1, 6)]
-    state: dict[str, Any] = {"upto": [5]}
-    # The cut is made by the call itself, though the loop has not run the task yet.
-    snapshotting = asyncio.ensure_future(log.snapshot(state))
-    state["upto"].append("mutated after the cut")
+    # The cut is made by the call itself, though the loop has not run the task yet (and the
+    # records it covers are not even written yet).
+    snapshotting = asyncio.ensure_future(log.snapshot(Seen))
     later = [log.append(rec(i)) for i in range(6, 9)]
     assert log.records_since_snapshot == 3
     await asyncio.gather(*first, snapshotting, *later)
@@ -348,7 +505,7 @@ async def test_snapshot_covers_exactly_the_records_appended_before_the_call(
     assert len(frame_offsets(seg(tmp_path, 6))) == 3
 
     recovered = await recover(tmp_path)
-    assert recovered.snapshot == {"upto": [5]}
+    assert recovered.snapshot == covering(1, 2, 3, 4, 5)
     assert recovered.records == [rec(6), rec(7), rec(8)]
     assert recovered.last_index == 8
 
@@ -359,7 +516,7 @@ async def test_snapshot_keeps_one_generation_back_and_deletes_older_files(
     log, _ = FileLog.open(tmp_path, FsyncPolicy.ALWAYS)
     for i in range(1, 4):
         await log.append(rec(i))
-    await log.snapshot({"at": 3})
+    await log.snapshot(Seen)
     assert data_files(tmp_path) == {
         seg(tmp_path, 1).name,
         seg(tmp_path, 4).name,
@@ -367,7 +524,7 @@ async def test_snapshot_keeps_one_generation_back_and_deletes_older_files(
     }
     for i in range(4, 7):
         await log.append(rec(i))
-    await log.snapshot({"at": 6})
+    await log.snapshot(Seen)  # built from snapshot 3 and log-4
     assert data_files(tmp_path) == {
         seg(tmp_path, 4).name,
         seg(tmp_path, 7).name,
@@ -376,7 +533,7 @@ async def test_snapshot_keeps_one_generation_back_and_deletes_older_files(
     }
     for i in range(7, 10):
         await log.append(rec(i))
-    await log.snapshot({"at": 9})
+    await log.snapshot(Seen)  # built from snapshot 6 and log-7
     await log.close()
     assert data_files(tmp_path) == {
         seg(tmp_path, 10).name,
@@ -386,16 +543,17 @@ async def test_snapshot_keeps_one_generation_back_and_deletes_older_files(
     }
 
     recovered = await recover(tmp_path)
-    assert recovered.snapshot == {"at": 9}
+    assert recovered.snapshot == covering(*range(1, 10))
     assert recovered.records == []
     assert recovered.last_index == 9
 
 
-async def test_repeated_snapshot_without_new_records_rewrites_it(tmp_path: Path) -> None:
+async def test_repeated_snapshot_without_new_records_builds_nothing(tmp_path: Path) -> None:
     log, _ = FileLog.open(tmp_path, FsyncPolicy.ALWAYS)
     await log.append(rec(1))
-    await log.snapshot({"v": 1})
-    await log.snapshot({"v": 2})
+    await log.snapshot(Seen)
+    written = snap(tmp_path, 1).stat().st_mtime_ns
+    await log.snapshot(Poisoned)  # would fail if it built anything
     assert log.records_since_snapshot == 0
     await log.close()
     assert data_files(tmp_path) == {
@@ -403,19 +561,20 @@ async def test_repeated_snapshot_without_new_records_rewrites_it(tmp_path: Path)
         seg(tmp_path, 2).name,
         snap(tmp_path, 1).name,
     }
-    assert (await recover(tmp_path)).snapshot == {"v": 2}
+    assert snap(tmp_path, 1).stat().st_mtime_ns == written
+    assert (await recover(tmp_path)).snapshot == covering(1)
 
 
 async def test_snapshot_newer_than_the_log_end_continues_in_a_new_segment(
     tmp_path: Path,
 ) -> None:
-    await write_log(tmp_path, [rec(1), rec(2), rec(3)], snapshot_after={3: {"at": 3}})
+    await write_log(tmp_path, [rec(1), rec(2), rec(3)], snapshot_after=(3,))
     # What NEVER plus a power loss could leave: the snapshot, but not the log's tail.
     seg(tmp_path, 4).unlink()
     truncate(seg(tmp_path, 1), frame_offsets(seg(tmp_path, 1))[2])
 
     log, recovered = FileLog.open(tmp_path, FsyncPolicy.ALWAYS)
-    assert recovered.snapshot == {"at": 3}
+    assert recovered.snapshot == covering(1, 2, 3)
     assert recovered.records == []
     assert recovered.last_index == 3
     await log.append(rec(4))
@@ -430,12 +589,12 @@ async def test_damaged_newest_snapshot_falls_back_to_the_previous_one(tmp_path: 
     await write_log(
         tmp_path,
         [rec(i) for i in range(1, 9)],
-        snapshot_after={3: {"at": 3}, 6: {"at": 6}},
+        snapshot_after=(3, 6),
     )
     flip_byte(snap(tmp_path, 6), snap(tmp_path, 6).stat().st_size - 1)
 
     recovered = await recover(tmp_path)
-    assert recovered.snapshot == {"at": 3}
+    assert recovered.snapshot == covering(1, 2, 3)
     assert recovered.records == [rec(i) for i in range(4, 9)]
     assert recovered.last_index == 8
 
@@ -443,7 +602,7 @@ async def test_damaged_newest_snapshot_falls_back_to_the_previous_one(tmp_path: 
 async def test_damaged_first_snapshot_falls_back_to_replaying_everything(
     tmp_path: Path,
 ) -> None:
-    await write_log(tmp_path, [rec(i) for i in range(1, 6)], snapshot_after={3: {"at": 3}})
+    await write_log(tmp_path, [rec(i) for i in range(1, 6)], snapshot_after=(3,))
     snap(tmp_path, 3).write_bytes(b"RDZVSNP1")  # cut short
 
     recovered = await recover(tmp_path)
@@ -457,7 +616,7 @@ async def test_damaged_snapshot_with_no_log_to_replace_it_refuses_to_start(
     await write_log(
         tmp_path,
         [rec(i) for i in range(1, 9)],
-        snapshot_after={3: {"at": 3}, 6: {"at": 6}},
+        snapshot_after=(3, 6),
     )
     snap(tmp_path, 3).unlink()
     flip_byte(snap(tmp_path, 6), 30)
@@ -475,6 +634,73 @@ async def test_leftover_temporary_snapshot_is_deleted_and_ignored(tmp_path: Path
     assert recovered.snapshot is None
     assert recovered.records == [rec(1), rec(2)]
     assert not leftover.exists()
+
+
+async def test_a_failed_build_changes_nothing_and_the_next_snapshot_builds_from_the_same_base(
+    tmp_path: Path,
+) -> None:
+    log, _ = FileLog.open(tmp_path, FsyncPolicy.ALWAYS)
+    await log.append(rec(1))
+    await log.snapshot(Seen)
+    await log.append({"poison": True})
+    with pytest.raises(SnapshotBuildError, match="RuntimeError: log replay diverged"):
+        await log.snapshot(Poisoned)
+    assert data_files(tmp_path) == {seg(tmp_path, 1).name, seg(tmp_path, 2).name, seg(tmp_path, 3).name,
+                                    snap(tmp_path, 1).name}  # fmt: skip
+    await log.append(rec(3))  # the log goes on
+    await log.snapshot(Seen)  # from snapshot 1 again, through log-2 and log-3
+    await log.close()
+    recovered = await recover(tmp_path)
+    assert recovered.snapshot == {"records": [rec(1), {"poison": True}, rec(3)]}
+    assert recovered.records == []
+
+
+async def test_close_stops_a_running_build_instead_of_waiting_for_it(tmp_path: Path) -> None:
+    log, _ = FileLog.open(tmp_path, FsyncPolicy.ALWAYS)
+    await log.append(rec(1))
+    building = log.snapshot(Stuck)
+    await asyncio.sleep(0.3)  # the builder process is most likely running by now (either way works)
+    await log.close()
+    with pytest.raises(LogClosedError):
+        await building
+    assert data_files(tmp_path) == {seg(tmp_path, 1).name, seg(tmp_path, 2).name}  # no snapshot, no .tmp
+    assert (await recover(tmp_path)).records == [rec(1)]
+
+
+def test_a_builder_whose_server_died_exits_and_installs_nothing(tmp_path: Path) -> None:
+    child = textwrap.dedent(
+        """
+        import asyncio, sys
+        from pathlib import Path
+        from rdzv_server.storage import FileLog, FsyncPolicy
+        from test_storage import Stuck
+
+        async def main() -> None:
+            log, _ = FileLog.open(Path(sys.argv[1]), FsyncPolicy.ALWAYS)
+            await log.append({"i": 1})
+            log.snapshot(Stuck)
+            print("building", flush=True)
+            await asyncio.sleep(60)
+
+        asyncio.run(main())
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    with subprocess.Popen(
+        [sys.executable, "-c", child, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env
+    ) as proc:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "building\n"
+        server = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 10
+        while not (builders := server.children()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert builders, "no builder process was started"
+        proc.kill()  # SIGKILL: the server never stops its builder
+        proc.wait()
+    _, alive = psutil.wait_procs(builders, timeout=10)
+    assert not alive, "the builder outlived its server"
+    assert not list(tmp_path.glob("snapshot-*.msgpack"))
 
 
 # ---------------------------------------------------------------------- fsync policies
@@ -544,9 +770,10 @@ async def test_never_still_fsyncs_a_segment_before_rotating_away_from_it(
     log, _ = FileLog.open(tmp_path, FsyncPolicy.NEVER, fsync_fn=fsync)
     before = fsync.calls
     await log.append(rec(1))
-    await log.snapshot({"at": 1})
-    # old segment, new segment's directory entry, snapshot file, snapshot's directory entry
-    assert fsync.calls - before == 4
+    await log.snapshot(Seen)
+    # Old segment, new segment's directory entry, snapshot's directory entry. (The builder
+    # process fsyncs the snapshot file itself, before it exits, with os.fsync.)
+    assert fsync.calls - before == 3
     await log.close()
 
 
@@ -597,7 +824,7 @@ async def test_failed_fsync_fails_pending_and_every_later_append(tmp_path: Path)
     with pytest.raises(LogFailedError):
         await log.append(rec(6))
     with pytest.raises(LogFailedError):
-        await log.snapshot({"x": 1})
+        await log.snapshot(Seen)
     await log.close()  # already reported: closes quietly and releases the directory
 
 
@@ -630,7 +857,7 @@ async def test_append_and_snapshot_after_close_raise(tmp_path: Path) -> None:
     with pytest.raises(LogClosedError):
         log.append(rec(1))
     with pytest.raises(LogClosedError):
-        await log.snapshot({})
+        await log.snapshot(Seen)
 
 
 async def test_a_second_open_of_the_same_directory_is_refused(tmp_path: Path) -> None:
@@ -650,7 +877,7 @@ async def test_memory_log_acknowledges_at_once_and_keeps_nothing() -> None:
     assert future.done() and future.result() is None
     log.append(rec(2))
     assert log.records_since_snapshot == 2
-    await log.snapshot({"at": 2})
+    await log.snapshot(Seen)
     assert log.records_since_snapshot == 0
     with pytest.raises(TypeError):
         log.append({"bad": {1, 2}})
@@ -680,7 +907,7 @@ async def test_both_logs_fit_the_log_seam(tmp_path: Path) -> None:
     for log in logs:
         await log.append(rec(1))
         assert log.records_since_snapshot == 1
-        await log.snapshot({"at": 1})
+        await log.snapshot(Seen)
         assert log.records_since_snapshot == 0
         await log.close()
 
@@ -699,6 +926,9 @@ def test_public_names_are_exactly_the_storage_api() -> None:
             "LogFailedError",
             "MemoryLog",
             "Recovered",
+            "Replica",
+            "ReplicaFactory",
+            "SnapshotBuildError",
             "StorageError",
             "default_data_dir",
         ]

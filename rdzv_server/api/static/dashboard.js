@@ -1,0 +1,341 @@
+// The dashboard's script (served as a file: the page's Content-Security-Policy allows no
+// inline script). With the browser's cookie (set by opening /?token=TOKEN once):
+// - on /, it lists the jobs (GET /v1/jobs every LIST_MS);
+// - on /jobs/ID, it shows that job: its state and pending reason, its nodes, the rounds it
+//   formed (how long each took) and its timeline. The timeline is followed by long-polling
+//   GET /v1/jobs/ID/events?since=SEQ&wait=S: new events are added at the top, nothing is
+//   drawn again. The membership document is fetched again when events arrive, and every
+//   MEMBERSHIP_MS for the heartbeat ages. Node rows are kept by node_id and only their
+//   changed cells are written, so a 1,000-node job costs little per refresh.
+// Polling stops at 401, 403 and 404 (only the operator can fix those), saying why.
+//
+// Rule: every value from the server (job ids, node ids, addresses, messages) enters the
+// page as text (textContent, attribute properties), never through a sink that parses HTML.
+'use strict';
+
+const JOB_PATH = '/jobs/';
+const LIST_MS = 2000; // the jobs table on /
+const MEMBERSHIP_MS = 5000; // heartbeat ages on a job page are at most this old
+const EVENTS_WAIT_S = 25; // one long-poll; the server holds it up to its --max-hold (30 s by default)
+const RETRY_MS = 2000; // after a network error or a 5xx
+const TIMELINE_ROWS = 2000; // rows kept on the page (the server keeps about 1,000 events a job)
+const STOP_STATUSES = new Set([401, 403, 404]);
+const NODE_HEADS = ['node rank', 'node id', 'host/addr', 'nproc', 'global ranks', 'status', 'heartbeat age'];
+const KINDS = new Set(['job_created', 'job_closed', 'node_joined', 'round_formed', 'standby_promoted', 'node_departed']);
+const EVENT_FIELDS = new Set(['seq', 'time', 'kind', 'cause', 'round', 'node_id', 'addr']);
+
+// The job this page shows: /jobs/ID, or none on /.
+const selected = location.pathname.startsWith(JOB_PATH)
+  ? decodeURIComponent(location.pathname.slice(JOB_PATH.length)) : null;
+let stopped = false;
+
+// An element with text content (never parsed as markup) and an optional class.
+function el(tag, text, cls) {
+  const node = document.createElement(tag);
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  if (cls) node.className = cls;
+  return node;
+}
+
+// A table row; plain values become <td> text, nodes are appended as they are.
+function row(cells, cls) {
+  const tr = el('tr', null, cls);
+  for (const cell of cells) tr.append(cell instanceof Node ? cell : el('td', cell));
+  return tr;
+}
+
+function setText(node, text) {
+  const value = text === undefined || text === null ? '' : String(text);
+  if (node.textContent !== value) node.textContent = value;
+}
+
+function ranks(r) {
+  if (!Array.isArray(r) || r.length === 0) return '';
+  return r.length > 1 ? `${r[0]}-${r[r.length - 1]}` : `${r[0]}`;
+}
+
+function sleep(ms) { return new Promise(resolve => setTimeout(resolve, ms)); }
+
+function pad(n, width) { return String(n).padStart(width, '0'); }
+
+// A server-clock time as this browser's wall-clock time: the server sends its `now` with the events.
+function wallTime(serverTime, serverNow, receivedAt) {
+  const d = new Date(receivedAt - (serverNow - serverTime) * 1000);
+  return `${pad(d.getHours(), 2)}:${pad(d.getMinutes(), 2)}:${pad(d.getSeconds(), 2)}.${pad(d.getMilliseconds(), 3)}`;
+}
+
+function seconds(s) { return typeof s === 'number' ? `${s.toFixed(s < 10 ? 2 : 1)} s` : ''; }
+
+// ------------------------------------------------------------------------------ the notice
+
+// The operator's way in when the server wants a token (401), or why the page stopped.
+function showNotice(status, message) {
+  const notice = document.getElementById('notice');
+  const here = location.origin + location.pathname;
+  notice.replaceChildren();
+  if (status === 401) {
+    notice.append(
+      el('h2', 'This server requires a token'),
+      el('p', 'Open this page once as'),
+      el('p', null), // filled below with the address to open
+      el('p', 'with TOKEN the contents of the server\u2019s token file, on the server\u2019s host: by default '
+        + '~/.config/rdzv-server/token ($XDG_CONFIG_HOME/rdzv-server/token), or the file its --token-file names. '
+        + 'The read-only token (the file --read-token-file names) is enough for this page. '
+        + 'The server keeps the token in a cookie for this browser and takes it out of the address.'));
+    notice.children[2].append(el('code', here + '?token=TOKEN'));
+  } else if (status === 403) {
+    notice.append(el('h2', 'This token may not see this'));
+  } else if (status === 404) {
+    notice.append(el('h2', `No job ${selected} on this server`),
+      el('p', 'It never joined here, or it was closed and collected after the server\u2019s --job-ttl.'));
+  } else {
+    notice.append(el('h2', `The server answered ${status}`));
+  }
+  // A 401's own message is written for programs (token files, RDZV_TOKEN): the text above is the page's.
+  if (message && status !== 401) notice.append(el('p', 'The server said: ' + message, 'muted'));
+  if (STOP_STATUSES.has(status)) notice.append(el('p', 'The page stopped updating; reload it to try again.', 'muted'));
+  notice.hidden = false;
+}
+
+function stop(status, message) {
+  stopped = true;
+  showNotice(status, message);
+  document.getElementById('updated').textContent = '';
+}
+
+// GET a /v1 page: {ok, status, body}. Throws on a network error.
+async function getJson(path) {
+  const answer = await fetch(path, { credentials: 'same-origin', headers: { Accept: 'application/json' } });
+  let body = null;
+  try { body = await answer.json(); } catch (e) { body = null; }
+  return { ok: answer.ok, status: answer.status, body };
+}
+
+function messageOf(answer) {
+  return answer.body && typeof answer.body.message === 'string' ? answer.body.message : '';
+}
+
+// A failed answer: stop at 401/403/404, else say so and let the caller retry.
+function failed(answer) {
+  if (STOP_STATUSES.has(answer.status)) stop(answer.status, messageOf(answer));
+  else document.getElementById('updated').textContent = `server answered ${answer.status}; retrying`;
+}
+
+// ------------------------------------------------------------------------------ /: the jobs
+
+function jobRow(j) {
+  const link = el('a', j.rdzv_id);
+  link.href = JOB_PATH + encodeURIComponent(j.rdzv_id);
+  const name = el('td');
+  name.append(link);
+  return row([name, el('td', j.state, 'state-' + j.state), j.round, j.num_nodes,
+    `${j.min_nodes}..${j.max_nodes}`, j.world_size, j.pending], 'job');
+}
+
+async function followJobs() {
+  document.getElementById('overview').hidden = false;
+  while (!stopped) {
+    try {
+      const answer = await getJson('/v1/jobs');
+      if (answer.ok) {
+        document.getElementById('notice').hidden = true;
+        const body = document.querySelector('#jobs tbody');
+        const rows = document.createDocumentFragment();
+        for (const j of (answer.body && answer.body.jobs) || []) rows.append(jobRow(j));
+        body.replaceChildren(rows);
+        document.getElementById('updated').textContent = 'updated ' + new Date().toLocaleTimeString();
+      } else {
+        failed(answer);
+      }
+    } catch (e) {
+      document.getElementById('updated').textContent = 'server unreachable: ' + e;
+    }
+    if (!stopped) await sleep(LIST_MS);
+  }
+}
+
+// ------------------------------------------------------------------------------ a job: its nodes
+
+// One of the node tables (nodes, joining, waiting, standby): rows kept by node_id.
+class NodeTable {
+  constructor(section) {
+    this.section = section;
+    const head = el('thead');
+    head.append(row(NODE_HEADS.map(h => el('th', h))));
+    this.body = el('tbody');
+    const table = el('table', null, 'nodes');
+    table.append(head, this.body);
+    section.append(table);
+    this.rows = new Map(); // node_id -> {tr, cells}
+  }
+
+  update(nodes, alwaysShown) {
+    const list = Array.isArray(nodes) ? nodes : [];
+    this.section.hidden = list.length === 0 && !alwaysShown;
+    const next = new Map();
+    for (const n of list) {
+      let r = this.rows.get(n.node_id);
+      if (r === undefined || next.has(n.node_id)) {
+        const cells = NODE_HEADS.map(() => el('td'));
+        r = { tr: row(cells, 'node'), cells };
+      }
+      const age = typeof n.last_heartbeat_age_s === 'number' ? n.last_heartbeat_age_s.toFixed(1) + 's' : '';
+      const values = [n.node_rank ?? '', n.node_id, n.addr, n.nproc_per_node, ranks(n.global_ranks), n.status, age];
+      values.forEach((v, i) => setText(r.cells[i], v));
+      const cls = n.alive ? 'alive' : 'dead';
+      if (r.cells[5].className !== cls) r.cells[5].className = cls;
+      next.set(n.node_id, r);
+    }
+    this.rows = next;
+    // Move rows only when the order changed (a new round, a node gone).
+    const kids = this.body.children;
+    let same = kids.length === next.size;
+    let i = 0;
+    if (same) for (const r of next.values()) if (kids[i++] !== r.tr) { same = false; break; }
+    if (!same) {
+      const rows = document.createDocumentFragment();
+      for (const r of next.values()) rows.append(r.tr);
+      this.body.replaceChildren(rows);
+    }
+  }
+}
+
+const tables = {};
+
+function showJob(j) {
+  const summary = document.getElementById('summary');
+  summary.replaceChildren(
+    el('span', j.state, 'state-' + j.state),
+    el('span', `, round ${j.round}, ${j.num_nodes} nodes (${j.min_nodes}..${j.max_nodes}), world size ${j.world_size}, `
+      + `num_nodes_waiting ${j.num_nodes_waiting}`));
+  const pending = document.getElementById('pending');
+  setText(pending, j.pending_reason ? 'Round pending: ' + j.pending_reason : '');
+  pending.hidden = !j.pending_reason;
+  tables.nodes.update(j.nodes, true);
+  tables.joining.update(j.joining, false);
+  tables.waiting.update(j.waiting, false);
+  tables.standby.update(j.standby, false);
+  document.getElementById('updated').textContent = 'live, updated ' + new Date().toLocaleTimeString();
+}
+
+// Membership fetches: one at a time; a request made meanwhile is served by one more fetch.
+let membershipBusy = false;
+let membershipAgain = false;
+let membershipTimer = null;
+
+async function refreshMembership() {
+  if (stopped) return;
+  if (membershipBusy) { membershipAgain = true; return; }
+  membershipBusy = true;
+  clearTimeout(membershipTimer);
+  try {
+    const answer = await getJson('/v1/jobs/' + encodeURIComponent(selected));
+    if (answer.ok) {
+      document.getElementById('notice').hidden = true;
+      showJob(answer.body);
+    } else {
+      failed(answer);
+    }
+  } catch (e) {
+    document.getElementById('updated').textContent = 'server unreachable: ' + e;
+  } finally {
+    membershipBusy = false;
+  }
+  if (stopped) return;
+  if (membershipAgain) { membershipAgain = false; refreshMembership(); return; }
+  membershipTimer = setTimeout(refreshMembership, MEMBERSHIP_MS);
+}
+
+// ------------------------------------------------------------------------------ a job: its timeline
+
+// The details of an event in words (round_formed, node_joined...), else key=value.
+function details(e) {
+  const rest = Object.keys(e).filter(k => !EVENT_FIELDS.has(k));
+  if (e.kind === 'round_formed') {
+    return `${e.num_nodes} nodes, world size ${e.world_size}, formed in ${seconds(e.formation_s)}`
+      + (e.standby ? `, ${e.standby} standby` : '');
+  }
+  return rest.map(k => `${k}=${typeof e[k] === 'object' ? JSON.stringify(e[k]) : e[k]}`).join(' ');
+}
+
+function eventRow(e, now, receivedAt) {
+  const kind = KINDS.has(e.kind) ? 'kind-' + e.kind : null;
+  const tr = row([wallTime(e.time, now, receivedAt), e.round, e.kind, e.cause, e.node_id ?? '', e.addr ?? '', details(e)],
+    kind ? 'event ' + kind : 'event');
+  tr.dataset.seq = String(e.seq);
+  return tr;
+}
+
+function roundRow(e, now, receivedAt) {
+  return row([e.round, wallTime(e.time, now, receivedAt), e.cause, e.num_nodes, e.world_size, e.standby ?? 0,
+    seconds(e.formation_s)], 'round');
+}
+
+// Add one page of events (oldest first) at the top of the timeline and the rounds table.
+function addEvents(page, since, receivedAt) {
+  const timeline = document.querySelector('#timeline tbody');
+  const rounds = document.querySelector('#rounds tbody');
+  const newTimeline = document.createDocumentFragment();
+  const newRounds = document.createDocumentFragment();
+  const events = page.events;
+  for (let i = events.length - 1; i >= 0; i--) {
+    const e = events[i];
+    newTimeline.append(eventRow(e, page.now, receivedAt));
+    if (e.kind === 'round_formed') newRounds.append(roundRow(e, page.now, receivedAt));
+  }
+  if (page.first_seq > since + 1) {
+    const gap = el('td', `events ${since + 1}..${page.first_seq - 1} are no longer kept`);
+    gap.colSpan = 7;
+    newTimeline.append(row([gap], 'gap'));
+  }
+  timeline.prepend(newTimeline);
+  rounds.prepend(newRounds);
+  while (timeline.rows.length > TIMELINE_ROWS) timeline.lastElementChild.remove();
+}
+
+async function followEvents() {
+  let since = 0;
+  let wait = 0; // the first page at once, then long-polls
+  let hold = EVENTS_WAIT_S;
+  while (!stopped) {
+    let answer;
+    try {
+      answer = await getJson(`/v1/jobs/${encodeURIComponent(selected)}/events?since=${since}&wait=${wait}`);
+    } catch (e) {
+      document.getElementById('updated').textContent = 'server unreachable: ' + e;
+      await sleep(RETRY_MS);
+      continue;
+    }
+    if (answer.status === 400 && wait > 1) { // a server whose --max-hold is shorter
+      hold = wait = Math.floor(wait / 2);
+      continue;
+    }
+    if (!answer.ok) {
+      failed(answer);
+      if (!stopped) await sleep(RETRY_MS);
+      continue;
+    }
+    const page = answer.body;
+    if (page.events.length > 0) {
+      addEvents(page, since, Date.now());
+      if (since > 0) refreshMembership();
+    }
+    since = Math.max(since, page.next_seq - 1);
+    wait = hold;
+  }
+}
+
+// ------------------------------------------------------------------------------ start
+
+if (selected === null) {
+  followJobs();
+} else {
+  document.title = `${selected} \u2013 rdzv-server`;
+  document.getElementById('job-name').textContent = selected;
+  document.getElementById('job').hidden = false;
+  for (const name of ['nodes', 'joining', 'waiting', 'standby']) {
+    tables[name] = new NodeTable(document.getElementById('members-' + name));
+  }
+  refreshMembership();
+  followEvents();
+}

@@ -1,0 +1,105 @@
+"""The service's apply loop, in process over a real durable log (fsync always): an applied
+command's effects do not depend on whether the request that carried it is still there, and
+nothing is served before recovery ends."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from rdzv_client import wire
+from rdzv_server.api.auth import OPEN
+from rdzv_server.api.metric import Metrics
+from rdzv_server.api.operation import run_operation
+from rdzv_server.config import ServerConfig
+from rdzv_server.core import command as c
+from rdzv_server.service import Service
+
+JOB = "job"
+
+
+def join(node: str, *, min_nodes: int = 2, max_nodes: int = 4, last_call: float = 0.3) -> c.Join:
+    return c.Join(JOB, node, "127.0.0.1", 1, min_nodes, max_nodes, last_call, 600.0, 600.0)
+
+
+async def started(tmp_path: Path) -> Service:
+    svc = Service(ServerConfig(data_dir=tmp_path / "data", fsync="always"))
+    await svc.start()
+    return svc
+
+
+async def test_a_join_cancelled_during_its_fsync_still_schedules_the_last_call(tmp_path: Path) -> None:
+    """The min_nodes-th join's client hangs up while its record is being fsynced: the
+    record is applied and durable, so its last-call deadline must still fire on time."""
+    svc = await started(tmp_path)
+    try:
+        await svc.write(join("a"))
+        request = asyncio.ensure_future(svc.write(join("b")))
+        await asyncio.sleep(0)  # applied, its append in flight (fsync in a thread)
+        assert svc.machine.job(JOB).last_call_deadline is not None
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        for _ in range(100):  # the last call is 0.3 s; without its timer the round stays open
+            if svc.machine.job(JOB).state.value == "complete":
+                break
+            await asyncio.sleep(0.05)
+        assert svc.machine.job(JOB).state.value == "complete"
+        assert svc.machine.job(JOB).num_nodes() == 2
+    finally:
+        await svc.close()
+
+
+async def test_a_cancelled_write_still_wakes_the_waiters_of_its_key(tmp_path: Path) -> None:
+    svc = await started(tmp_path)
+    try:
+        await svc.write(c.Create(JOB, 1, 1, 1.0, 600.0, 600.0))
+        waiting = asyncio.ensure_future(svc.get(JOB, None, b"k", hold=10.0))
+        await asyncio.sleep(0.05)
+        request = asyncio.ensure_future(svc.write(c.Set(JOB, b"k", b"v")))
+        await asyncio.sleep(0)
+        request.cancel()
+        assert await asyncio.wait_for(waiting, 5.0) == b"v"
+    finally:
+        await svc.close()
+
+
+READS = {
+    "get": {"key": "k", "timeout": 0},
+    "multi_get": {"keys": ["k"], "timeout": 0},
+    "wait": {"keys": ["k"], "timeout": 0},
+    "check": {"keys": ["k"]},
+    "num_keys": {},
+    "list_keys": {},
+    "await_round": {"node_id": "a", "round": 0, "hold": 0},
+    "watch": {"node_id": "a", "round": 0, "known": 0, "hold": 0},
+    "set": {"key": "k", "value": "v"},
+}
+
+
+@pytest.mark.parametrize("op", sorted(READS))
+async def test_every_operation_is_not_ready_until_recovery_ends(op: str) -> None:
+    """Before recovery ends nothing is known, not even which jobs exist: a 404 would be a lie
+    the client does not retry; 503 not_ready is retried."""
+    svc = Service(ServerConfig(memory=True))  # not started: recovering
+    status, body = await run_operation(svc, Metrics(svc), OPEN, op, "any-job", READS[op])
+    assert (status, body["error"]) == (503, wire.ErrorCode.NOT_READY.value)
+
+
+async def test_an_events_poll_parks_until_the_job_has_something_new(tmp_path: Path) -> None:
+    svc = await started(tmp_path)
+    try:
+        await svc.write(join("a"))
+        seen = await svc.events(JOB, 0, hold=0.0, limit=100)
+        assert [e["kind"] for e in seen["events"]] == ["job_created", "node_joined"]
+        waiting = asyncio.ensure_future(svc.events(JOB, seen["next_seq"] - 1, hold=10.0, limit=100))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        await svc.write(join("b"))
+        news = await asyncio.wait_for(waiting, 5.0)
+        assert [(e["kind"], e["cause"], e["node_id"]) for e in news["events"]] == [("node_joined", "candidate", "b")]
+        assert (await svc.events(JOB, news["next_seq"] - 1, hold=0.0, limit=100))["events"] == []
+    finally:
+        await svc.close()
