@@ -1,0 +1,135 @@
+"""Real etcd processes for the tests: 1 or 3 members on free loopback ports, in a temp folder.
+
+Tests that need etcd call :func:`require_etcd` (or use a fixture that does): it skips with
+"etcd not installed: apt-get install etcd-server" only when the ``etcd`` binary is absent.
+Anything else that goes wrong (a member that never becomes healthy) fails loudly, with the
+member's log tail in the message.
+
+Ports are chosen at run time (bound to port 0 by the kernel, all held open together until
+the members are about to start), never fixed, so parallel runs do not collide. Every wait
+is bounded. :meth:`EtcdCluster.close` kills every member it started and deletes the folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+ETCD_MISSING = "etcd not installed: apt-get install etcd-server"
+
+# Long enough for three members to elect a leader on a loaded 2-core runner; short enough
+# that a broken etcd fails the test quickly.
+DEFAULT_START_TIMEOUT_S = 20.0
+
+
+def require_etcd() -> str:
+    """The path of the ``etcd`` binary; skip the calling test when it is not installed."""
+    binary = shutil.which("etcd")
+    if binary is None:
+        pytest.skip(ETCD_MISSING)
+    return binary
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+class EtcdCluster:
+    """``size`` etcd members on 127.0.0.1; :attr:`client_urls` is what ``--etcd`` would take."""
+
+    def __init__(self, size: int = 1, *, base_dir: Path | None = None) -> None:
+        self.binary = require_etcd()
+        self.size = size
+        self._own_dir = base_dir is None
+        self.dir = Path(tempfile.mkdtemp(prefix="rdzv-etcd-")) if base_dir is None else base_dir
+        ports = _free_ports(2 * size)
+        self.client_ports = ports[:size]
+        self.peer_ports = ports[size:]
+        self.client_urls = [f"http://127.0.0.1:{port}" for port in self.client_ports]
+        self.processes: list[subprocess.Popen[bytes] | None] = [None] * size
+
+    def start(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> EtcdCluster:
+        """Start every member and wait until each reports healthy (a leader elected)."""
+        cluster = ",".join(f"m{i}=http://127.0.0.1:{port}" for i, port in enumerate(self.peer_ports))
+        token = f"rdzv-test-{uuid.uuid4().hex[:12]}"
+        for i in range(self.size):
+            peer = f"http://127.0.0.1:{self.peer_ports[i]}"
+            log = open(self.dir / f"m{i}.log", "wb")  # noqa: SIM115 - owned by the child
+            with log:
+                self.processes[i] = subprocess.Popen(
+                    [
+                        self.binary,
+                        "--name", f"m{i}",
+                        "--data-dir", str(self.dir / f"m{i}"),
+                        "--listen-client-urls", self.client_urls[i],
+                        "--advertise-client-urls", self.client_urls[i],
+                        "--listen-peer-urls", peer,
+                        "--initial-advertise-peer-urls", peer,
+                        "--initial-cluster", cluster,
+                        "--initial-cluster-state", "new",
+                        "--initial-cluster-token", token,
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                )
+        deadline = time.monotonic() + timeout_s
+        for i in range(self.size):
+            self._wait_healthy(i, deadline)
+        return self
+
+    def _wait_healthy(self, i: int, deadline: float) -> None:
+        url = f"{self.client_urls[i]}/health"
+        while True:
+            process = self.processes[i]
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"etcd member m{i} exited with {process.returncode}:\n{self.log_tail(i)}")
+            with contextlib.suppress(OSError, urllib.error.URLError), urllib.request.urlopen(url, timeout=1) as answer:
+                if b'"health":"true"' in answer.read():
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"etcd member m{i} did not become healthy in time:\n{self.log_tail(i)}")
+            time.sleep(0.05)
+
+    def log_tail(self, i: int, lines: int = 20) -> str:
+        """The last lines of member ``i``'s log, for failure messages."""
+        path = self.dir / f"m{i}.log"
+        try:
+            return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError as exc:
+            return f"(no log: {exc})"
+
+    def kill(self, i: int) -> None:
+        """SIGKILL member ``i`` and reap it (a crash, not a shutdown)."""
+        process = self.processes[i]
+        if process is not None and process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+
+    def close(self) -> None:
+        """Kill every member this cluster started and delete its folder (idempotent)."""
+        for i in range(self.size):
+            self.kill(i)
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
