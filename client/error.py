@@ -22,6 +22,7 @@ The tree::
     ├── ConflictError               the request contradicts stored state (409)
     ├── LimitError                  a server limit refused the request; nothing changed (429, 413)
     └── ServerError                 the server failed, or answered something malformed (5xx)
+        └── NotLeaderError          a follower replica answered; .leader is the leader's URL (503)
 """
 
 from __future__ import annotations
@@ -107,6 +108,18 @@ class ServerError(RdzvError):
     """The server failed (5xx) or answered something this client cannot read."""
 
 
+class NotLeaderError(ServerError):
+    """A follower replica of a replicated cluster answered: only the leader serves operations.
+
+    ``leader`` is the leader's URL as the follower knows it (``None`` during an election).
+    The client retries at the leader with the same request id, so the write applies once.
+    """
+
+    def __init__(self, message: str, *, code: ErrorCode | None = None, leader: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.leader = leader
+
+
 # One row per wire code. A test checks that every ErrorCode has a row.
 ERROR_CLASSES: dict[ErrorCode, type[RdzvError]] = {
     ErrorCode.BAD_REQUEST: BadRequestError,
@@ -127,6 +140,7 @@ ERROR_CLASSES: dict[ErrorCode, type[RdzvError]] = {
     ErrorCode.FORBIDDEN: UnauthorizedError,
     ErrorCode.NOT_READY: ServerError,
     ErrorCode.SHUTTING_DOWN: ServerError,
+    ErrorCode.NOT_LEADER: NotLeaderError,
     ErrorCode.INTERNAL: ServerError,
     ErrorCode.HEADERS_TOO_LARGE: BadRequestError,
     ErrorCode.EXPECTATION_FAILED: BadRequestError,
@@ -181,4 +195,7 @@ def error_from_body(status: int, body: object) -> RdzvError:
     if code is None and isinstance(raw_code, str):
         message = f"{message} (unknown error code {raw_code!r})"
     cls = ERROR_CLASSES[code] if code is not None else _class_for_status(status)
+    if cls is NotLeaderError:
+        leader = body.get("leader") if isinstance(body, Mapping) else None
+        return NotLeaderError(message, code=code, leader=leader if isinstance(leader, str) and leader else None)
     return cls(message, code=code)

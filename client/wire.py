@@ -80,6 +80,9 @@ class ErrorCode(str, enum.Enum):
     UNAUTHORIZED = "unauthorized"
     FORBIDDEN = "forbidden"
     SHUTTING_DOWN = "shutting_down"
+    # A follower replica of a replicated cluster (--etcd): the body's "leader" names the
+    # leader's URL when one is known; ask it instead (same request id).
+    NOT_LEADER = "not_leader"
     INTERNAL = "internal"
     # HTTP-level refusals (answered before a request reaches an operation).
     HEADERS_TOO_LARGE = "headers_too_large"
@@ -116,6 +119,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.UNAUTHORIZED: 401,
     ErrorCode.FORBIDDEN: 403,
     ErrorCode.SHUTTING_DOWN: 503,
+    ErrorCode.NOT_LEADER: 503,
     ErrorCode.INTERNAL: 500,
     ErrorCode.HEADERS_TOO_LARGE: 431,
     ErrorCode.EXPECTATION_FAILED: 417,
@@ -806,5 +810,7 @@ class Assignment:
         return from_mapping(cls, {k: v for k, v in body.items() if k in names})
 
 
-def error_body(code: ErrorCode, message: str) -> dict[str, str]:
-    return {"error": code.value, "message": message}
+def error_body(code: ErrorCode, message: str, **extra: Any) -> dict[str, Any]:
+    """An error answer's body: ``{"error": CODE, "message": TEXT}`` plus code-specific fields
+    (``not_leader`` adds ``leader``: the leader's URL, or ``None`` while none is known)."""
+    return {"error": code.value, "message": message, **extra}

@@ -19,7 +19,7 @@ from aiohttp.typedefs import Handler
 
 from rdzv_client import wire
 
-from ..core.error import RdzvError
+from ..core.error import NotLeader, RdzvError
 from .codec import encode
 
 log = logging.getLogger("rdzv_server.api")
@@ -39,6 +39,8 @@ INTERNAL_MESSAGE = "internal server error; the server log has details"
 
 def error_reply(exc: Exception, serving: str) -> tuple[int, dict[str, Any]]:
     """The status and body that answer ``exc``; ``serving`` names the request in the log."""
+    if isinstance(exc, NotLeader):
+        return exc.status, wire.error_body(wire.ErrorCode.NOT_LEADER, exc.message, leader=exc.leader)
     if isinstance(exc, RdzvError):
         return exc.status, wire.error_body(wire.ErrorCode(exc.code), exc.message)
     if isinstance(exc, wire.WireError):

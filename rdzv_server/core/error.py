@@ -110,6 +110,20 @@ class NotReady(RdzvError):
     status = 503
 
 
+class NotLeader(RdzvError):
+    """This replica follows; only the leader serves operations (raised by the service).
+
+    ``leader`` is the leader's advertised URL, ``None`` while no replica leads.
+    """
+
+    code = "not_leader"
+    status = 503
+
+    def __init__(self, message: str, leader: str | None) -> None:
+        super().__init__(message)
+        self.leader = leader
+
+
 class ShuttingDown(RdzvError):
     """The server is draining for shutdown; clients retry after the restart."""
 
