@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .config import FSYNC_POLICIES, LOG_FORMATS, LOG_LEVELS, ConfigError, ServerConfig
+from .config import DEFAULT_ETCD_SNAPSHOT_EVERY, FSYNC_POLICIES, LOG_FORMATS, LOG_LEVELS, ConfigError, ServerConfig
 
 _DEFAULTS = ServerConfig()
 
@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-hold", type=float, default=_env("max_hold", _DEFAULTS.max_hold), help="longest a long-poll is held, s")
     p.add_argument("--disconnect-grace", type=float, default=_env("disconnect_grace", _DEFAULTS.disconnect_grace), help="s a node may take to reconnect its watch before it is dead")
     p.add_argument("--job-ttl", type=float, default=_env("job_ttl", _DEFAULTS.job_ttl), help="s a closed or idle job is kept")
-    p.add_argument("--snapshot-every", type=int, default=_env("snapshot_every", _DEFAULTS.snapshot_every), help="log records between snapshots")
+    p.add_argument("--snapshot-every", type=int, default=_env("snapshot_every", None),
+                   help=f"log records between snapshots (default {_DEFAULTS.snapshot_every}; with --etcd {DEFAULT_ETCD_SNAPSHOT_EVERY})")
     p.add_argument(
         "--truncate-corrupt-log",
         action="store_true",
@@ -67,6 +68,21 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_argument("--tls-key", type=Path, default=_env("tls_key", None), help="TLS private key (PEM)")
     security.add_argument("--tls-client-ca", type=Path, default=_env("tls_client_ca", None),
                           help="CA bundle (PEM): require client certificates it signed (mutual TLS)")
+    ha = p.add_argument_group("replicas", "run as one replica of a cluster over etcd (README: High availability)")
+    ha.add_argument("--etcd", default=_env("etcd", ""),
+                    help="etcd client URLs, comma-separated (http://h1:2379,http://h2:2379,...): the log lives in etcd")
+    ha.add_argument("--etcd-prefix", default=_env("etcd_prefix", _DEFAULTS.etcd_prefix),
+                    help="key prefix of this cluster in etcd (default %(default)s)")
+    ha.add_argument("--etcd-lease-ttl", type=int, default=_env("etcd_lease_ttl", _DEFAULTS.etcd_lease_ttl),
+                    help="s: a dead leader is replaced within about this long (default %(default)s)")
+    ha.add_argument("--etcd-token-file", type=Path, default=_env("etcd_token_file", None),
+                    help="file holding USER:PASSWORD for etcd's authentication")
+    ha.add_argument("--etcd-ca", type=Path, default=_env("etcd_ca", None), help="CA bundle that signs etcd's certificates (PEM)")
+    ha.add_argument("--etcd-cert", type=Path, default=_env("etcd_cert", None), help="client certificate for etcd (PEM)")
+    ha.add_argument("--etcd-key", type=Path, default=_env("etcd_key", None), help="client key for etcd (PEM)")
+    ha.add_argument("--advertise-url", default=_env("advertise_url", None),
+                    help="URL clients reach this replica at (followers name the leader by it); default from --host/--port")
+    ha.add_argument("--replica-id", default=_env("replica_id", None), help="this replica's name (default HOSTNAME:PORT)")
     limits = p.add_argument_group("limits", "what one server holds at most (README: Limits)")
     for name, kind, text in _LIMITS:
         flag = "--" + name.replace("_", "-")
@@ -92,6 +108,7 @@ _LIMITS: tuple[tuple[str, type, str], ...] = (
 def parse(argv: Sequence[str] | None = None) -> ServerConfig:
     parser = build_parser()
     args = parser.parse_args(argv)
+    etcd = tuple(url.strip().rstrip("/") for url in str(args.etcd).split(",") if url.strip())
     try:
         return ServerConfig(
             host=args.host,
@@ -106,7 +123,9 @@ def parse(argv: Sequence[str] | None = None) -> ServerConfig:
             max_hold=float(args.max_hold),
             disconnect_grace=float(args.disconnect_grace),
             job_ttl=float(args.job_ttl),
-            snapshot_every=int(args.snapshot_every),
+            snapshot_every=int(args.snapshot_every) if args.snapshot_every is not None else (
+                DEFAULT_ETCD_SNAPSHOT_EVERY if etcd else _DEFAULTS.snapshot_every
+            ),
             truncate_corrupt_log=bool(args.truncate_corrupt_log),
             token_file=_path(args.token_file),
             read_token_file=_path(args.read_token_file),
@@ -115,6 +134,15 @@ def parse(argv: Sequence[str] | None = None) -> ServerConfig:
             tls_cert=_path(args.tls_cert),
             tls_key=_path(args.tls_key),
             tls_client_ca=_path(args.tls_client_ca),
+            etcd=etcd,
+            etcd_prefix=str(args.etcd_prefix),
+            etcd_lease_ttl=int(args.etcd_lease_ttl),
+            etcd_token_file=_path(args.etcd_token_file),
+            etcd_ca=_path(args.etcd_ca),
+            etcd_cert=_path(args.etcd_cert),
+            etcd_key=_path(args.etcd_key),
+            advertise_url=str(args.advertise_url).rstrip("/") if args.advertise_url else None,
+            replica_id=str(args.replica_id) if args.replica_id else None,
             **{name: kind(getattr(args, name)) for name, kind, _ in _LIMITS},
         )
     except (ConfigError, ValueError) as exc:

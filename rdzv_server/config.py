@@ -54,6 +54,13 @@ DEFAULT_MAX_SESSIONS = 100_000
 DEFAULT_MAX_SESSION_WRITES = 4096
 # Bytes of write results kept for retries (only compare_set's carry a value), over all sessions.
 DEFAULT_MAX_SESSION_BYTES = 256 * 1024 * 1024
+# With --etcd: records between snapshots. Every record is an etcd revision kept until the
+# next snapshot's compaction; 10,000 keeps etcd's history to a few MB.
+DEFAULT_ETCD_SNAPSHOT_EVERY = 10_000
+# With --etcd: the leader's lease. A dead leader is replaced within about this long; a GC
+# pause or a slow etcd shorter than it does not cost a replica its leadership.
+DEFAULT_ETCD_LEASE_TTL = 5
+DEFAULT_ETCD_PREFIX = "/rdzv"
 FSYNC_POLICIES = ("always", "batch", "never")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")  # json: one object per line, for log pipelines (logformat.py)
@@ -100,6 +107,16 @@ class ServerConfig:
     max_session_writes: int = DEFAULT_MAX_SESSION_WRITES
     max_session_bytes: int = DEFAULT_MAX_SESSION_BYTES
     session_ttl: float = DEFAULT_SESSION_TTL
+    # -- replicas (README "High availability") --
+    etcd: tuple[str, ...] = ()  # etcd client URLs: run as one replica of a cluster over etcd
+    etcd_prefix: str = DEFAULT_ETCD_PREFIX  # one prefix per cluster
+    etcd_lease_ttl: int = DEFAULT_ETCD_LEASE_TTL
+    etcd_token_file: Path | None = None  # USER:PASSWORD for etcd's auth
+    etcd_ca: Path | None = None
+    etcd_cert: Path | None = None
+    etcd_key: Path | None = None
+    advertise_url: str | None = None  # how clients reach this replica; default from host and port
+    replica_id: str | None = None  # default: the host name and port
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -132,6 +149,19 @@ class ServerConfig:
             raise ConfigError("--snapshot-every must be at least 1")
         if self.no_auth and (self.token_file is not None or self.read_token_file is not None):
             raise ConfigError("--no-auth excludes --token-file and --read-token-file: pick one")
+        if self.etcd and (self.memory or self.data_dir is not None):
+            raise ConfigError("--etcd keeps the log in etcd: it excludes --memory and --data-dir")
+        for url in self.etcd:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"--etcd takes client URLs such as http://10.0.0.1:2379, got {url!r}")
+        if not self.etcd_prefix.startswith("/") or self.etcd_prefix.rstrip("/") == "":
+            raise ConfigError(f"--etcd-prefix must be a path under / such as /rdzv, got {self.etcd_prefix!r}")
+        if self.etcd_lease_ttl < 2:
+            raise ConfigError("--etcd-lease-ttl must be at least 2 s (etcd's shortest lease is about 1.5 s)")
+        if (self.etcd_cert is None) != (self.etcd_key is None):
+            raise ConfigError("--etcd-cert and --etcd-key go together: give both, or neither")
+        if self.advertise_url is not None and not self.advertise_url.startswith(("http://", "https://")):
+            raise ConfigError(f"--advertise-url must be http://HOST:PORT or https://HOST:PORT, got {self.advertise_url!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("--tls-cert and --tls-key go together: give both, or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:

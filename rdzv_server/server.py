@@ -287,6 +287,7 @@ async def serve(config: ServerConfig, stop: asyncio.Event) -> None:
     listener = Listener(http=http, stream=streams, table=table)
     try:
         await listener.start(config.host, config.port, tls=tls, handshake_timeout=config.read_timeout)
+        svc.bound_port = listener.addresses()[0][1]
         await svc.start()
         host, port = listener.addresses()[0]
         shown = f"[{host}]" if ":" in host else host

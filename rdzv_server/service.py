@@ -14,6 +14,11 @@ Rules:
   time, so deadlines neither fire nor stretch because the server was down; heartbeat
   times are reset on recovery (each node gets one full TTL of grace).
 - The timer only detects; what it decides is applied as ordinary logged commands.
+- With ``--etcd`` the service is one replica (:mod:`.replication` drives it): a follower's
+  machine changes only by replaying committed records, every operation answers
+  ``not_leader``; :meth:`lead` makes it the leader over the replicated log (heartbeats
+  reset, deadlines scheduled) and :meth:`stop_leading` ends that, dropping nothing that
+  was acknowledged (only committed records were).
 
 What it must not know: HTTP, the wire format (the API translates).
 """
@@ -30,16 +35,20 @@ import random
 import time
 from collections.abc import Callable, Coroutine, Hashable, Iterable, Iterator
 from dataclasses import asdict
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .config import ServerConfig
 from .core import command as c
-from .core.error import NotReady, RdzvError, SettingsConflict, ShuttingDown
+from .core.error import NotLeader, NotReady, RdzvError, SettingsConflict, ShuttingDown
 from .core.event import Cause, JobEvent
 from .core.machine import Outcome, StateMachine, events_topic, key_topic, round_topic, watch_topic
 from .core.rendezvous import Departure, Job, departure_cause
 from .core.store import KeyValueStore
-from .storage import FileLog, FsyncPolicy, Log, LogClosedError, MemoryLog, Recovered, StorageError
+from .replication import start_replication
+from .storage import FileLog, FsyncPolicy, Log, LogClosedError, LogFailedError, MemoryLog, Recovered, StorageError
+
+if TYPE_CHECKING:
+    from .replication import Replication
 
 log = logging.getLogger("rdzv_server")
 
@@ -58,6 +67,10 @@ class Waiters:
 
     def __len__(self) -> int:
         return sum(len(s) for s in self._by_topic.values())
+
+    def reopen(self) -> None:
+        """Park long-polls again after :meth:`fail_all` (a replica that leads again)."""
+        self._closed = None
 
     def wake(self, topics: Iterable[Hashable]) -> None:
         for topic in topics:
@@ -121,7 +134,11 @@ class Service:
         )
         self.machine = self._new_machine()
         self.waiters = Waiters()
-        self.ready = False
+        self.ready = False  # serving operations (the leader, or the one server)
+        self.recovered = False  # a state machine is installed (a replica may follow)
+        self.replication: Replication | None = None  # with --etcd
+        self.started_at = time.time()
+        self.bound_port: int | None = None  # the port listened on (server.py sets it before start)
         self.recovered_records = 0
         self.recovery_seconds = 0.0
         self._log: Log = MemoryLog()
@@ -153,8 +170,19 @@ class Service:
 
     # -- lifecycle ---------------------------------------------------------------------
 
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    @property
+    def role(self) -> str:
+        """``single`` (no --etcd), else this replica's ``leader``, ``follower`` or ``candidate``."""
+        return "single" if self.replication is None else self.replication.role
+
     async def start(self) -> None:
         """Recover from the data directory (if any), then start the timer and report ready.
+
+        With ``--etcd``: join the cluster as a replica and return once it follows (or leads).
 
         Recovery runs off the event loop (the loop keeps answering /healthz, and every
         operation answers not_ready): a thread reads the log and rebuilds a fresh machine
@@ -164,6 +192,10 @@ class Service:
         says what to do.
         """
         started = time.monotonic()
+        if self.config.etcd:
+            self.replication = await start_replication(self)
+            self.recovery_seconds = time.monotonic() - started
+            return
         data_dir = self.config.resolved_data_dir()
         if data_dir is not None:
             # Recovery allocates millions of containers. The cyclic collector would rescan them
@@ -184,7 +216,7 @@ class Service:
                 except (StorageError, OSError) as exc:
                     raise SystemExit(f"rdzv-server: error: cannot recover {data_dir}: {exc}") from exc
                 self._log = file_log
-                self.machine = await asyncio.to_thread(self._replay, recovered)
+                self.machine = await asyncio.to_thread(self.rebuild, recovered)
             finally:
                 if collecting:
                     gc.enable()
@@ -196,18 +228,8 @@ class Service:
                     recovered.truncated_bytes,
                     data_dir,
                 )
-        self._clock_base = self.machine.clock
-        self._mono_base = time.monotonic()
-        now = self.now()
-        self.machine.reset_heartbeats(now)
-        for rdzv_id in list(self.machine.jobs):
-            self._schedule(rdzv_id)
-        self._timer_task = asyncio.create_task(self._run_timer(), name="rdzv-timer")
         self.recovery_seconds = time.monotonic() - started
-        self.machine.set_limits(self.config.limits())  # after replay: see StateMachine.apply
-        self.ready = True
-        if self.machine.jobs:  # every job's timeline says the server was away
-            await self.write(c.Restarted(""))
+        await self._serve(c.Restarted(""))
         log.info(
             "Recovered %d jobs (%d log records) in %.3f s from %s.",
             len(self.machine.jobs),
@@ -216,9 +238,72 @@ class Service:
             data_dir or "memory",
         )
 
-    def _replay(self, recovered: Recovered) -> StateMachine:
+    async def _serve(self, restarted: c.Restarted) -> None:
+        """Take up serving over the installed machine and log: the clock continues from the last
+        logged time, each node gets one full TTL of grace, every deadline is scheduled."""
+        self._clock_base = self.machine.clock
+        self._mono_base = time.monotonic()
+        self.machine.reset_heartbeats(self.now())
+        self._heap.clear()
+        self._scheduled.clear()
+        for rdzv_id in list(self.machine.jobs):
+            self._schedule(rdzv_id)
+        self.waiters.reopen()
+        self._timer_task = asyncio.create_task(self._run_timer(), name="rdzv-timer")
+        self.machine.set_limits(self.config.limits())  # after replay: see StateMachine.apply
+        self.recovered = True
+        self.ready = True
+        if self.machine.jobs:  # every job's timeline says the server was away
+            await self.write(restarted)
+
+    # -- replicas (driven by replication.py) ---------------------------------------------------
+
+    def follow(self, machine: StateMachine) -> None:
+        """Install ``machine`` (rebuilt from etcd) as a follower's; the replication keeps it hot."""
+        self.machine = machine
+        self.recovered = True
+
+    async def lead(self, replicated: Log, detail: str) -> None:
+        """Serve as the leader over ``replicated``, the log the follower's machine has caught up to."""
+        self._log = replicated
+        self._last_append = None
+        self._snapshotting = False
+        await self._serve(c.Restarted("", "leader_changed", detail))
+
+    async def stop_leading(self) -> None:
+        """Stop serving at once (a lost lease, a failed append, shutdown): park nothing, time
+        nothing, and drop the log; what is in memory may hold uncommitted commands, so the
+        replication rebuilds the machine from etcd before anything is served again."""
+        self.ready = False
+        self.waiters.fail_all(self._not_leader())
+        for handle in self._lost.values():
+            handle.cancel()
+        self._lost.clear()
+        if self._timer_task is not None:
+            self._timer_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._timer_task
+            self._timer_task = None
+        replicated, self._log = self._log, MemoryLog()
+        self._last_append = None
+        with contextlib.suppress(Exception):  # its outcome no longer matters: it is fenced
+            await asyncio.wait_for(replicated.close(), 1.0)
+
+    def log_index(self) -> int:
+        """The index of the last record appended to the log (0 without one that counts)."""
+        return int(getattr(self._log, "last_index", 0))
+
+    def _not_leader(self) -> NotLeader:
+        replication = self.replication
+        leader = replication.leader if replication is not None else None
+        url = leader["url"] if leader is not None and leader["url"] != getattr(replication, "url", None) else None
+        where = f"the leader is {url}" if url else "no replica leads right now (an election is under way)"
+        name = replication.id if replication is not None else "this server"
+        return NotLeader(f"replica {name} is not the leader; {where}: retry there", url)
+
+    def rebuild(self, recovered: Recovered) -> StateMachine:
         """Runs in a thread: a fresh machine rebuilt from ``recovered``, touched by nothing else
-        until :meth:`start` swaps it in. Raises RuntimeError if a record does not replay."""
+        until it is swapped in. Raises RuntimeError if a record does not replay."""
         machine = self._new_machine()
         if recovered.snapshot is not None:
             machine.restore(recovered.snapshot)
@@ -237,6 +322,8 @@ class Service:
     async def close(self) -> None:
         """After in-flight requests drained: stop the timer, flush and close the log."""
         self.begin_stop()
+        if self.replication is not None:
+            await self.replication.close()  # resigns: another replica takes over at once
         if self._timer_task is not None:
             self._timer_task.cancel()
             try:
@@ -259,6 +346,11 @@ class Service:
     def _check_ready(self) -> None:
         if self._stopping:
             raise ShuttingDown("the server is shutting down; retry shortly")
+        replication = self.replication
+        if replication is not None and not (self.ready and replication.lease_valid()):
+            if replication.role == "leader":  # paused past its lease, or it is running out
+                replication.step_down("its election lease may have expired")
+            raise self._not_leader()
         if not self.ready:
             raise NotReady("the server is still recovering its log; retry shortly")
 
@@ -280,22 +372,40 @@ class Service:
         try:
             fut = self._log.append(record)
         except Exception as exc:
-            self._fatal(exc)
+            self._log_failed(exc)
             raise
         self._last_append = fut
         if fut.done():
             self._durable(command.rdzv_id, outcome, fut)
         else:
             fut.add_done_callback(functools.partial(self._durable, command.rdzv_id, outcome))
-        await asyncio.shield(fut)
+        await self._committed(fut)
         return outcome.result
+
+    async def _committed(self, fut: asyncio.Future[None]) -> None:
+        """Wait for ``fut`` (an append); a replica's failed append answers ``not_leader``: the
+        client retries at the leader with the same request id, and the write applies once
+        (committed or not, the new leader's sessions know)."""
+        try:
+            await asyncio.shield(fut)
+        except LogFailedError as exc:
+            if self.replication is None:
+                raise
+            raise self._not_leader() from exc
+
+    def _log_failed(self, exc: BaseException) -> None:
+        """The log refused or lost an append: a replica steps down, the one server stops."""
+        if self.replication is not None:
+            self.replication.step_down(f"an append was not committed: {exc}")
+        else:
+            self._fatal(exc)
 
     def _durable(self, rdzv_id: str, outcome: Outcome, fut: asyncio.Future[None]) -> None:
         """A record's append finished: on success the command's effects, else a fatal stop."""
         failure = fut.exception() if not fut.cancelled() else asyncio.CancelledError("log append cancelled")
         if failure is not None:
             # Memory now holds a change the log does not: serving on would break durability.
-            self._fatal(failure)
+            self._log_failed(failure)
             return
         self.waiters.wake(outcome.wakes)
         self._schedule(rdzv_id)
@@ -319,7 +429,7 @@ class Service:
     async def _sync(self) -> None:
         fut = self._last_append
         if fut is not None and not fut.done():
-            await asyncio.shield(fut)
+            await self._committed(fut)
 
     def _maybe_snapshot(self) -> None:
         """Cut a snapshot every ``snapshot_every`` records, one at a time.

@@ -40,9 +40,10 @@ Browsers (README "Security"; :func:`site_middleware` runs before authentication)
 from __future__ import annotations
 
 import re
+import socket
 from collections.abc import Callable
 from importlib import resources
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -52,6 +53,7 @@ from rdzv_client import wire
 
 from ..core.error import Forbidden
 from ..service import Service
+from ..storage.etcd_client import EtcdError
 from .auth import OPEN, Grant, TokenTable, bearer_token
 from .codec import decode, encode
 from .error import error_middleware
@@ -248,10 +250,42 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
+    """Ready: the leader, the one server, or a follower whose state is hot (it redirects);
+    ``?role=leader`` asks for the leader only (a load balancer that sends traffic there)."""
     svc = request.app[SERVICE]
-    if not svc.ready:
+    following = svc.replication is not None and svc.recovered and not svc.stopping
+    if not (svc.ready or following):
         return encode(request, wire.error_body(wire.ErrorCode.NOT_READY, "recovering the log"), status=503)
-    return encode(request, {"status": "ready", "recovery_seconds": round(svc.recovery_seconds, 3)})
+    body: dict[str, Any] = {"status": "ready", "role": svc.role, "recovery_seconds": round(svc.recovery_seconds, 3)}
+    if svc.replication is not None:
+        leader = svc.replication.leader
+        body["leader"] = leader["url"] if leader is not None else None
+        body["applied_index"] = svc.log_index() if svc.role == "leader" else svc.replication.applied_index
+        if request.query.get("role") == "leader" and svc.role != "leader":
+            return encode(request, wire.error_body(wire.ErrorCode.NOT_LEADER, "this replica follows", leader=body["leader"]), status=503)
+    return encode(request, body)
+
+
+async def cluster(request: web.Request) -> web.Response:
+    """``GET /v1/cluster``: the replicas, which one leads and since when, and etcd's members."""
+    svc = request.app[SERVICE]
+    if svc.replication is None:
+        me = {
+            "id": f"{socket.gethostname()}:{svc.bound_port or svc.config.port}",
+            "url": f"{request.scheme}://{request.host}",
+            "role": "single",
+            "since": svc.started_at,
+            "started": svc.started_at,
+            "applied_index": svc.log_index(),
+        }
+        leader = {"id": me["id"], "url": me["url"], "since": me["since"]}
+        return encode(request, {"mode": "single", "this": me["id"], "leader": leader, "replicas": [me], "etcd": None})
+    try:
+        view = await svc.replication.view()
+    except EtcdError as exc:
+        message = f"etcd did not answer ({exc}); check that its members run and this replica can reach them"
+        return encode(request, wire.error_body(wire.ErrorCode.NOT_READY, message), status=503)
+    return encode(request, view)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -309,6 +343,7 @@ def create_app(svc: Service, tokens: TokenTable) -> web.Application:
             web.get("/healthz", healthz),
             web.get("/readyz", readyz),
             web.get("/metrics", metrics),
+            web.get("/v1/cluster", cluster),
             web.get("/v1/jobs", list_jobs),
             web.get("/v1/jobs/{rdzv_id}", show_job),
             web.get("/v1/jobs/{rdzv_id}/events", job_events),

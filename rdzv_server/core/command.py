@@ -150,9 +150,15 @@ class Refused(Command):
 
 @dataclass(frozen=True)
 class Restarted(Command):
-    """The service: the server recovered its log and serves again (``rdzv_id`` is ``""``: every job)."""
+    """The service: the server recovered its log and serves again (``rdzv_id`` is ``""``: every job).
+
+    ``cause`` is ``recovery`` (a restart from the local log) or ``leader_changed`` (a
+    replica took over as leader; ``detail`` names it). Records before replicas had neither.
+    """
 
     op: ClassVar[str] = "restarted"
+    cause: str = "recovery"
+    detail: str = ""
 
 
 COMMANDS: dict[str, type[Command]] = {

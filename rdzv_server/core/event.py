@@ -66,6 +66,7 @@ class Cause(str, enum.Enum):
     SETTINGS_CONFLICT = "settings_conflict"  # the node asked for other --nnodes / --rdzv-conf settings
     # server_restarted
     RECOVERY = "recovery"  # the server restarted and rebuilt its state from its log
+    LEADER_CHANGED = "leader_changed"  # another replica took over as leader (--etcd)
     # job_closed
     AGENT = "agent"  # a torchrun agent closed it: its shutdown (the run ended) or set_closed()
     OPERATOR = "operator"  # rdzvctl close

@@ -301,7 +301,8 @@ class StateMachine:
 
     def _restarted(self, cmd: c.Restarted, now: float) -> Outcome:
         for entry in self.jobs.values():
-            entry.job.timeline.add(now, Kind.SERVER_RESTARTED, Cause.RECOVERY, entry.job.round)
+            detail = {"reason": cmd.detail} if cmd.detail else {}
+            entry.job.timeline.add(now, Kind.SERVER_RESTARTED, Cause(cmd.cause), entry.job.round, **detail)
         return Outcome({}, tuple(events_topic(rdzv_id) for rdzv_id in self.jobs))
 
     def _membership_change(self, entry: Entry, change: Callable[[Job], dict[str, Any]]) -> Outcome:

@@ -79,11 +79,29 @@ class Election:
         self._own: KeyValue | None = None
         self._keepalive: asyncio.Task[None] | None = None
         self.lost = asyncio.Event()
+        # Until when (the loop's monotonic clock) etcd cannot have expired the lease: the
+        # send time of the last renewal etcd confirmed, plus the TTL. etcd counts the TTL
+        # from when it received the renewal, so this errs early. A process that was paused
+        # (SIGSTOP, a long GC) sees it passed the moment it runs again.
+        self.valid_until = 0.0
 
     @property
     def is_leader(self) -> bool:
         """Whether this campaign won and has not lost its lease since (advisory: see the docstring)."""
         return self.leader_key is not None and not self.lost.is_set()
+
+    def lease_valid(self) -> bool:
+        """Whether the lease is surely still alive in etcd now (see :attr:`valid_until`).
+
+        A leader answers reads from memory only while this holds: after a pause longer than
+        the TTL another replica may lead and have taken writes this one never saw.
+        """
+        return not self.lost.is_set() and asyncio.get_running_loop().time() < self.valid_until
+
+    async def register(self) -> None:
+        """Become a candidate (grant the lease, create the key) without waiting to lead; idempotent."""
+        if self._own is None:
+            await self._register()
 
     async def leader(self) -> LeaderKey | None:
         """The current leader, as etcd sees it now; ``None`` when nobody campaigns."""
@@ -100,8 +118,7 @@ class Election:
         :meth:`resign` to withdraw), :class:`ElectionLostError` if the lease is lost while
         waiting, and :class:`~.etcd_client.EtcdError` when etcd cannot be reached.
         """
-        if self._own is None:
-            await self._register()
+        await self.register()
         waiting = asyncio.ensure_future(self._wait_until_oldest())
         lost = asyncio.ensure_future(self.lost.wait())
         try:
@@ -121,7 +138,9 @@ class Election:
         raise TimeoutError(f"Replica {self.name} did not become leader within {timeout_s} s.")
 
     async def _register(self) -> None:
+        sent = asyncio.get_running_loop().time()
         lease = await self._client.lease_grant(self.ttl_s)
+        self.valid_until = sent + (lease.ttl or self.ttl_s)
         self.lease_id = lease.id
         key = self._dir + f"{lease.id:x}".encode()
         result = await self._client.txn(
@@ -159,6 +178,7 @@ class Election:
         try:
             while loop.time() < deadline:
                 await asyncio.sleep(self.ttl_s / 3)
+                sent = loop.time()
                 try:
                     ttl = await self._client.lease_keepalive(self.lease_id)
                 except EtcdError as exc:
@@ -167,10 +187,12 @@ class Election:
                 if ttl <= 0:
                     break
                 deadline = loop.time() + self.ttl_s
+                self.valid_until = sent + ttl
             logger.warning(
                 "Replica %s lost its election lease %x; it no longer leads.", self.name, self.lease_id
             )
         finally:
+            self.valid_until = 0.0
             self.lost.set()
 
     async def resign(self) -> None:

@@ -1,0 +1,339 @@
+"""One replica of a cluster over etcd (``--etcd``): follow the log, campaign, lead, step down.
+
+What it owns: the replica's etcd client, its terms (one election campaign each), the
+follower's tail into the live state machine, the leader's hand-over to the service, the
+replica registry in etcd, and the cluster view (``GET /v1/cluster``).
+
+What it must not know: HTTP, what records mean (it hands them to the state machine's
+``replay``), how the leader applies commands (:class:`~.service.Service` does).
+
+A term, start to end (:meth:`Replication._term`):
+
+1. Recover: read the snapshot and the records after it at one etcd revision, rebuild a
+   fresh machine off the loop, and install it as a follower. Every operation now answers
+   503 ``not_leader`` naming the leader (clients go there with the same request id).
+2. Follow and campaign at once: a watch from that revision replays every record the
+   leader commits into the live machine (the state stays hot), while the election waits
+   for this replica's key to be the oldest.
+3. Lead: once elected, the old leader's key is gone, so its fenced appends fail and the
+   log is frozen. Read ``log-head``; the tail catches up to it; stop the tail; open the
+   replicated log at that index and hand it to the service, which resets heartbeats (each
+   node gets a full TTL of grace: no node is declared dead because the leader changed),
+   schedules every deadline and serves.
+4. Step down when the lease is lost (keepalives failed for a TTL), when an append is not
+   committed (the fence failed, or etcd failed), or on shutdown: the service stops serving
+   at once, its memory (which may hold applied but uncommitted commands) is dropped, and a
+   new term starts from step 1.
+
+Invariants:
+- Only the leader applies commands through the service; a follower's machine changes only
+  by replaying committed records, in index order.
+- A leader acknowledges a write only after its txn committed under its fence, and answers
+  reads only while its lease is surely alive (:meth:`Election.lease_valid`), so a leader
+  paused past its lease answers nothing stale when it resumes.
+- Every wait is bounded or cancellable: terms retry after a pause; catch-up has a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+from .config import ServerConfig
+from .storage.election import Election, LeaderKey
+from .storage.etcd_client import EtcdClient, EtcdError, Put, prefix_end
+from .storage.etcd_log import EtcdLog, EtcdLogKeys, recover, tail
+
+if TYPE_CHECKING:
+    from .service import Service
+
+log = logging.getLogger("rdzv_server")
+
+# After a failed term (etcd unreachable, a lost lease), wait this long before the next.
+TERM_RETRY_PAUSE_S = 1.0
+# A new leader's tail must reach the log's head within this long, or the term restarts.
+CATCH_UP_TIMEOUT_S = 30.0
+# Replicas publish their applied index this often (one small etcd put, only when changed).
+PUBLISH_EVERY_S = 5.0
+# The leader-name watch reopens after a break this long later.
+LEADER_WATCH_PAUSE_S = 0.5
+
+
+def default_url(config: ServerConfig, port: int) -> str:
+    """The URL clients reach this replica at when ``--advertise-url`` is not given."""
+    host = config.host
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.getfqdn()
+    shown = f"[{host}]" if ":" in host else host
+    return f"{'https' if config.tls_cert is not None else 'http'}://{shown}:{port}"
+
+
+async def start_replication(service: Service) -> Replication:
+    """Connect to etcd as ``service.config`` says and start this replica (see :meth:`Replication.start`)."""
+    config = service.config
+    port = service.bound_port if service.bound_port is not None else config.port
+    url = config.advertise_url or default_url(config, port)
+    replica_id = config.replica_id or f"{socket.gethostname()}:{port}"
+    client = EtcdClient(list(config.etcd))
+    replication = Replication(service, config, client, url=url, replica_id=replica_id)
+    service.replication = replication
+    log.info(
+        "Replica %s (%s) joins the cluster under %s in etcd at %s.", replica_id, url, config.etcd_prefix,
+        ", ".join(config.etcd),
+    )
+    await replication.start()
+    return replication
+
+
+class Replication:
+    """This replica's part in the cluster; see the module docstring. ``start`` then ``close``."""
+
+    def __init__(self, service: Service, config: ServerConfig, client: EtcdClient, *, url: str, replica_id: str) -> None:
+        self._service = service
+        self._config = config
+        self.client = client
+        self.prefix = config.etcd_prefix.rstrip("/")
+        self.url = url
+        self.id = replica_id
+        self.role = "candidate"
+        self.role_since = time.time()
+        self.started = time.time()
+        self.applied_index = 0
+        self.leader: dict[str, Any] | None = None  # {"id", "url"} of the leader etcd names
+        self.election: Election | None = None
+        self._keys = EtcdLogKeys(self.prefix)
+        self._registry = (self.prefix + "/replicas/").encode()
+        self._runner: asyncio.Task[None] | None = None
+        self._installed = asyncio.Event()  # the first term recovered: start() may return
+        self._stepped_down = asyncio.Event()
+        self._published: dict[str, Any] | None = None
+        self._closing = False
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the terms; return once the first recovery installed a machine."""
+        self._runner = asyncio.get_running_loop().create_task(self._run(), name="rdzv-replication")
+        await self._installed.wait()
+
+    async def close(self) -> None:
+        """Stop leading or following; resign so that another replica takes over at once."""
+        self._closing = True
+        if self._runner is not None:
+            self._runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._runner
+        await self.client.close()
+
+    def step_down(self, reason: str) -> None:
+        """The service saw the log fail (an append not committed): end this term."""
+        if self.role == "leader":
+            log.warning("Replica %s steps down: %s", self.id, reason)
+        self._stepped_down.set()
+
+    def lease_valid(self) -> bool:
+        return self.election is not None and self.election.lease_valid()
+
+    # -- terms --------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while not self._closing:
+            try:
+                await self._term()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - etcd down, a lost lease, a gap: the next term starts over
+                log.warning("Replica %s: term ended (%s); starting over in %.1f s.", self.id, exc, TERM_RETRY_PAUSE_S)
+            await asyncio.sleep(TERM_RETRY_PAUSE_S)
+
+    async def _term(self) -> None:
+        service = self._service
+        self._stepped_down.clear()
+        recovered, revision = await recover(self.client, self.prefix)
+        machine = await asyncio.to_thread(service.rebuild, recovered)
+        self.applied_index = recovered.last_index
+        service.follow(machine)
+        self._set_role("follower")
+        self._installed.set()
+        name = json.dumps({"id": self.id, "url": self.url})
+        election = Election(self.client, self.prefix, name, ttl_s=self._config.etcd_lease_ttl)
+        self.election = election
+        tasks: list[asyncio.Task[Any]] = []
+        loop = asyncio.get_running_loop()
+        try:
+            await election.register()
+            await self._publish()
+            follower = loop.create_task(self._follow(revision + 1), name="rdzv-follow")
+            tasks += [follower, loop.create_task(self._watch_leader(election), name="rdzv-leader-watch")]
+            tasks.append(loop.create_task(self._publish_loop(), name="rdzv-publish"))
+            fence = await self._campaign(election, follower)
+            await self._lead(election, fence, follower)
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(BaseException):
+                    await task
+            was_leading = self.role == "leader"
+            self._set_role("candidate")
+            await service.stop_leading()
+            if was_leading:
+                log.warning("Replica %s no longer leads.", self.id)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(election.resign(), self._config.etcd_lease_ttl)
+            self.election = None
+
+    async def _campaign(self, election: Election, follower: asyncio.Task[None]) -> LeaderKey:
+        """Wait until elected; a failing tail (a gap, a compacted history) ends the term."""
+        campaign = asyncio.ensure_future(election.campaign())
+        try:
+            await asyncio.wait({campaign, follower}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not campaign.done():
+                campaign.cancel()
+                with contextlib.suppress(BaseException):
+                    await campaign
+        if follower.done():
+            follower.result()  # raises what ended it
+            raise EtcdError("the log's tail ended")
+        return campaign.result()
+
+    async def _lead(self, election: Election, fence: LeaderKey, follower: asyncio.Task[None]) -> None:
+        head_kv = await self.client.get(self._keys.head)
+        head = int(head_kv.value) if head_kv is not None else 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CATCH_UP_TIMEOUT_S
+        while self.applied_index < head:  # bounded by the deadline
+            if follower.done():
+                follower.result()
+                raise EtcdError("the log's tail ended before it reached the head")
+            if loop.time() > deadline:
+                raise EtcdError(f"the tail did not reach record {head} within {CATCH_UP_TIMEOUT_S} s")
+            await asyncio.sleep(0.005)
+        follower.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await follower
+        cut = await _snapshot_index(self.client, self.prefix)
+        replicated = EtcdLog(self.client, self.prefix, fence, last_index=head, snapshot_index=cut)
+        self.leader = {"id": self.id, "url": self.url}
+        self._set_role("leader")
+        await self._publish()
+        log.info("Replica %s leads from record %d (%s).", self.id, head, self.url)
+        await self._service.lead(replicated, f"replica {self.id} took over as leader")
+        lost = asyncio.ensure_future(election.lost.wait())
+        stepped = asyncio.ensure_future(self._stepped_down.wait())
+        try:
+            await asyncio.wait({lost, stepped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+            stepped.cancel()
+
+    async def _follow(self, start_revision: int) -> None:
+        machine = self._service.machine
+        async for index, record in tail(
+            self.client, self.prefix, after_index=self.applied_index, start_revision=start_revision
+        ):
+            machine.replay(record)
+            self.applied_index = index
+
+    async def _watch_leader(self, election: Election) -> None:
+        """Keep :attr:`leader` naming the replica etcd says leads (for redirects)."""
+        directory = (self.prefix + "/election/").encode()
+        while True:  # cancelled with the term
+            try:
+                current = await election.leader()
+                self.leader = _parse_name(current.name) if current is not None else None
+                result = await self.client.range(directory, prefix_end(directory), limit=1)
+                async for _ in self.client.watch(directory, prefix_end(directory), start_revision=result.revision + 1):
+                    current = await election.leader()
+                    self.leader = _parse_name(current.name) if current is not None else None
+            except EtcdError as exc:
+                log.debug("Replica %s: the leader watch broke (%s); reopening.", self.id, exc)
+            await asyncio.sleep(LEADER_WATCH_PAUSE_S)
+
+    # -- registry and the cluster view -----------------------------------------------------
+
+    def _set_role(self, role: str) -> None:
+        if role != self.role:
+            self.role = role
+            self.role_since = time.time()
+
+    def _entry(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "url": self.url,
+            "role": self.role,
+            "since": self.role_since,
+            "started": self.started,
+            "applied_index": self.applied_index,
+        }
+
+    async def _publish(self) -> None:
+        """Put this replica's registry entry, attached to its election lease (gone with it)."""
+        election = self.election
+        if election is None or not election.lease_id:
+            return
+        self._published = self._entry()
+        await self.client.txn([], [Put(self._registry + self.id.encode(), json.dumps(self._published).encode(), election.lease_id)])
+
+    async def _publish_loop(self) -> None:
+        while True:  # cancelled with the term
+            await asyncio.sleep(PUBLISH_EVERY_S)
+            if self._entry() != self._published:
+                try:
+                    await self._publish()
+                except EtcdError as exc:
+                    log.debug("Replica %s could not publish its state: %s", self.id, exc)
+
+    def applied(self) -> int:
+        """The index of the last record this replica applied (leader: appended)."""
+        return self.applied_index
+
+    async def view(self) -> dict[str, Any]:
+        """The cluster as this replica sees it: ``GET /v1/cluster``."""
+        if self.role == "leader":
+            self.applied_index = self._service.log_index()
+        registry = await self.client.range(self._registry, prefix_end(self._registry))
+        replicas = {}
+        for kv in registry.kvs:
+            with contextlib.suppress(ValueError):
+                entry = json.loads(kv.value)
+                replicas[entry["id"]] = entry
+        replicas[self.id] = self._entry()  # this one's own, fresher than what it published
+        leader = None
+        if self.leader is not None:
+            since = replicas.get(self.leader["id"], {}).get("since")
+            leader = {**self.leader, "since": since}
+        members = await self.client.member_list()
+        return {
+            "mode": "replicated",
+            "this": self.id,
+            "leader": leader,
+            "replicas": sorted(replicas.values(), key=lambda r: str(r["id"])),
+            "etcd": {
+                "prefix": self.prefix,
+                "endpoints": list(self.client.endpoints),
+                "members": [
+                    {"id": f"{m.id:x}", "name": m.name, "client_urls": m.client_urls, "peer_urls": m.peer_urls}
+                    for m in members
+                ],
+            },
+        }
+
+
+def _parse_name(name: str) -> dict[str, Any] | None:
+    try:
+        parsed = json.loads(name)
+    except ValueError:
+        return None
+    return {"id": str(parsed.get("id")), "url": str(parsed.get("url"))} if isinstance(parsed, dict) else None
+
+
+async def _snapshot_index(client: EtcdClient, prefix: str) -> int:
+    recovered, _ = await recover(client, prefix)
+    return recovered.last_index - len(recovered.records)
