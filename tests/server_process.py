@@ -68,9 +68,12 @@ class ServerProcess:
         args: tuple[str, ...] = (),
         tls: TLSFiles | None = None,
         mutual_tls: bool = False,
+        etcd: list[str] | None = None,
     ) -> None:
+        """``etcd``: run as a replica over these etcd client URLs (``durable`` is then ignored)."""
         self.workdir = workdir
         self.data_dir = workdir / "data" if durable else None
+        self.etcd = etcd
         self.args = args
         if tls is not None:
             self.args += ("--tls-cert", str(tls.cert), "--tls-key", str(tls.key))
@@ -94,7 +97,10 @@ class ServerProcess:
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(self.port)]
-        cmd += ["--memory"] if self.data_dir is None else ["--data-dir", str(self.data_dir)]
+        if self.etcd is not None:
+            cmd += ["--etcd", ",".join(self.etcd)]
+        else:
+            cmd += ["--memory"] if self.data_dir is None else ["--data-dir", str(self.data_dir)]
         cmd += list(self.args)
         env = {k: v for k, v in os.environ.items() if not k.startswith("RDZV_")}
         with open(self.log_path, "a") as log:
@@ -133,6 +139,11 @@ class ServerProcess:
 
     def log_text(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` (SIGSTOP, SIGCONT: a paused process) to the running server."""
+        assert self.proc is not None and self.proc.poll() is None
+        self.proc.send_signal(sig)
 
     def kill(self) -> None:
         """SIGKILL: no flush, no goodbye (what a crash or OOM kill does)."""

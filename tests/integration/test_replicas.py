@@ -1,0 +1,271 @@
+"""Three replicas over a three-member etcd, all real processes on 127.0.0.1: the service
+survives its own server.
+
+- SIGKILL the leader under concurrent writes, three times: no acknowledged write is lost,
+  counters are exact (every retry applied once), and a new leader serves within the lease
+  TTL + 1 s of the kill.
+- SIGSTOP the leader past its lease while a client talks only to it, let the new leader
+  take writes, SIGCONT the old one: it acknowledges nothing after it lost the lease (its
+  client's unanswered writes were never applied) and answers not_leader at once.
+- SIGKILL an etcd member under load: the writes carry on.
+- A follower answers not_leader naming the leader; /v1/cluster and rdzvctl cluster show
+  the replicas, the leader and etcd's members.
+
+Skipped only where etcd is not installed (apt-get install etcd-server).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from etcd_cluster import EtcdCluster, require_etcd
+from replica_cluster import LEASE_TTL_S, ReplicaCluster, readyz
+
+from rdzv_client import Client
+from rdzv_client.error import RdzvError
+
+pytestmark = [pytest.mark.timeout(300)]
+
+# A client rides out a take-over (a lease TTL plus a second or two) well within this.
+RETRY_BUDGET_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def etcd3() -> Iterator[EtcdCluster]:
+    require_etcd()
+    cluster = EtcdCluster(3).start()
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def replicas(etcd3: EtcdCluster, tmp_path: Path) -> Iterator[ReplicaCluster]:
+    cluster = ReplicaCluster(etcd3, tmp_path).start()
+    yield cluster
+    cluster.close()
+
+
+def new_job(client: Client) -> str:
+    job = f"ha-{uuid.uuid4().hex[:8]}"
+    client.create_job(job, min_nodes=1, max_nodes=1)
+    return job
+
+
+@dataclass
+class Writers:
+    """Threads that each add 1 to a shared counter and set a key of their own per write,
+    counting what was acknowledged; stopped by :meth:`stop`, every loop bounded by it."""
+
+    endpoint: str
+    job: str
+    count: int = 4
+    acked: list[list[int]] = field(default_factory=list)
+    failures: list[BaseException] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self.acked = [[] for _ in range(self.count)]
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(self.count)]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, index: int) -> None:
+        client = Client(self.endpoint, retry_budget=RETRY_BUDGET_S)
+        try:
+            seq = 0
+            while not self._stop.is_set():
+                client.add(self.job, "counter", 1)
+                client.set(self.job, f"w{index}-{seq}", str(seq))
+                self.acked[index].append(seq)
+                seq += 1
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            self.failures.append(exc)
+        finally:
+            client.close()
+
+    def total(self) -> int:
+        return sum(len(a) for a in self.acked)
+
+    def wait_for_progress(self, writes: int, timeout: float = 30.0) -> None:
+        target = self.total() + writes
+        deadline = time.monotonic() + timeout
+        while self.total() < target:
+            assert not self.failures, self.failures
+            assert time.monotonic() < deadline, f"writers stalled at {self.total()} acknowledged writes"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(RETRY_BUDGET_S + 10)
+            assert not thread.is_alive(), "a writer did not stop"
+        assert not self.failures, self.failures
+
+
+def assert_every_acknowledged_write_is_there(client: Client, writers: Writers) -> None:
+    counter = client.add(writers.job, "counter", 0)
+    # Each loop adds, then sets: an add acknowledged just before the stop may lack its set.
+    assert writers.total() <= counter <= writers.total() + writers.count, (counter, writers.total())
+    keys = {f"w{i}-{seq}" for i, acked in enumerate(writers.acked) for seq in acked}
+    assert client.check(writers.job, sorted(keys)), "an acknowledged set is missing"
+    for i, acked in enumerate(writers.acked):
+        if acked:
+            assert client.get(writers.job, f"w{i}-{acked[-1]}", timeout=5) == str(acked[-1]).encode()
+
+
+def test_killing_the_leader_under_concurrent_writes_loses_nothing_acknowledged(replicas: ReplicaCluster) -> None:
+    client = Client(replicas.endpoint, retry_budget=RETRY_BUDGET_S)
+    job = new_job(client)
+    writers = Writers(replicas.endpoint, job)
+    takeovers = []
+    try:
+        for _ in range(3):
+            writers.wait_for_progress(50)
+            leader = replicas.wait_for_leader()
+            killed_at = time.monotonic()
+            replicas.replicas[leader].kill()
+            replicas.wait_for_leader(timeout=LEASE_TTL_S + 10, other_than=leader)
+            takeovers.append(time.monotonic() - killed_at)
+            writers.wait_for_progress(50)
+            replicas.replicas[leader].restart()  # back as a follower: three replicas again
+    finally:
+        writers.stop()
+    assert_every_acknowledged_write_is_there(client, writers)
+    # Counters exact: every add was acknowledged exactly once, so the counter and the keys
+    # agree with the acknowledgements (a re-applied retry would push the counter past them).
+    counter = client.add(job, "counter", 0)
+    sets = len(client.list_keys(job)) - 1  # every key but the counter
+    assert counter - sets in (0, *range(writers.count + 1)), (counter, sets)
+    assert max(takeovers) <= LEASE_TTL_S + 1, f"take-over times {takeovers} s exceed the lease TTL + 1 s"
+    client.close()
+
+
+def test_a_leader_paused_past_its_lease_acknowledges_nothing_after(replicas: ReplicaCluster) -> None:
+    client = Client(replicas.endpoint, retry_budget=RETRY_BUDGET_S)
+    job = new_job(client)
+    leader = replicas.wait_for_leader()
+    old = replicas.replicas[leader]
+    # A client that knows only the old leader: what it sends after the pause can reach no one else.
+    stuck = Client(old.endpoint, retry_budget=LEASE_TTL_S * 3, request_timeout=2.0)
+    results: list[tuple[str, float]] = []
+
+    def stuck_writer() -> None:
+        for _ in range(200):  # bounded; ends at the first failure
+            try:
+                stuck.add(job, "counter", 1)
+            except RdzvError:
+                results.append(("failed", time.monotonic()))
+                return
+            results.append(("acked", time.monotonic()))
+
+    for _ in range(20):
+        stuck.add(job, "counter", 1)
+    old.signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    thread = threading.Thread(target=stuck_writer, daemon=True)
+    thread.start()  # its first request waits on the paused process
+    try:
+        replicas.wait_for_leader(timeout=LEASE_TTL_S + 10, other_than=leader)
+        for _ in range(30):
+            client.add(job, "counter", 1)  # the new leader takes writes
+    finally:
+        old.signal(signal.SIGCONT)
+    resumed_at = time.monotonic()
+    # At once, before its keepalive even runs: a write to the old leader is refused.
+    with urllib.request.urlopen(old.url + "/readyz", timeout=5) as answer:
+        doc = json.loads(answer.read())
+    request = urllib.request.Request(
+        f"{old.url}/v1/jobs/{job}/add",
+        data=json.dumps({"key": "counter", "amount": 1}).encode(),
+        headers={**old.auth, "Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=5)
+    assert refused.value.code == 503
+    assert json.loads(refused.value.read())["error"] == "not_leader"
+    thread.join(60)
+    assert not thread.is_alive()
+    acked_after_pause = [t for outcome, t in results if outcome == "acked"]
+    assert not acked_after_pause, f"the paused leader acknowledged {len(acked_after_pause)} writes"
+    # Exact: the 20 before the pause, the 30 at the new leader; the paused one's write never applied.
+    assert client.add(job, "counter", 0) == 50
+    assert results and results[-1][0] == "failed" and results[-1][1] > stopped_at
+    assert doc["role"] in ("leader", "follower", "candidate") and resumed_at > stopped_at
+    deadline = time.monotonic() + 30
+    while (readyz(old.url) or {}).get("role") != "follower":
+        assert time.monotonic() < deadline, f"the old leader did not become a follower: {readyz(old.url)}"
+        time.sleep(0.1)
+    stuck.close()
+    client.close()
+
+
+def test_killing_an_etcd_member_under_load_the_service_carries_on(tmp_path: Path) -> None:
+    require_etcd()
+    etcd = EtcdCluster(3).start()  # its own: this test kills a member
+    cluster = ReplicaCluster(etcd, tmp_path).start()
+    try:
+        client = Client(cluster.endpoint, retry_budget=RETRY_BUDGET_S)
+        job = new_job(client)
+        writers = Writers(cluster.endpoint, job)
+        try:
+            writers.wait_for_progress(50)
+            etcd.kill(0)
+            writers.wait_for_progress(200)
+        finally:
+            writers.stop()
+        assert_every_acknowledged_write_is_there(client, writers)
+        client.close()
+    finally:
+        cluster.close()
+        etcd.close()
+
+
+def test_a_follower_names_the_leader_and_the_cluster_view_shows_every_replica(replicas: ReplicaCluster) -> None:
+    leader = replicas.wait_for_leader()
+    follower = next(r for i, r in enumerate(replicas.replicas) if i != leader)
+    request = urllib.request.Request(
+        f"{follower.url}/v1/jobs/some-job/add",
+        data=json.dumps({"key": "k", "amount": 1}).encode(),
+        headers={**follower.auth, "Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        urllib.request.urlopen(request, timeout=5)
+    body = json.loads(answer.value.read())
+    assert answer.value.code == 503 and body["error"] == "not_leader"
+    assert body["leader"] == replicas.replicas[leader].url
+    doc = readyz(follower.url)
+    assert doc is not None and doc["role"] == "follower" and doc["leader"] == replicas.replicas[leader].url
+    with pytest.raises(urllib.error.HTTPError) as only_leader:
+        urllib.request.urlopen(follower.url + "/readyz?role=leader", timeout=5)
+    assert only_leader.value.code == 503
+
+    client = Client(replicas.endpoint)
+    view = client.cluster()
+    assert view["mode"] == "replicated"
+    assert view["leader"]["id"] == f"r{leader}" and view["leader"]["url"] == replicas.replicas[leader].url
+    assert sorted(r["id"] for r in view["replicas"]) == ["r0", "r1", "r2"]
+    roles = {r["id"]: r["role"] for r in view["replicas"]}
+    assert roles[f"r{leader}"] == "leader" and sorted(roles.values()) == ["follower", "follower", "leader"]
+    assert sorted(m["client_urls"][0] for m in view["etcd"]["members"]) == sorted(replicas.etcd.client_urls)
+    client.close()
+
+    ctl = subprocess.run(
+        [sys.executable, "-m", "rdzv_client.ctl", "--endpoint", replicas.endpoint, "cluster"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert ctl.returncode == 0, ctl.stderr
+    assert "leader" in ctl.stdout and replicas.replicas[leader].url in ctl.stdout
+    for member_url in replicas.etcd.client_urls:
+        assert member_url in ctl.stdout
