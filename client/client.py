@@ -25,6 +25,11 @@ Rules it keeps:
   client and however many writes they sent meanwhile.
 - ``too_many_connections`` and ``buffers_full`` (a busy server shedding load) are retried
   like 503s; every other limit is the caller's to act on (:class:`LimitError`).
+- A follower replica answers ``not_leader`` (a 503) naming the leader's URL. When that URL
+  is one of the client's endpoints (same host and port; the endpoint keeps its own scheme)
+  the client moves there and retries at once, same ``rid``, no backoff; after
+  ``MAX_LEADER_REDIRECTS`` such hops in a row it backs off as for any 503. A leader that
+  is not among the endpoints is never followed (:meth:`AsyncClient._leader_index` says why).
 - Retrying stops at the retry budget (counted from the first failure of a call) or at the
   call's own deadline, whichever comes first, with :class:`RdzvConnectionError`.
 - The policy is written once, as AsyncClient's coroutines. :class:`Client` runs those
@@ -53,6 +58,7 @@ from .credential import find_token
 from .error import (
     BadRequestError,
     NotFoundError,
+    NotLeaderError,
     RdzvConnectionError,
     RdzvError,
     RdzvTimeoutError,
@@ -96,6 +102,11 @@ EARLY_ANSWER_PAUSE = 0.05
 DEFAULT_LAST_CALL_TIMEOUT = 30.0  # torch: last_call_timeout 30 s
 DEFAULT_JOIN_TIMEOUT = 600.0  # torch: join_timeout 600 s
 DEFAULT_HEARTBEAT_TTL = 15.0  # torch: heartbeat 5 s x 3 attempts
+
+# A follower's not_leader is followed at once; more hops than this in a row, with no other
+# outcome between them, mean the replicas disagree about who leads (an election under way,
+# a stale view): from then on the client backs off as for any 503 instead of bouncing.
+MAX_LEADER_REDIRECTS = 3
 
 # Statuses that mean "this server (or the proxy before it) cannot answer right now".
 RETRY_STATUSES = frozenset({502, 503, 504})
@@ -315,7 +326,9 @@ def _validated(rdzv_id: str, req: wire.Request | None) -> None:
 class AsyncClient:
     """An asyncio client of rdzv-server. Use it from one event loop; close it with :meth:`aclose`.
 
-    ``endpoint`` is ``HOST[:PORT]`` or a comma-separated list of them (failover, in order).
+    ``endpoint`` is ``HOST[:PORT]`` or a comma-separated list of them (failover, in order);
+    for a replicated server list every replica, as its ``--advertise-url`` names it: a
+    follower's answer sends the client to the leader only when the leader is in the list.
     ``token`` / ``token_file`` name the bearer token; without them the client looks where
     :mod:`rdzv_client.credential` says (``RDZV_TOKEN``, ``RDZV_TOKEN_FILE``, the default file
     the server creates), and raises ``CredentialError`` (a ValueError) for an unreadable one.
@@ -354,6 +367,7 @@ class AsyncClient:
             raise ValueError("retry_budget and max_hold must be >= 0 and request_timeout > 0")
         self._endpoints = _tls_endpoints(endpoint, tls)
         self._current = 0
+        self._unlisted_leader: str | None = None  # the last leader URL warned about, to warn once
         self._retry_budget = retry_budget
         self._request_timeout = request_timeout
         self._max_hold = max_hold
@@ -454,7 +468,9 @@ class AsyncClient:
     async def _with_retries(
         self, what: str, attempt: Callable[[Endpoint], Awaitable[T]], deadline: float | None
     ) -> T:
-        tries = 0
+        tries = 0  # failed attempts, leader redirects included
+        waits = 0  # backoff sleeps so far: the backoff's exponent
+        redirects = 0  # leader redirects followed in a row, with no other outcome between
         give_up_at: float | None = None
         while True:
             index = self._current
@@ -465,8 +481,6 @@ class AsyncClient:
                 failure: Exception = exc.error if isinstance(exc, _Unavailable) else exc
                 code = exc.error.code if isinstance(exc, _Unavailable) else None
             tries += 1
-            if self._current == index:  # fail over, unless a concurrent call already did
-                self._current = (index + 1) % len(self._endpoints)
             now = time.monotonic()
             if give_up_at is None:
                 give_up_at = now + self._retry_budget
@@ -474,8 +488,23 @@ class AsyncClient:
                     give_up_at = min(give_up_at, deadline)
             if now >= give_up_at:
                 raise RdzvConnectionError(self._unreachable(what, tries, failure), code=code) from failure
-            delay = min(backoff_delay(tries - 1, self._rng), give_up_at - now)
-            (log.warning if tries == 1 else log.debug)(
+            leader = self._leader_index(failure, index) if redirects < MAX_LEADER_REDIRECTS else None
+            if leader is not None:
+                redirects += 1
+                self._current = leader  # what the follower said beats a concurrent call's rotation
+                log.info(
+                    "Request for %s: rdzv-server at %s is a follower; sending it to the leader at %s.",
+                    what,
+                    endpoint,
+                    self._endpoints[leader],
+                )
+                continue
+            redirects = 0
+            if self._current == index:  # fail over, unless a concurrent call already did
+                self._current = (index + 1) % len(self._endpoints)
+            delay = min(backoff_delay(waits, self._rng), give_up_at - now)
+            waits += 1
+            (log.warning if waits == 1 else log.debug)(
                 "Request for %s to rdzv-server at %s failed (%s); retrying in %.2f s (attempt %d).",
                 what,
                 endpoint,
@@ -485,8 +514,48 @@ class AsyncClient:
             )
             await self._sleep(delay)
 
+    def _leader_index(self, failure: Exception, answered: int) -> int | None:
+        """The index of the endpoint that ``failure`` (a follower's ``not_leader``) names as
+        the leader; None when it names none, names the endpoint that answered, or names one
+        this client was not given (warned about once: a misconfiguration).
+
+        Only the configured endpoints are followed, never a URL as such: the token, the CA
+        to trust and the names certificates must carry are configured for that list, and
+        an answer (from a misconfigured replica, or whoever answers in its place) must not
+        send them to another host. The match is on host and port; the endpoint keeps the
+        scheme it was configured with.
+        """
+        if not isinstance(failure, NotLeaderError) or failure.leader is None:
+            return None
+        try:
+            named: Endpoint | None = _parse_endpoint(failure.leader)
+        except ValueError:
+            named = None
+        if named is not None:
+            for index, endpoint in enumerate(self._endpoints):
+                if endpoint.port == named.port and endpoint.host.lower() == named.host.lower():
+                    return index if index != answered else None
+        if failure.leader != self._unlisted_leader:
+            self._unlisted_leader = failure.leader
+            log.warning(
+                "rdzv-server at %s is a follower and names the leader %.200r, which is not one of this "
+                "client's endpoints (%s); the client does not follow it and tries its endpoints in turn. "
+                "Give every replica an --advertise-url that is one of the endpoints clients are given.",
+                self._endpoints[answered],
+                failure.leader,
+                ",".join(str(e) for e in self._endpoints),
+            )
+        return None
+
     def _unreachable(self, what: str, tries: int, failure: Exception) -> str:
         where = ", ".join(str(e) for e in self._endpoints)
+        if isinstance(failure, NotLeaderError):
+            return (
+                f"could not complete {what}: no rdzv-server replica at {where} was the leader within "
+                f"the retry budget of {self._retry_budget:g} s ({tries} attempts; last failure: {failure}); "
+                "an election may be under way, or the leader is not among these endpoints "
+                "(`rdzvctl cluster` shows the replicas and their URLs)"
+            )
         return (
             f"could not complete {what}: no rdzv-server at {where} answered within the retry "
             f"budget of {self._retry_budget:g} s ({tries} attempts; last failure: {failure}); "
@@ -758,12 +827,30 @@ class AsyncClient:
             raise ServerError(f"the server's events of job {rdzv_id} are not a map with a list of events")
         return body
 
+    async def cluster(self) -> dict[str, Any]:
+        """Who serves, as the replica that answers sees it: ``mode`` (``"replicated"`` or
+        ``"single"``), ``this`` (that replica's id), ``leader`` (``{"id", "url", "since"}``, or
+        None during an election), ``replicas`` (each ``id``, ``url``, ``role``, ``since`` (in
+        that role since), ``started``, ``applied_index``; times are Unix seconds on the
+        server's clock) and ``etcd`` (None, or ``prefix``, ``endpoints`` and ``members``).
+
+        Raises :class:`NotFoundError` from a server too old to have ``/v1/cluster``.
+        """
+        body = await self._get_json("/v1/cluster", "reading the cluster")
+        if not isinstance(body, dict) or not isinstance(body.get("replicas"), list):
+            raise ServerError("the server's cluster document is not a map with a list of replicas")
+        return body
+
     async def healthy(self) -> bool:
         """Whether the first endpoint that answers says its process is up (one try each, no retry budget)."""
         return await self._probe("/healthz")
 
     async def ready(self) -> bool:
-        """Whether the first endpoint that answers has recovered its store and accepts requests."""
+        """Whether the first endpoint that answers has recovered its store and accepts requests.
+
+        With replicas, a follower that has caught up is ready too: it sends this client's
+        requests on to the leader (:meth:`cluster` says which replica leads).
+        """
         return await self._probe("/readyz")
 
     async def _probe(self, path: str) -> bool:
@@ -988,6 +1075,9 @@ class Client:
 
     def events(self, rdzv_id: str, *, since: int = 0, wait: float = 0.0) -> dict[str, Any]:
         return self._run(self._async.events(rdzv_id, since=since, wait=wait))
+
+    def cluster(self) -> dict[str, Any]:
+        return self._run(self._async.cluster())
 
     def healthy(self) -> bool:
         return self._run(self._async.healthy())

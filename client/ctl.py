@@ -9,9 +9,10 @@ torch.
 
 Usage::
 
-    rdzvctl [--endpoint HOST:PORT] [--json] [--token-file PATH]
+    rdzvctl [--endpoint HOST:PORT[,HOST:PORT...]] [--json] [--token-file PATH]
             [--tls] [--ca-file PATH] [--cert-file PATH --key-file PATH] jobs
     rdzvctl show JOB | close JOB
+    rdzvctl cluster
     rdzvctl events JOB [--since SEQ] [--follow]
     rdzvctl watch JOB [--interval SECONDS] [--frames N]
     rdzvctl kv get JOB KEY [--wait SECONDS] | kv set JOB KEY VALUE | kv list JOB [PREFIX]
@@ -162,6 +163,85 @@ def format_jobs(jobs: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(format_table(["RDZV_ID", "STATE", "ROUND", "NODES", "WORLD_SIZE"], rows))
 
 
+def format_duration(seconds: object) -> str:
+    """A span for people, in its two largest units: ``45s``, ``12m05s``, ``3h02m``, ``2d04h``."""
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool):
+        return "-"
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    m, s = divmod(s, 60)
+    if m < 60:
+        return f"{m}m{s:02d}s"
+    h, m = divmod(m, 60)
+    if h < 24:
+        return f"{h}h{m:02d}m"
+    d, h = divmod(h, 24)
+    return f"{d}d{h:02d}h"
+
+
+def _since(value: object, now: float) -> str:
+    """How long ago Unix time ``value`` was ("-" when it is not a time)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return "-"
+    return format_duration(now - value)
+
+
+def _local_time(value: object) -> str:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(value))
+
+
+def _urls(value: object) -> str:
+    if isinstance(value, list) and value:
+        return ",".join(str(v) for v in value)
+    return "-"
+
+
+def format_cluster(doc: Mapping[str, Any], now: float) -> str:
+    """``rdzvctl cluster``: the mode and the replica that answered, the leader and since when,
+    the replica table, then etcd's members when the cluster is replicated. ``now`` is this
+    host's Unix time: the ages assume its clock roughly agrees with the servers'."""
+    lines = [f"mode {_cell(doc.get('mode'))}, answered by {_cell(doc.get('this'))}"]
+    leader = doc.get("leader")
+    if isinstance(leader, Mapping):
+        lines.append(
+            f"leader {_cell(leader.get('id'))} at {_cell(leader.get('url'))}, since "
+            f"{_local_time(leader.get('since'))} ({_since(leader.get('since'), now)})"
+        )
+    elif doc.get("mode") == "replicated":
+        lines.append("no leader: an election is under way (requests wait for it)")
+    else:
+        lines.append("not replicated: this server serves every request itself")
+    lines.append("")
+    replicas: Sequence[Mapping[str, Any]] = doc.get("replicas") or []
+    rows = [
+        [
+            _cell(r.get("id")),
+            _cell(r.get("url")),
+            _cell(r.get("role")),
+            _since(r.get("since"), now),
+            _cell(r.get("applied_index")),
+        ]
+        for r in replicas
+    ]
+    lines += format_table(["ID", "URL", "ROLE", "IN ROLE FOR", "APPLIED"], rows) if rows else ["no replicas listed"]
+    etcd = doc.get("etcd")
+    if isinstance(etcd, Mapping):
+        lines += ["", f"etcd at {_urls(etcd.get('endpoints'))}, prefix {_cell(etcd.get('prefix'))}"]
+        members: Sequence[Mapping[str, Any]] = etcd.get("members") or []
+        member_rows = [
+            [_cell(m.get("id")), _cell(m.get("name") or None), _urls(m.get("client_urls")), _urls(m.get("peer_urls"))]
+            for m in members
+        ]
+        if member_rows:
+            lines += format_table(["MEMBER_ID", "NAME", "CLIENT_URLS", "PEER_URLS"], member_rows)
+        else:
+            lines.append("no etcd members listed")
+    return "\n".join(lines)
+
+
 def _text(value: bytes) -> str:
     return value.decode("utf-8", errors="backslashreplace")
 
@@ -174,7 +254,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--endpoint",
         default=os.environ.get(ENDPOINT_ENV) or DEFAULT_ENDPOINT,
-        help=f"HOST[:PORT] of the server (default: ${ENDPOINT_ENV}, else {DEFAULT_ENDPOINT})",
+        help=f"HOST[:PORT] of the server, or a comma-separated list of its replicas "
+        f"(default: ${ENDPOINT_ENV}, else {DEFAULT_ENDPOINT})",
     )
     parser.add_argument("--json", action="store_true", help="print the raw JSON instead of tables")
     security = parser.add_argument_group("token and TLS")
@@ -210,6 +291,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("jobs", help="list every job")
+    sub.add_parser("cluster", help="show the replicas, which one leads, and etcd's members")
     show = sub.add_parser("show", help="show a job's membership")
     show.add_argument("job")
     events = sub.add_parser("events", help="print a job's timeline: who joined, died and why, rounds formed")
@@ -364,6 +446,9 @@ def _execute(args: argparse.Namespace, client: Client, out: TextIO) -> None:
     elif args.command == "show":
         doc = client.job(args.job)
         out.write((wire.dump_json(doc).decode() if args.json else format_membership(doc)) + "\n")
+    elif args.command == "cluster":
+        doc = client.cluster()
+        out.write((wire.dump_json(doc).decode() if args.json else format_cluster(doc, time.time())) + "\n")
     elif args.command == "events":
         _print_events(client, args.job, args.since, args.follow, args.json, out)
     elif args.command == "watch":
@@ -395,14 +480,21 @@ def _execute(args: argparse.Namespace, client: Client, out: TextIO) -> None:
             out.write("".join(_text(k) + "\n" for k in keys))
 
 
-def _hint(exc: RdzvError, endpoint: str) -> str:
+def _hint(exc: RdzvError, endpoint: str, command: str) -> str:
     if isinstance(exc, RdzvConnectionError) and "TLS handshake failed" in exc.message:
         return "rdzvctl's TLS options are --tls, --ca-file, --cert-file and --key-file (see `rdzvctl --help`)"
+    if isinstance(exc, RdzvConnectionError) and exc.code is wire.ErrorCode.NOT_LEADER:
+        return (
+            "replicas answered but none led: `rdzvctl cluster` shows who leads, and every replica's "
+            "--advertise-url must be one of the --endpoint list"
+        )
     if isinstance(exc, RdzvConnectionError):
         return (
             f"is the server running at {endpoint}? start it with `rdzv-server`, "
             f"or point rdzvctl at it with --endpoint HOST:PORT or ${ENDPOINT_ENV}"
         )
+    if isinstance(exc, NotFoundError) and command == "cluster":
+        return "this rdzv-server predates `rdzvctl cluster` (no /v1/cluster): it runs alone, not replicated"
     if isinstance(exc, NotFoundError):
         return "`rdzvctl jobs` lists the jobs this server knows"
     if isinstance(exc, BadRequestError):
@@ -434,7 +526,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RdzvError as exc:
         code = f" ({exc.code.value})" if exc.code is not None else ""
         print(f"rdzvctl: error: {exc.message}{code}", file=sys.stderr)
-        hint = _hint(exc, args.endpoint)
+        hint = _hint(exc, args.endpoint, args.command)
         if hint:
             print(f"rdzvctl: hint: {hint}", file=sys.stderr)
         return EXIT_CANNOT_CONNECT if isinstance(exc, RdzvConnectionError) else EXIT_SERVER_ERROR
