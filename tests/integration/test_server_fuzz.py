@@ -371,7 +371,10 @@ def test_random_paths_and_queries_on_the_read_routes_get_documented_answers(unha
         try:
             for path in (f"/v1/jobs/{quoted}?{qs}", f"/v1/jobs?{qs}", f"/v1/{quoted}"):
                 status, ctype, answer = conn.request("GET", path, None, MSGPACK if as_msgpack else JSON)
-                assert_documented(status, ctype, answer, as_msgpack=as_msgpack)
+                # A request line over the parser's limit is refused before its headers are read,
+                # so before its Accept is known: that answer is JSON (and closes the connection).
+                too_long = status == 431
+                assert_documented(status, ctype, answer, as_msgpack=as_msgpack and not too_long)
             assert_still_serving(conn)
         finally:
             conn.close()
