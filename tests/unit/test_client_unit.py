@@ -175,6 +175,7 @@ def test_public_names_are_exactly_these() -> None:
             "JoinTimeoutError",
             "LimitError",
             "NotFoundError",
+            "NotLeaderError",
             "RdzvConnectionError",
             "RdzvError",
             "RdzvTimeoutError",
