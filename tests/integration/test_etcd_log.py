@@ -4,7 +4,10 @@ Appends are acknowledged only once committed in etcd, group into txns, and are f
 old leader writes nothing); a follower's tail sees every record in order; recovery after a
 snapshot gives the snapshot and the records after it; appends carry on when one member of
 three is SIGKILLed; of two campaigners exactly one leads and the other takes over within
-the lease TTL + 1 s of the leader's last keepalive. Skipped only when etcd is not installed.
+the lease TTL + 1 s of the leader's last keepalive. Snapshots larger than one etcd value
+are stored in parts and verified on recovery; abandoned parts are ignored and then deleted;
+a deposed leader writes no part; etcd's history is compacted one snapshot behind; a follower
+that tailed the log leads without recovering. Skipped only when etcd is not installed.
 """
 
 from __future__ import annotations
@@ -19,12 +22,28 @@ import pytest
 from etcd_cluster import EtcdCluster, require_etcd
 
 from rdzv_server.storage.election import Election
-from rdzv_server.storage.etcd_client import EtcdClient, prefix_end
-from rdzv_server.storage.etcd_log import MAX_RECORDS_PER_TXN, EtcdLog, EtcdLogKeys, NotLeaderError, recover, tail
+from rdzv_server.storage.error import SnapshotBuildError
+from rdzv_server.storage.etcd_client import EtcdClient, EtcdRequestError, EtcdWatchCompactedError, prefix_end
+from rdzv_server.storage.etcd_log import (
+    GRPC_OUT_OF_RANGE,
+    MAX_RECORDS_PER_TXN,
+    SNAPSHOT_PART_BYTES,
+    EtcdLog,
+    EtcdLogHeadMismatchError,
+    EtcdLogKeys,
+    EtcdSnapshotCorruptError,
+    NotLeaderError,
+    SnapshotMeta,
+    log_head,
+    recover,
+    snapshot_index,
+    tail,
+)
 
 # etcd's shortest lease is 1.5 x its election timeout (1.5 s by default), rounded up.
 TTL_S = 2
 STEP_S = 10.0  # what any one awaited step may take before the test fails instead of hanging
+BIG_STEP_S = 60.0  # the same for a snapshot of several MB on a loaded runner
 
 
 class Sum:
@@ -42,6 +61,52 @@ class Sum:
 
     def to_snapshot(self) -> dict[str, Any]:
         return dict(self.state)
+
+
+class Jobs:
+    """A toy replica shaped like the server's big states: jobs of many nodes, each a small map."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] = {"jobs": {}}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def replay(self, record: dict[str, Any]) -> None:
+        self.state["jobs"].setdefault(record["job"], {}).update(record["nodes"])
+
+    def to_snapshot(self) -> dict[str, Any]:
+        return self.state
+
+
+class Broken(Sum):
+    """A replica whose code disagrees with the log: no record replays."""
+
+    def replay(self, record: dict[str, Any]) -> None:
+        raise ValueError(f"cannot replay {record}")
+
+
+def job_record(job: int, nodes: int) -> dict[str, Any]:
+    """One job joining with ``nodes`` nodes: about 80 bytes a node once encoded."""
+    return {
+        "job": f"job-{job:04d}",
+        "nodes": {
+            f"node-{n:05d}": {
+                "addr": f"10.{job % 256}.{n // 256}.{n % 256}",
+                "port": 29500 + n,
+                "rank": n,
+                "host": f"host-{job}-{n}.cluster.example",
+            }
+            for n in range(nodes)
+        },
+    }
+
+
+def replayed(records: list[dict[str, Any]]) -> dict[str, Any]:
+    replica = Jobs()
+    for record in records:
+        replica.replay(record)
+    return replica.to_snapshot()
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +142,19 @@ async def stored(client: EtcdClient, prefix: str) -> dict[int, dict[str, Any]]:
     keys = EtcdLogKeys(prefix)
     result = await client.range(keys.log_dir, prefix_end(keys.log_dir))
     return {keys.index_of(kv.key): msgpack.unpackb(kv.value) for kv in result.kvs}
+
+
+async def part_keys(client: EtcdClient, prefix: str) -> list[bytes]:
+    """Every snapshot part's key under ``prefix``, whatever its index."""
+    keys = EtcdLogKeys(prefix)
+    result = await client.range(keys.snapshot_dir, prefix_end(keys.snapshot_dir))
+    return [kv.key for kv in result.kvs]
+
+
+async def stored_meta(client: EtcdClient, prefix: str) -> SnapshotMeta:
+    kv = await client.get(EtcdLogKeys(prefix).snapshot_meta)
+    assert kv is not None
+    return SnapshotMeta.decode(kv.value, prefix)
 
 
 async def test_an_append_is_acknowledged_only_once_etcd_holds_it(client: EtcdClient) -> None:
@@ -238,3 +316,208 @@ async def test_of_two_campaigners_one_leads_and_the_other_takes_over_within_the_
     assert leader is not None and leader.name == "second"
     await second.resign()
     assert await first.leader() is None
+
+
+async def test_a_state_of_5_mb_is_stored_in_parts_within_etcds_request_limit_and_recovers_exactly(
+    client: EtcdClient,
+) -> None:
+    prefix = new_prefix()
+    keys = EtcdLogKeys(prefix)
+    election, log = await leader_log(client, prefix)
+    records = [job_record(job, 1000) for job in range(66)]
+    for record in records:
+        log.append(record)
+    await asyncio.wait_for(log.snapshot(Jobs), BIG_STEP_S)
+    later = job_record(999, 3)
+    await asyncio.wait_for(log.append(later), STEP_S)
+    meta = await stored_meta(client, prefix)
+    assert meta.index == 66 and meta.size > 5_000_000
+    assert meta.parts == -(-meta.size // SNAPSHOT_PART_BYTES)
+    parts = await client.range(keys.snapshot_dir, prefix_end(keys.snapshot_dir))
+    assert [kv.key for kv in parts.kvs] == [keys.snapshot_part(66, part) for part in range(meta.parts)]
+    assert all(len(kv.value) <= SNAPSHOT_PART_BYTES for kv in parts.kvs)
+    recovered, _ = await asyncio.wait_for(recover(client, prefix), BIG_STEP_S)
+    assert recovered.snapshot == replayed(records)
+    assert recovered.records == [later] and recovered.last_index == 67
+    assert await snapshot_index(client, prefix) == 66
+    assert sorted(await stored(client, prefix)) == [67]  # the covered records are gone
+    await log.close()
+    await election.resign()
+
+
+async def test_parts_of_an_abandoned_snapshot_are_ignored_by_recovery_and_deleted_by_the_next_one(
+    client: EtcdClient,
+) -> None:
+    prefix = new_prefix()
+    keys = EtcdLogKeys(prefix)
+    old, old_log = await leader_log(client, prefix, "old")
+    for n in range(1, 11):
+        old_log.append({"n": n})
+    await asyncio.wait_for(old_log.snapshot(Sum), STEP_S)
+    await asyncio.wait_for(asyncio.gather(*[old_log.append({"n": n}) for n in range(11, 21)]), STEP_S)
+    # The old leader dies while writing the snapshot at 20 (with more parts than the real
+    # one will need), after older attempts left parts below and above it.
+    for index, part in [(20, 0), (20, 1), (20, 2), (5, 0), (1_000_000, 0)]:
+        await old_log.put_snapshot_part(index, part, b"\xc1 abandoned")
+    await old_log.close()
+    await old.resign()
+    recovered, _ = await recover(client, prefix)
+    assert recovered.snapshot == {"sum": 55, "count": 10}
+    assert recovered.records == [{"n": n} for n in range(11, 21)]
+    new, new_log = await leader_log(client, prefix, "new")
+    await asyncio.wait_for(new_log.snapshot(Sum), STEP_S)
+    assert await part_keys(client, prefix) == [keys.snapshot_part(20, 0)]
+    recovered, _ = await recover(client, prefix)
+    assert recovered.snapshot == {"sum": 210, "count": 20} and recovered.records == []
+    assert recovered.last_index == 20
+    await new_log.close()
+    await new.resign()
+
+
+async def test_a_deposed_leader_writes_no_snapshot_part(client: EtcdClient) -> None:
+    prefix = new_prefix()
+    election, log = await leader_log(client, prefix)
+    await asyncio.wait_for(asyncio.gather(*[log.append({"n": n}) for n in range(1, 4)]), STEP_S)
+    election.stop_keepalive()
+    await client.lease_revoke(election.lease_id)  # what an expiry does, without the wait
+    with pytest.raises(NotLeaderError, match="no longer leads"):
+        await asyncio.wait_for(log.snapshot(Sum), STEP_S)
+    with pytest.raises(NotLeaderError):
+        await log.put_snapshot_part(3, 0, b"state")
+    with pytest.raises(NotLeaderError):
+        await log.put_snapshot_parts(3, bytes(3 * SNAPSHOT_PART_BYTES))
+    assert await part_keys(client, prefix) == []
+    assert await client.get(EtcdLogKeys(prefix).snapshot_meta) is None
+    assert sorted(await stored(client, prefix)) == [1, 2, 3]
+    await log.close()
+
+
+async def test_recovery_refuses_a_snapshot_whose_parts_do_not_match_its_meta(client: EtcdClient) -> None:
+    prefix = new_prefix()
+    keys = EtcdLogKeys(prefix)
+    election, log = await leader_log(client, prefix)
+    for job in range(20):
+        log.append(job_record(job, 1000))
+    await asyncio.wait_for(log.snapshot(Jobs), BIG_STEP_S)
+    await log.close()
+    await election.resign()
+    parts = (await stored_meta(client, prefix)).parts
+    assert parts >= 2
+    last = await client.get(keys.snapshot_part(20, parts - 1))
+    assert last is not None
+    await client.delete_range(keys.snapshot_part(20, parts - 1))
+    with pytest.raises(EtcdSnapshotCorruptError, match=f"has {parts - 1} parts, but its meta says {parts}"):
+        await recover(client, prefix)
+    await client.put(keys.snapshot_part(20, parts - 1), last.value[:-1] + bytes([last.value[-1] ^ 1]))
+    with pytest.raises(EtcdSnapshotCorruptError, match="SHA-256"):
+        await recover(client, prefix)
+    await client.put(keys.snapshot_part(20, parts), b"extra")
+    with pytest.raises(EtcdSnapshotCorruptError, match=f"has {parts + 1} parts"):
+        await recover(client, prefix)
+
+
+async def test_a_failed_rebuild_fails_the_snapshot_and_leaves_the_log_usable(client: EtcdClient) -> None:
+    prefix = new_prefix()
+    election, log = await leader_log(client, prefix)
+    for n in range(1, 6):
+        log.append({"n": n})
+    with pytest.raises(SnapshotBuildError, match="ValueError: cannot replay"):
+        await asyncio.wait_for(log.snapshot(Broken), STEP_S)
+    assert await client.get(EtcdLogKeys(prefix).snapshot_meta) is None
+    await asyncio.wait_for(log.append({"n": 6}), STEP_S)
+    await asyncio.wait_for(log.snapshot(Sum), STEP_S)
+    recovered, _ = await recover(client, prefix)
+    assert recovered.snapshot == {"sum": 21, "count": 6} and recovered.records == []
+    await log.close()
+    await election.resign()
+
+
+async def test_each_snapshot_compacts_etcd_history_up_to_the_previous_snapshot_and_recovery_stays_exact(
+    client: EtcdClient,
+) -> None:
+    prefix = new_prefix()
+    keys = EtcdLogKeys(prefix)
+    election, log = await leader_log(client, prefix)
+    _, start = await recover(client, prefix)
+    commits: list[int] = []
+    n = 0
+    for _ in range(3):
+        for _ in range(10):
+            n += 1
+            log.append({"n": n})
+        await asyncio.wait_for(log.snapshot(Sum), STEP_S)
+        meta = await client.get(keys.snapshot_meta)
+        assert meta is not None
+        commits.append(meta.mod_revision)
+    await asyncio.wait_for(asyncio.gather(*[log.append({"n": m}) for m in range(31, 34)]), STEP_S)
+    # After the third snapshot, history from the second snapshot's commit on is kept.
+    await client.range(keys.head, revision=commits[1])
+    with pytest.raises(EtcdRequestError) as compacted:
+        await client.range(keys.head, revision=commits[1] - 1)
+    assert compacted.value.code == GRPC_OUT_OF_RANGE
+
+    # A follower that tails from before it must recover again.
+    async def follow_from_the_start() -> None:
+        async for _ in tail(client, prefix, after_index=0, start_revision=start + 1):
+            pass
+
+    with pytest.raises(EtcdWatchCompactedError):
+        await asyncio.wait_for(follow_from_the_start(), STEP_S)
+    recovered, _ = await recover(client, prefix)
+    assert recovered.snapshot == {"sum": 465, "count": 30}
+    assert recovered.records == [{"n": m} for m in range(31, 34)] and recovered.last_index == 33
+    await log.close()
+    await election.resign()
+
+
+async def test_a_follower_that_tailed_to_the_head_leads_without_recovering(client: EtcdClient) -> None:
+    prefix = new_prefix()
+    old, old_log = await leader_log(client, prefix, "old")
+    for n in range(1, 6):
+        old_log.append({"n": n})
+    await asyncio.wait_for(old_log.snapshot(Sum), STEP_S)
+    recovered, revision = await recover(client, prefix)
+    applied = recovered.last_index
+    follower = tail(client, prefix, after_index=applied, start_revision=revision + 1)
+    await asyncio.wait_for(asyncio.gather(*[old_log.append({"n": n}) for n in range(6, 9)]), STEP_S)
+    await old_log.close()
+    await old.resign()
+    new = Election(client, prefix, "new", ttl_s=TTL_S)
+    fence = await new.campaign(timeout_s=STEP_S)
+    head = await log_head(client, prefix)
+    while applied < head:
+        applied, _ = await asyncio.wait_for(follower.__anext__(), STEP_S)
+    await follower.aclose()
+    log = EtcdLog(client, prefix, fence, last_index=applied, snapshot_index=await snapshot_index(client, prefix))
+    assert log.records_since_snapshot == 3
+    await asyncio.wait_for(log.append({"n": 9}), STEP_S)
+    # One that missed record 9 overwrites nothing.
+    stale = EtcdLog(client, prefix, fence, last_index=8, snapshot_index=5)
+    with pytest.raises(EtcdLogHeadMismatchError, match="ends at record 9"):
+        await asyncio.wait_for(stale.append({"n": -1}), STEP_S)
+    recovered, _ = await recover(client, prefix)
+    assert recovered.snapshot == {"sum": 15, "count": 5}
+    assert recovered.records == [{"n": n} for n in range(6, 10)]
+    await stale.close()
+    await log.close()
+    await new.resign()
+
+
+async def test_a_batch_sent_again_after_its_answer_was_lost_counts_as_committed_only_if_etcd_holds_its_bytes(
+    client: EtcdClient,
+) -> None:
+    prefix = new_prefix()
+    election, log = await leader_log(client, prefix)
+    fence = election.leader_key
+    assert fence is not None
+    # The same three records appended synchronously form one batch, as a resent txn would.
+    await asyncio.wait_for(asyncio.gather(*[log.append({"n": n}) for n in range(1, 4)]), STEP_S)
+    again = EtcdLog(client, prefix, fence, last_index=0, snapshot_index=0)
+    await asyncio.wait_for(asyncio.gather(*[again.append({"n": n}) for n in range(1, 4)]), STEP_S)
+    other = EtcdLog(client, prefix, fence, last_index=0, snapshot_index=0)
+    with pytest.raises(EtcdLogHeadMismatchError, match="ends at record 3"):
+        await asyncio.wait_for(asyncio.gather(*[other.append({"n": -n}) for n in range(1, 4)]), STEP_S)
+    assert await stored(client, prefix) == {n: {"n": n} for n in range(1, 4)}
+    for each in (log, again, other):
+        await each.close()
+    await election.resign()
