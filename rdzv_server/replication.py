@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 from .config import ServerConfig
 from .storage.election import Election, LeaderKey
 from .storage.etcd_client import EtcdClient, EtcdError, Put, prefix_end
-from .storage.etcd_log import EtcdLog, EtcdLogKeys, recover, tail
+from .storage.etcd_log import EtcdLog, log_head, recover, snapshot_index, tail
 
 if TYPE_CHECKING:
     from .service import Service
@@ -106,7 +106,6 @@ class Replication:
         self.applied_index = 0
         self.leader: dict[str, Any] | None = None  # {"id", "url"} of the leader etcd names
         self.election: Election | None = None
-        self._keys = EtcdLogKeys(self.prefix)
         self._registry = (self.prefix + "/replicas/").encode()
         self._runner: asyncio.Task[None] | None = None
         self._installed = asyncio.Event()  # the first term recovered: start() may return
@@ -204,8 +203,7 @@ class Replication:
         return campaign.result()
 
     async def _lead(self, election: Election, fence: LeaderKey, follower: asyncio.Task[None]) -> None:
-        head_kv = await self.client.get(self._keys.head)
-        head = int(head_kv.value) if head_kv is not None else 0
+        head = await log_head(self.client, self.prefix)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + CATCH_UP_TIMEOUT_S
         while self.applied_index < head:  # bounded by the deadline
@@ -218,7 +216,9 @@ class Replication:
         follower.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await follower
-        cut = await _snapshot_index(self.client, self.prefix)
+        if self.applied_index != head:  # the old leader's fence failed before we read the head
+            raise EtcdError(f"the tail applied record {self.applied_index}, past the head {head} read after the election")
+        cut = await snapshot_index(self.client, self.prefix)
         replicated = EtcdLog(self.client, self.prefix, fence, last_index=head, snapshot_index=cut)
         self.leader = {"id": self.id, "url": self.url}
         self._set_role("leader")
@@ -333,7 +333,3 @@ def _parse_name(name: str) -> dict[str, Any] | None:
         return None
     return {"id": str(parsed.get("id")), "url": str(parsed.get("url"))} if isinstance(parsed, dict) else None
 
-
-async def _snapshot_index(client: EtcdClient, prefix: str) -> int:
-    recovered, _ = await recover(client, prefix)
-    return recovered.last_index - len(recovered.records)

@@ -28,6 +28,7 @@ the log, exit 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import signal
@@ -288,7 +289,18 @@ async def serve(config: ServerConfig, stop: asyncio.Event) -> None:
     try:
         await listener.start(config.host, config.port, tls=tls, handshake_timeout=config.read_timeout)
         svc.bound_port = listener.addresses()[0][1]
-        await svc.start()
+        # A replica waits for etcd as long as it takes; SIGTERM meanwhile still stops it.
+        starting = asyncio.ensure_future(svc.start())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not starting.done():
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+            log.info("Stopped before the start finished.")
+            return
+        starting.result()
         host, port = listener.addresses()[0]
         shown = f"[{host}]" if ":" in host else host
         scheme = "https" if tls is not None else "http"

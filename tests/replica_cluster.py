@@ -29,7 +29,8 @@ def readyz(url: str, timeout: float = 1.0) -> dict[str, object] | None:
         with urllib.request.urlopen(url + "/readyz", timeout=timeout) as answer:
             return dict(json.loads(answer.read()))
     except urllib.error.HTTPError as exc:
-        return dict(json.loads(exc.read() or b"{}"))
+        with exc:  # it holds the connection
+            return dict(json.loads(exc.read() or b"{}"))
     except (OSError, ValueError):
         return None
 

@@ -193,8 +193,9 @@ def test_a_leader_paused_past_its_lease_acknowledges_nothing_after(replicas: Rep
     )
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=5)
-    assert refused.value.code == 503
-    assert json.loads(refused.value.read())["error"] == "not_leader"
+    with refused.value:
+        assert refused.value.code == 503
+        assert json.loads(refused.value.read())["error"] == "not_leader"
     thread.join(60)
     assert not thread.is_alive()
     acked_after_pause = [t for outcome, t in results if outcome == "acked"]
@@ -242,13 +243,15 @@ def test_a_follower_names_the_leader_and_the_cluster_view_shows_every_replica(re
     )
     with pytest.raises(urllib.error.HTTPError) as answer:
         urllib.request.urlopen(request, timeout=5)
-    body = json.loads(answer.value.read())
+    with answer.value:
+        body = json.loads(answer.value.read())
     assert answer.value.code == 503 and body["error"] == "not_leader"
     assert body["leader"] == replicas.replicas[leader].url
     doc = readyz(follower.url)
     assert doc is not None and doc["role"] == "follower" and doc["leader"] == replicas.replicas[leader].url
     with pytest.raises(urllib.error.HTTPError) as only_leader:
         urllib.request.urlopen(follower.url + "/readyz?role=leader", timeout=5)
+    only_leader.value.close()
     assert only_leader.value.code == 503
 
     client = Client(replicas.endpoint)
@@ -269,3 +272,46 @@ def test_a_follower_names_the_leader_and_the_cluster_view_shows_every_replica(re
     assert "leader" in ctl.stdout and replicas.replicas[leader].url in ctl.stdout
     for member_url in replicas.etcd.client_urls:
         assert member_url in ctl.stdout
+
+
+def test_every_replica_lost_at_once_the_state_comes_back_from_etcd(replicas: ReplicaCluster) -> None:
+    client = Client(replicas.endpoint, retry_budget=RETRY_BUDGET_S)
+    job = new_job(client)
+    for i in range(25):
+        client.set(job, f"k{i}", f"v{i}")
+        client.add(job, "counter", 2)
+    client.close()
+    for replica in replicas.replicas:
+        replica.kill()
+    for replica in replicas.replicas:
+        replica.restart()  # nothing local: each replica recovers from etcd
+    replicas.wait_for_leader()
+    client = Client(replicas.endpoint, retry_budget=RETRY_BUDGET_S)
+    assert client.add(job, "counter", 0) == 50
+    assert [client.get(job, f"k{i}", timeout=5) for i in range(25)] == [f"v{i}".encode() for i in range(25)]
+    events = client.events(job, since=0)["events"]
+    assert events[-1]["kind"] == "server_restarted" and events[-1]["cause"] == "leader_changed", events[-1]
+    client.close()
+
+
+def test_a_leader_stopped_with_sigterm_hands_over_and_exits_0(replicas: ReplicaCluster) -> None:
+    client = Client(replicas.endpoint, retry_budget=RETRY_BUDGET_S)
+    job = new_job(client)
+    client.set(job, "before", "1")
+    leader = replicas.wait_for_leader()
+    assert replicas.replicas[leader].terminate() == 0
+    replicas.wait_for_leader(other_than=leader)
+    assert client.get(job, "before", timeout=5) == b"1"
+    client.set(job, "after", "2")
+    # The followers stay hot: each applied what the leader committed.
+    new = replicas.wait_for_leader(other_than=leader)
+    head = readyz(replicas.replicas[new].url)
+    assert head is not None
+    deadline = time.monotonic() + 10
+    for i, replica in enumerate(replicas.replicas):
+        if i in (leader, new):
+            continue
+        while (readyz(replica.url) or {}).get("applied_index") != head["applied_index"]:
+            assert time.monotonic() < deadline, (readyz(replica.url), head)
+            time.sleep(0.05)
+    client.close()
