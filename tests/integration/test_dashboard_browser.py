@@ -573,3 +573,27 @@ def test_what_a_node_sends_is_shown_as_text_and_never_runs(server: ServerProcess
     assert not [e.tag for e in page.dom.walk() if any(name.startswith("on") for name in e.attrs)]
     assert page.dom.find("title")[0].text == f"{job} \u2013 rdzv-server"
     assert browser.evaluate("document.images.length") == 0
+
+
+def test_a_follower_replica_points_the_page_at_the_leader(tmp_path: Path, browser: Browser) -> None:
+    from etcd_cluster import EtcdCluster, require_etcd
+    from replica_cluster import ReplicaCluster
+
+    require_etcd()
+    etcd = EtcdCluster(1).start()
+    try:
+        cluster = ReplicaCluster(etcd, tmp_path, 2).start()
+        try:
+            leader = cluster.replicas[cluster.wait_for_leader()]
+            follower = next(r for r in cluster.replicas if r is not leader)
+            page = browser.render(
+                f"{follower.url}/?token={follower.token}", "!document.getElementById('notice').hidden", "the notice"
+            )
+            assert_page_ran_clean(page)
+            notice = page.dom.by_id("notice")
+            assert "This replica follows" in notice.text
+            assert [a.attrs.get("href") for a in notice.find("a")] == [leader.url + "/"]
+        finally:
+            cluster.close()
+    finally:
+        etcd.close()

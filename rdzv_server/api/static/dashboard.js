@@ -118,7 +118,26 @@ function messageOf(answer) {
 // A failed answer: stop at 401/403/404, else say so and let the caller retry.
 function failed(answer) {
   if (STOP_STATUSES.has(answer.status)) stop(answer.status, messageOf(answer));
+  else if (answer.body && answer.body.error === 'not_leader') showFollower(answer.body.leader);
   else document.getElementById('updated').textContent = `server answered ${answer.status}; retrying`;
+}
+
+// A follower replica (--etcd) serves no jobs: point at the leader, and keep retrying here
+// (this replica may lead next).
+function showFollower(leader) {
+  const notice = document.getElementById('notice');
+  notice.replaceChildren(el('h2', 'This replica follows'));
+  if (typeof leader === 'string' && /^https?:\/\/[^\s/]+$/.test(leader)) {
+    const link = el('a', leader + location.pathname);
+    link.href = leader + location.pathname;
+    const line = el('p', 'The leader serves the jobs: ');
+    line.append(link);
+    notice.append(line, el('p', 'It asks for the token again the first time (the cookie belongs to each address).', 'muted'));
+  } else {
+    notice.append(el('p', 'No replica leads right now (an election is under way); this page retries.'));
+  }
+  notice.hidden = false;
+  document.getElementById('updated').textContent = 'this replica follows; retrying';
 }
 
 // ------------------------------------------------------------------------------ /: the jobs
