@@ -221,10 +221,10 @@ class Replication:
         cut = await snapshot_index(self.client, self.prefix)
         replicated = EtcdLog(self.client, self.prefix, fence, last_index=head, snapshot_index=cut)
         self.leader = {"id": self.id, "url": self.url}
-        self._set_role("leader")
-        await self._publish()
-        log.info("Replica %s leads from record %d (%s).", self.id, head, self.url)
         await self._service.lead(replicated, f"replica {self.id} took over as leader")
+        self._set_role("leader")  # serving: /readyz says so only now
+        log.info("Replica %s leads from record %d (%s).", self.id, head, self.url)
+        await self._publish()
         lost = asyncio.ensure_future(election.lost.wait())
         stepped = asyncio.ensure_future(self._stepped_down.wait())
         try:
