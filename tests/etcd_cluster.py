@@ -8,24 +8,35 @@ member's log tail in the message.
 Ports are chosen at run time (bound to port 0 by the kernel, all held open together until
 the members are about to start), never fixed, so parallel runs do not collide. Every wait
 is bounded. :meth:`EtcdCluster.close` kills every member it started and deletes the folder.
+
+``EtcdCluster(size, tls=files)`` serves the client URLs over https with a throwaway CA's
+certificate (:class:`server_process.TLSFiles`; ``client_cert_auth=True`` also requires a
+client certificate signed by that CA); peers still talk plain http on loopback.
+``extra_args`` go to every member (``("--auth-token-ttl", "1")``), and
+:meth:`EtcdCluster.enable_auth` turns on etcd's user/password authentication.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
+from server_process import TLSFiles
 
 ETCD_MISSING = "etcd not installed: apt-get install etcd-server"
 
@@ -58,15 +69,27 @@ def _free_ports(count: int) -> list[int]:
 class EtcdCluster:
     """``size`` etcd members on 127.0.0.1; :attr:`client_urls` is what ``--etcd`` would take."""
 
-    def __init__(self, size: int = 1, *, base_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        size: int = 1,
+        *,
+        base_dir: Path | None = None,
+        tls: TLSFiles | None = None,
+        client_cert_auth: bool = False,
+        extra_args: Sequence[str] = (),
+    ) -> None:
         self.binary = require_etcd()
         self.size = size
+        self.tls = tls
+        self.client_cert_auth = client_cert_auth
+        self.extra_args = tuple(extra_args)
         self._own_dir = base_dir is None
         self.dir = Path(tempfile.mkdtemp(prefix="rdzv-etcd-")) if base_dir is None else base_dir
         ports = _free_ports(2 * size)
         self.client_ports = ports[:size]
         self.peer_ports = ports[size:]
-        self.client_urls = [f"http://127.0.0.1:{port}" for port in self.client_ports]
+        scheme = "https" if tls is not None else "http"
+        self.client_urls = [f"{scheme}://127.0.0.1:{port}" for port in self.client_ports]
         self.processes: list[subprocess.Popen[bytes] | None] = [None] * size
 
     def start(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> EtcdCluster:
@@ -89,6 +112,8 @@ class EtcdCluster:
                         "--initial-cluster", cluster,
                         "--initial-cluster-state", "new",
                         "--initial-cluster-token", token,
+                        *self._tls_args(),
+                        *self.extra_args,
                     ],
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -99,18 +124,63 @@ class EtcdCluster:
             self._wait_healthy(i, deadline)
         return self
 
+    def _tls_args(self) -> list[str]:
+        if self.tls is None:
+            return []
+        args = ["--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key)]
+        if self.client_cert_auth:
+            args += ["--client-cert-auth", "--trusted-ca-file", str(self.tls.ca)]
+        return args
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        """What the harness itself connects with: trusts the CA, presents the client certificate."""
+        if self.tls is None:
+            return None
+        context = ssl.create_default_context(cafile=str(self.tls.ca))
+        context.load_cert_chain(str(self.tls.client_cert), str(self.tls.client_key))
+        return context
+
     def _wait_healthy(self, i: int, deadline: float) -> None:
         url = f"{self.client_urls[i]}/health"
+        context = self._ssl_context()
         while True:
             process = self.processes[i]
             if process is not None and process.poll() is not None:
                 raise RuntimeError(f"etcd member m{i} exited with {process.returncode}:\n{self.log_tail(i)}")
-            with contextlib.suppress(OSError, urllib.error.URLError), urllib.request.urlopen(url, timeout=1) as answer:
+            with (
+                contextlib.suppress(OSError, urllib.error.URLError),
+                urllib.request.urlopen(url, timeout=1, context=context) as answer,
+            ):
                 if b'"health":"true"' in answer.read():
                     return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"etcd member m{i} did not become healthy in time:\n{self.log_tail(i)}")
             time.sleep(0.05)
+
+    def call(self, path: str, body: dict[str, Any], *, token: str = "") -> dict[str, Any]:
+        """POST ``body`` to etcd's JSON gateway on member 0 (with ``token`` as Authorization);
+        raises RuntimeError with etcd's answer when it is not a success."""
+        headers = {"Content-Type": "application/json"}
+        if token:
+            headers["Authorization"] = token
+        request = urllib.request.Request(
+            self.client_urls[0] + path, data=json.dumps(body).encode(), headers=headers, method="POST"
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=5, context=self._ssl_context()) as answer:
+                result: dict[str, Any] = json.loads(answer.read())
+                return result
+        except urllib.error.HTTPError as exc:
+            raise RuntimeError(f"etcd refused {path}: HTTP {exc.code} {exc.read()[:200]!r}") from exc
+
+    def enable_auth(self, root_password: str) -> str:
+        """Create the ``root`` user with ``root_password`` and the root role, turn on etcd's
+        authentication, and return a token of root's (for adding more users)."""
+        self.call("/v3/auth/user/add", {"name": "root", "password": root_password})
+        self.call("/v3/auth/user/grant", {"user": "root", "role": "root"})
+        self.call("/v3/auth/enable", {})
+        token: str = self.call("/v3/auth/authenticate", {"name": "root", "password": root_password})["token"]
+        return token
 
     def log_tail(self, i: int, lines: int = 20) -> str:
         """The last lines of member ``i``'s log, for failure messages."""

@@ -3,7 +3,9 @@
 What it owns: the few etcd calls the replicated log and the election need (kv range, put,
 delete-range, txn, compaction; lease grant, keepalive, revoke; watch; member list), the
 base64 and int64-as-string encoding of the gateway (hidden: callers see ``bytes`` and
-``int``), failing over between endpoints, and one error tree (:class:`EtcdError`).
+``int``), failing over between endpoints, TLS to etcd (:func:`etcd_ssl_context`), etcd's
+user/password authentication (:func:`read_credentials`), and one error tree
+(:class:`EtcdError`).
 
 What it must not know: what keys mean (logs, elections), msgpack, or the state machine.
 
@@ -27,16 +29,42 @@ Rules:
 - A watch is one HTTP stream; it is not retried here (the caller knows from which revision
   to resume) and raises :class:`EtcdWatchCompactedError` when the history it asks for was
   compacted away.
+
+TLS. ``https://`` endpoints, watch streams included, are verified with the
+``ssl_context`` given (:func:`etcd_ssl_context` builds it from ``--etcd-ca``,
+``--etcd-cert`` and ``--etcd-key``; without one, the system's CAs). A TLS failure that
+retrying cannot fix (an untrusted certificate, a refused client certificate, a member that
+does not speak TLS) moves on to the next endpoint like a lost connection, but when every
+endpoint of a pass fails that way the call raises :class:`EtcdTLSError` at once, naming
+the flag to fix, instead of retrying a misconfiguration.
+
+Authentication. Given ``username`` and ``password`` (:func:`read_credentials` reads them
+from ``--etcd-token-file``), the client calls ``/v3/auth/authenticate`` before its first
+request and sends the token it gets in the ``Authorization`` header of every request and
+watch. etcd 3.4 forgets a simple token after ``--auth-token-ttl`` (300 s) without use, and
+on a restart; it then answers gRPC code 16 ``etcdserver: invalid auth token`` (HTTP 401;
+a watch is instead confirmed and at once canceled with the same reason). That answer, and
+the two that mean the same to a client holding credentials (``revision of auth store is
+old``: users or roles changed under the token; ``user name is empty``: auth was turned on
+after this client authenticated), make the client authenticate again, once, and retry the
+request. Other refusals (a wrong password, a missing permission, no credentials where etcd
+requires them) raise :class:`EtcdAuthError` at once, saying what to check. The password
+and the token are never logged nor put in a message. If etcd answers that its auth is not
+enabled, the client warns and goes on without a token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import logging
+import re
+import ssl
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import aiohttp
@@ -60,6 +88,45 @@ MAX_WATCH_LINE_BYTES = 64 * 1024 * 1024
 # gRPC status codes the gateway reports in ``code``.
 GRPC_UNAVAILABLE = 14
 GRPC_NOT_FOUND = 5
+GRPC_FAILED_PRECONDITION = 9
+GRPC_UNAUTHENTICATED = 16
+# A canceled watch reports its reason as gRPC's text ("rpc error: code = Unauthenticated desc
+# = ..."); these are gRPC's names of its status codes, to read the code back.
+GRPC_CODE_NAMES = {
+    "Canceled": 1, "Unknown": 2, "InvalidArgument": 3, "DeadlineExceeded": 4, "NotFound": 5,
+    "AlreadyExists": 6, "PermissionDenied": 7, "ResourceExhausted": 8, "FailedPrecondition": 9,
+    "Aborted": 10, "OutOfRange": 11, "Unimplemented": 12, "Internal": 13, "Unavailable": 14,
+    "DataLoss": 15, "Unauthenticated": 16,
+}  # fmt: skip
+_GRPC_STATUS_TEXT = re.compile(r"rpc error: code = (\w+) desc = (.*)", re.DOTALL)
+
+# TLS 1.0 and 1.1 are deprecated (RFC 8996); etcd 3.4 speaks 1.2 and 1.3.
+TLS_MINIMUM_VERSION = ssl.TLSVersion.TLSv1_2
+
+# etcd 3.4's auth refusals, worded as the gateway reports them (etcd's
+# api/v3rpc/rpctypes/error.go): whether authenticating again can cure it, and what the
+# operator should check when it cannot. gRPC code 16 (UNAUTHENTICATED) is always the first
+# kind, whatever its wording.
+ERR_INVALID_AUTH_TOKEN = "etcdserver: invalid auth token"
+ERR_AUTH_NOT_ENABLED = "etcdserver: authentication is not enabled"
+_CHECK_CREDENTIALS = "check that the user in --etcd-token-file still exists in etcd with that password"
+_GIVE_CREDENTIALS = "etcd requires authentication: give --etcd-token-file, a file holding USER:PASSWORD of an etcd user"
+AUTH_REFUSALS: dict[str, tuple[bool, str]] = {
+    ERR_INVALID_AUTH_TOKEN: (True, _CHECK_CREDENTIALS),
+    "etcdserver: revision of auth store is old": (True, _CHECK_CREDENTIALS),
+    "etcdserver: user name is empty": (True, _GIVE_CREDENTIALS),
+    "etcdserver: authentication failed, invalid user ID or password": (
+        False,
+        "check the USER:PASSWORD in --etcd-token-file against etcd's users (etcdctl user get USER)",
+    ),
+    "etcdserver: permission denied": (
+        False,
+        (
+            "grant the etcd user a role with readwrite permission on this cluster's --etcd-prefix "
+            "(etcdctl role grant-permission ROLE --prefix=true readwrite PREFIX)"
+        ),
+    ),
+}
 
 CompareTarget = Literal["CREATE", "MOD", "VERSION", "VALUE", "LEASE"]
 CompareResult = Literal["EQUAL", "GREATER", "LESS", "NOT_EQUAL"]
@@ -73,6 +140,11 @@ class EtcdUnavailableError(EtcdError):
     """No endpoint answered (connection refused, timeout, or no etcd leader) after every retry."""
 
 
+class EtcdTLSError(EtcdError):
+    """No endpoint could be reached over TLS for a reason retrying cannot fix: an untrusted
+    certificate, a missing or refused client certificate, or a member that does not speak TLS."""
+
+
 class EtcdRequestError(EtcdError):
     """etcd answered with an error; ``code`` is its gRPC status code, ``etcd_message`` its text."""
 
@@ -82,12 +154,141 @@ class EtcdRequestError(EtcdError):
         self.etcd_message = etcd_message
 
 
+class EtcdAuthError(EtcdRequestError):
+    """etcd refused this client's credentials, token or permissions; the message says what to check.
+
+    ``token_rejected`` is true when etcd only refused the token (expired, or older than a
+    change to etcd's users): a client holding credentials has already authenticated again
+    once and retried before this reaches its caller.
+    """
+
+    def __init__(self, message: str, code: int, etcd_message: str, *, token_rejected: bool) -> None:
+        super().__init__(message, code, etcd_message)
+        self.token_rejected = token_rejected
+
+
+class EtcdConfigError(ValueError):
+    """A TLS or credentials file given for etcd cannot be used; the message names its flag."""
+
+
 class EtcdWatchCompactedError(EtcdError):
     """A watch asked for history etcd has compacted; ``compact_revision`` is the oldest kept."""
 
     def __init__(self, message: str, compact_revision: int) -> None:
         super().__init__(message)
         self.compact_revision = compact_revision
+
+
+def etcd_ssl_context(ca_file: Path | None, cert_file: Path | None, key_file: Path | None) -> ssl.SSLContext:
+    """The TLS context for etcd's ``https://`` endpoints: etcd's certificate verified (against
+    ``ca_file``, ``--etcd-ca``, or else the system's CAs) and its host name checked; a client
+    certificate (``cert_file`` and ``key_file``, ``--etcd-cert`` and ``--etcd-key``; the key
+    may be in the certificate's file) for an etcd started with ``--client-cert-auth``.
+
+    Raises :class:`EtcdConfigError` (one line, naming the flag) when a file cannot be read or
+    does not hold what its flag names, or for a key without a certificate.
+    """
+    if key_file is not None and cert_file is None:
+        raise EtcdConfigError(f"--etcd-key {key_file} needs its certificate: give --etcd-cert too")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the certificate and the host name
+    context.minimum_version = TLS_MINIMUM_VERSION
+    if ca_file is None:
+        context.load_default_certs(ssl.Purpose.SERVER_AUTH)
+    else:
+        try:
+            context.load_verify_locations(cafile=ca_file)
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            raise EtcdConfigError(
+                f"cannot load the etcd CA bundle {ca_file} (--etcd-ca): {_ssl_reason(exc)}; "
+                "give the PEM certificate(s) of the CA that signs etcd's certificates"
+            ) from exc
+    if cert_file is not None:
+        try:
+            context.load_cert_chain(cert_file, key_file, password=_no_key_password)
+        except (OSError, ValueError) as exc:
+            flags = "--etcd-cert" if key_file is None else f"--etcd-cert, and key {key_file} (--etcd-key)"
+            raise EtcdConfigError(
+                f"cannot load the etcd client certificate {cert_file} ({flags}): {_ssl_reason(exc)}; "
+                "give a PEM certificate chain and its unencrypted PEM private key"
+            ) from exc
+    return context
+
+
+def _no_key_password() -> str:
+    # Without a callback OpenSSL would prompt on the terminal for an encrypted key's password,
+    # and a server under systemd would hang there. Raising makes the load fail instead.
+    raise ValueError("the private key is encrypted; give an unencrypted key file")
+
+
+def _ssl_reason(exc: BaseException) -> str:
+    """A one-line reason, without the ``(_ssl.c:LINE)`` OpenSSL's messages end with."""
+    text = (exc.strerror if isinstance(exc, OSError) else None) or str(exc) or type(exc).__name__
+    text = re.sub(r"\s*\(_ssl\.c:\d+\)$", "", text)
+    if text == "[SSL] PEM lib":  # OpenSSL's words for "no PEM block I could use"
+        return "it holds no PEM data of the right kind ([SSL] PEM lib)"
+    return text
+
+
+def read_credentials(path: Path) -> tuple[str, str]:
+    """The etcd user and password from ``path`` (``--etcd-token-file``): one line
+    ``USER:PASSWORD``, as etcdctl's ``--user`` takes it (the password may hold colons).
+
+    Raises :class:`EtcdConfigError` (a ``ValueError``) when the file cannot be read, is
+    empty, or does not hold that one line; the message never quotes the file's content.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise EtcdConfigError(f"cannot read the etcd credentials file {path} (--etcd-token-file): {reason}") from exc
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise EtcdConfigError(
+            f"the etcd credentials file {path} (--etcd-token-file) is empty; write USER:PASSWORD in it"
+        )
+    if len(lines) > 1:
+        raise EtcdConfigError(
+            f"the etcd credentials file {path} (--etcd-token-file) has {len(lines)} lines; "
+            "it must hold one line, USER:PASSWORD"
+        )
+    user, colon, password = lines[0].strip().partition(":")
+    if not colon or not user or not password:
+        raise EtcdConfigError(
+            f"the etcd credentials file {path} (--etcd-token-file) does not hold USER:PASSWORD "
+            "(a user name, a colon, and a non-empty password on one line)"
+        )
+    return user, password
+
+
+def _tls_failure(exc: BaseException) -> ssl.SSLError | None:
+    """The TLS error behind ``exc`` when retrying cannot fix it, else ``None``.
+
+    That is a certificate this client does not trust, or a handshake either side refused (an
+    alert: no or unknown client certificate, a peer that does not speak TLS). Not an EOF or
+    reset mid-handshake (``ssl.SSLError``'s subclasses), which is a lost connection.
+    """
+    seen: BaseException | None = exc
+    for _ in range(8):  # aiohttp wraps the SSL error once or twice; bounded against a cyclic chain
+        if seen is None:
+            break
+        if isinstance(seen, ssl.SSLCertVerificationError) or type(seen) is ssl.SSLError:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _tls_hint(error: ssl.SSLError) -> str:
+    reason = _ssl_reason(error)
+    if isinstance(error, ssl.SSLCertVerificationError):
+        return (
+            "etcd's certificate is not trusted: give the CA that signed it with --etcd-ca, "
+            "and name members by an address their certificate lists"
+        )
+    if "WRONG_VERSION_NUMBER" in reason:
+        return "this member does not speak TLS: use http:// for it, or start etcd with --cert-file and --key-file"
+    if "CERTIFICATE_REQUIRED" in reason or "BAD_CERTIFICATE" in reason or "UNKNOWN_CA" in reason:
+        return "etcd requires a client certificate signed by its --trusted-ca-file: give --etcd-cert and --etcd-key"
+    return "check etcd's --cert-file/--key-file and this server's --etcd-ca, --etcd-cert and --etcd-key"
 
 
 def _b64(data: bytes) -> str:
@@ -272,16 +473,32 @@ class EtcdClient:
         request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
         retry_rounds: int = DEFAULT_RETRY_ROUNDS,
         retry_pause_s: float = DEFAULT_RETRY_PAUSE_S,
+        ssl_context: ssl.SSLContext | None = None,
+        username: str | None = None,
+        password: str | None = None,
     ) -> None:
-        """``endpoints`` are client URLs (``http://host:port``); raises ``ValueError`` for none."""
+        """``endpoints`` are client URLs (``http://host:port`` or ``https://host:port``).
+
+        ``ssl_context`` verifies ``https://`` endpoints (default: the system's CAs);
+        ``username`` and ``password`` turn on etcd's authentication. Raises ``ValueError``
+        for no endpoint, or for only one of ``username`` and ``password``.
+        """
         if not endpoints:
             raise ValueError("EtcdClient needs at least one endpoint URL, such as http://127.0.0.1:2379.")
+        if (username is None) != (password is None):
+            raise ValueError("EtcdClient needs both username and password for etcd's authentication, or neither.")
         self.endpoints = [url.rstrip("/") for url in endpoints]
         self.request_timeout_s = request_timeout_s
         self._retry_rounds = max(1, retry_rounds)
         self._retry_pause_s = retry_pause_s
         self._current = 0  # the endpoint that answered last: tried first next time
         self._session: aiohttp.ClientSession | None = None
+        self._ssl_context = ssl_context
+        self.username = username
+        self._password = password
+        self._token: str | None = None  # None with credentials: not yet, or auth not enabled in etcd
+        self._authenticated = False  # whether _token is what the last authenticate gave
+        self._auth_lock = asyncio.Lock()  # one authenticate at a time; the others reuse its token
 
     async def close(self) -> None:
         """Close the HTTP session (idempotent)."""
@@ -291,27 +508,91 @@ class EtcdClient:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            # The connector's context applies to https:// URLs only, watches included.
+            ssl_setting: ssl.SSLContext | bool = self._ssl_context if self._ssl_context is not None else True
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ssl_setting))
         return self._session
 
     # ------------------------------------------------------------------ transport
 
     async def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST ``body`` to ``path`` with this client's token, authenticating again once if
+        etcd refused the token; see the module docstring."""
+        token = await self._request_token()
+        try:
+            return await self._post(path, body, token)
+        except EtcdAuthError as exc:
+            if not exc.token_rejected or self.username is None:
+                raise
+        token = await self._renew_token(token)
+        return await self._post(path, body, token)
+
+    async def _request_token(self) -> str | None:
+        """The token to send: authenticates first when this client has credentials and no token yet."""
+        if self.username is not None and not self._authenticated:
+            async with self._auth_lock:
+                if not self._authenticated:
+                    await self._authenticate()
+        return self._token
+
+    async def _renew_token(self, rejected: str | None) -> str | None:
+        """Authenticate again, unless another request already did since ``rejected`` was refused."""
+        async with self._auth_lock:
+            if self._token == rejected:
+                logger.info("etcd refused the auth token of user %r; authenticating again.", self.username)
+                await self._authenticate()
+        return self._token
+
+    async def _authenticate(self) -> None:
+        """Get a token for this client's user (the caller holds ``_auth_lock``)."""
+        body = {"name": self.username, "password": self._password}
+        try:
+            answer = await self._post("/v3/auth/authenticate", body, None)
+        except EtcdRequestError as exc:
+            if exc.code != GRPC_FAILED_PRECONDITION or exc.etcd_message != ERR_AUTH_NOT_ENABLED:
+                raise
+            logger.warning(
+                "etcd at %s has authentication disabled; sending requests without a token "
+                "(the user %r from --etcd-token-file is not used).",
+                self.endpoints[self._current],
+                self.username,
+            )
+            self._token = None
+        else:
+            token = answer.get("token")
+            if not isinstance(token, str) or not token:
+                message = f"etcd answered /v3/auth/authenticate for user {self.username!r} without a token."
+                raise EtcdRequestError(message, 0, "")
+            self._token = token
+        self._authenticated = True
+
+    async def _post(self, path: str, body: dict[str, Any], token: str | None) -> dict[str, Any]:
         """POST ``body`` to ``path`` on one endpoint after another; see the module docstring."""
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
+        headers = {"Content-Type": "application/json"}
+        if token:
+            headers["Authorization"] = token
+        # A file-like body: aiohttp warns (ResourceWarning) on a bytes or JSON body over 1 MiB,
+        # and a txn of log records may come near etcd's 1.5 MiB limit. One reader per attempt.
+        encoded = json.dumps(body).encode()
         failures: list[str] = []
         count = len(self.endpoints)
         for round_ in range(self._retry_rounds):
             if round_:
                 await asyncio.sleep(self._retry_pause_s)
+            tls_failures: list[str] = []
             for step in range(count):
                 index = (self._current + step) % count
                 url = self.endpoints[index] + path
                 try:
-                    async with self._http().post(url, json=body, timeout=timeout) as response:
+                    data = io.BytesIO(encoded)
+                    async with self._http().post(url, data=data, headers=headers, timeout=timeout) as response:
                         text = await response.text()
                         status = response.status
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    tls = _tls_failure(exc)
+                    if tls is not None:
+                        tls_failures.append(f"{self.endpoints[index]}: {_ssl_reason(tls)}; {_tls_hint(tls)}")
                     failures.append(f"{url}: {exc!r}")
                     continue
                 answer = self._decode(url, status, text)
@@ -324,10 +605,30 @@ class EtcdClient:
                 if code == GRPC_UNAVAILABLE:
                     failures.append(f"{url}: {message}")
                     continue
-                raise EtcdRequestError(f"etcd refused {path} at {url}: {message} (gRPC code {code}).", code, message)
+                raise self._refusal(url, code, message)
+            if len(tls_failures) == count:
+                raise EtcdTLSError(f"No etcd endpoint could be reached over TLS for {path}: {'; '.join(tls_failures)}.")
         raise EtcdUnavailableError(
             f"No etcd endpoint answered {path} after {self._retry_rounds} passes over {self.endpoints}; "
             f"check that a quorum of the cluster is up and reachable. Last errors: {'; '.join(failures[-count:])}"
+        )
+
+    def _refusal(self, url: str, code: int, message: str) -> EtcdRequestError:
+        """The error for etcd's refusal at ``url``: :class:`EtcdAuthError` for an auth refusal."""
+        known = AUTH_REFUSALS.get(message)
+        if known is None and code != GRPC_UNAUTHENTICATED:
+            return EtcdRequestError(f"etcd refused {url}: {message} (gRPC code {code}).", code, message)
+        renewable, advice = known or (True, _CHECK_CREDENTIALS)
+        if self.username is None:
+            who = "this client, which has no etcd credentials"
+            advice = _GIVE_CREDENTIALS
+        else:
+            who = f"etcd user {self.username!r}"
+        return EtcdAuthError(
+            f"etcd refused {url} for {who}: {message} (gRPC code {code}); {advice}.",
+            code,
+            message,
+            token_rejected=renewable,
         )
 
     @staticmethod
@@ -449,26 +750,54 @@ class EtcdClient:
         Yields one :class:`WatchBatch` per answer with events, in revision order, until the
         caller stops iterating or the stream ends. Tries the endpoints in turn to open the
         stream, once each; raises :class:`EtcdUnavailableError` if none opens it or an open
-        stream breaks (the caller resumes from the revision after the last event it saw), and :class:`EtcdWatchCompactedError` when ``start_revision``
-        was compacted away.
+        stream breaks (the caller resumes from the revision after the last event it saw),
+        :class:`EtcdTLSError` if every endpoint failed TLS, and
+        :class:`EtcdWatchCompactedError` when ``start_revision`` was compacted away. When etcd
+        cancels the watch because it refused the token, the client authenticates again and
+        reopens the watch after the last event it yielded, once per refusal in a row;
+        other refusals raise :class:`EtcdAuthError`.
         """
+        token = await self._request_token()
+        renewed = False  # a renewal that no answer has yet proved good
+        while True:
+            try:
+                async for batch in self._watch_once(key, range_end, start_revision, token):
+                    renewed = False
+                    start_revision = batch.events[-1].kv.mod_revision + 1
+                    yield batch
+                return
+            except EtcdAuthError as exc:
+                if not exc.token_rejected or self.username is None or renewed:
+                    raise
+            token = await self._renew_token(token)
+            renewed = True
+
+    async def _watch_once(
+        self, key: bytes, range_end: bytes, start_revision: int, token: str | None
+    ) -> AsyncIterator[WatchBatch]:
+        """One watch stream, opened on the first endpoint that takes it; see :meth:`watch`."""
         create: dict[str, Any] = {"key": _b64(key)}
         if range_end:
             create["range_end"] = _b64(range_end)
         if start_revision:
             create["start_revision"] = str(start_revision)
         body = {"create_request": create}
+        headers = {"Authorization": token} if token else None
         # No total timeout: a quiet watch is healthy. Connecting is bounded, and so is the
         # wait for the first answer (etcd confirms a watch at once).
         timeout = aiohttp.ClientTimeout(total=None, connect=self.request_timeout_s)
         failures: list[str] = []
+        tls_failures: list[str] = []
         count = len(self.endpoints)
         for step in range(count):
             index = (self._current + step) % count
             url = self.endpoints[index] + "/v3/watch"
             try:
-                response = await self._http().post(url, json=body, timeout=timeout)
+                response = await self._http().post(url, json=body, headers=headers, timeout=timeout)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                tls = _tls_failure(exc)
+                if tls is not None:
+                    tls_failures.append(f"{self.endpoints[index]}: {_ssl_reason(tls)}; {_tls_hint(tls)}")
                 failures.append(f"{url}: {exc!r}")
                 continue
             async with response:
@@ -482,6 +811,8 @@ class EtcdClient:
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                     raise EtcdUnavailableError(f"The watch stream from {url} broke: {exc!r}") from exc
                 return
+        if len(tls_failures) == count:
+            raise EtcdTLSError(f"No etcd endpoint could be reached over TLS for a watch: {'; '.join(tls_failures)}.")
         raise EtcdUnavailableError(f"No etcd endpoint opened a watch on {key!r}: {'; '.join(failures)}")
 
     async def _watch_stream(self, url: str, response: aiohttp.ClientResponse) -> AsyncIterator[WatchBatch]:
@@ -497,13 +828,15 @@ class EtcdClient:
                     if batch is not None:
                         yield batch
 
-    @staticmethod
-    def _watch_answer(url: str, line: bytes) -> WatchBatch | None:
+    def _watch_answer(self, url: str, line: bytes) -> WatchBatch | None:
         answer = json.loads(line)
         if "error" in answer:
             error = answer["error"]
             message = str(error.get("message", error)) if isinstance(error, dict) else str(error)
             code = _int(error.get("code")) if isinstance(error, dict) else 0
+            refusal = self._refusal(url, code, message)
+            if isinstance(refusal, EtcdAuthError):
+                raise refusal
             raise EtcdRequestError(f"The watch at {url} failed: {message}", code, message)
         result = answer.get("result", {})
         compacted = _int(result.get("compact_revision"))
@@ -515,6 +848,12 @@ class EtcdClient:
             )
         if result.get("canceled"):
             reason = str(result.get("cancel_reason", "no reason given"))
+            # etcd words a refused watch as gRPC's text: "rpc error: code = Unauthenticated desc = ...".
+            status = _GRPC_STATUS_TEXT.fullmatch(reason)
+            if status is not None:
+                refusal = self._refusal(url, GRPC_CODE_NAMES.get(status.group(1), 0), status.group(2))
+                if isinstance(refusal, EtcdAuthError):
+                    raise refusal
             raise EtcdRequestError(f"etcd canceled the watch at {url}: {reason}", 0, reason)
         events = [
             WatchEvent("DELETE" if event.get("type") == "DELETE" else "PUT", KeyValue.from_json(event.get("kv", {})))
