@@ -46,7 +46,16 @@ from typing import TYPE_CHECKING, Any
 
 from .config import ServerConfig
 from .storage.election import Election, LeaderKey
-from .storage.etcd_client import EtcdClient, EtcdError, Put, prefix_end
+from .storage.etcd_client import (
+    EtcdAuthError,
+    EtcdClient,
+    EtcdError,
+    EtcdTLSError,
+    Put,
+    etcd_ssl_context,
+    prefix_end,
+    read_credentials,
+)
 from .storage.etcd_log import EtcdLog, log_head, recover, snapshot_index, tail
 
 if TYPE_CHECKING:
@@ -73,13 +82,26 @@ def default_url(config: ServerConfig, port: int) -> str:
     return f"{'https' if config.tls_cert is not None else 'http'}://{shown}:{port}"
 
 
+def etcd_client(config: ServerConfig) -> EtcdClient:
+    """The etcd client ``--etcd``, ``--etcd-ca``/``--etcd-cert``/``--etcd-key`` and
+    ``--etcd-token-file`` ask for. Raises SystemExit (one line) when a file is unusable."""
+    try:
+        tls = None
+        if config.etcd_ca or config.etcd_cert or any(url.startswith("https://") for url in config.etcd):
+            tls = etcd_ssl_context(config.etcd_ca, config.etcd_cert, config.etcd_key)
+        user, password = read_credentials(config.etcd_token_file) if config.etcd_token_file else (None, None)
+    except ValueError as exc:
+        raise SystemExit(f"rdzv-server: error: {exc}") from exc
+    return EtcdClient(list(config.etcd), ssl_context=tls, username=user, password=password)
+
+
 async def start_replication(service: Service) -> Replication:
     """Connect to etcd as ``service.config`` says and start this replica (see :meth:`Replication.start`)."""
     config = service.config
     port = service.bound_port if service.bound_port is not None else config.port
     url = config.advertise_url or default_url(config, port)
     replica_id = config.replica_id or f"{socket.gethostname()}:{port}"
-    client = EtcdClient(list(config.etcd))
+    client = etcd_client(config)
     replication = Replication(service, config, client, url=url, replica_id=replica_id)
     service.replication = replication
     log.info(
@@ -116,16 +138,25 @@ class Replication:
     # -- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the terms; return once the first recovery installed a machine."""
+        """Start the terms; return once the first recovery installed a machine.
+
+        Raises SystemExit (one line) when etcd refuses this replica's credentials or TLS
+        before that: retrying cannot fix a configuration. An etcd that is down is waited for.
+        """
         self._runner = asyncio.get_running_loop().create_task(self._run(), name="rdzv-replication")
-        await self._installed.wait()
+        installed = asyncio.ensure_future(self._installed.wait())
+        await asyncio.wait({installed, self._runner}, return_when=asyncio.FIRST_COMPLETED)
+        if not installed.done():
+            installed.cancel()
+            exc = self._runner.exception()
+            raise SystemExit(f"rdzv-server: error: etcd refused this replica: {exc}") from exc
 
     async def close(self) -> None:
         """Stop leading or following; resign so that another replica takes over at once."""
         self._closing = True
         if self._runner is not None:
             self._runner.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(BaseException):  # cancelled, or what start() already reported
                 await self._runner
         await self.client.close()
 
@@ -146,6 +177,10 @@ class Replication:
                 await self._term()
             except asyncio.CancelledError:
                 raise
+            except (EtcdAuthError, EtcdTLSError):
+                if not self._installed.is_set():
+                    raise  # a configuration that never worked: start() says so and the server exits
+                log.exception("Replica %s: etcd refused it; retrying.", self.id)
             except Exception as exc:  # noqa: BLE001 - etcd down, a lost lease, a gap: the next term starts over
                 log.warning("Replica %s: term ended (%s); starting over in %.1f s.", self.id, exc, TERM_RETRY_PAUSE_S)
             await asyncio.sleep(TERM_RETRY_PAUSE_S)

@@ -254,6 +254,15 @@ def _ssl_reason(exc: BaseException) -> str:
     return text
 
 
+async def _start(svc: Service) -> SystemExit | None:
+    """``svc.start()``; the SystemExit it raises when the server must not serve, returned."""
+    try:
+        await svc.start()
+    except SystemExit as exc:
+        return exc
+    return None
+
+
 async def serve(config: ServerConfig, stop: asyncio.Event) -> None:
     tokens = _tokens(config)
     tls = tls_context(config)
@@ -290,7 +299,7 @@ async def serve(config: ServerConfig, stop: asyncio.Event) -> None:
         await listener.start(config.host, config.port, tls=tls, handshake_timeout=config.read_timeout)
         svc.bound_port = listener.addresses()[0][1]
         # A replica waits for etcd as long as it takes; SIGTERM meanwhile still stops it.
-        starting = asyncio.ensure_future(svc.start())
+        starting = asyncio.ensure_future(_start(svc))
         stopping = asyncio.ensure_future(stop.wait())
         await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
@@ -300,7 +309,9 @@ async def serve(config: ServerConfig, stop: asyncio.Event) -> None:
                 await starting
             log.info("Stopped before the start finished.")
             return
-        starting.result()
+        refused = starting.result()
+        if refused is not None:  # raised here, not in the task: the shutdown below still runs
+            raise refused
         host, port = listener.addresses()[0]
         shown = f"[{host}]" if ":" in host else host
         scheme = "https" if tls is not None else "http"

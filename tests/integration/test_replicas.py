@@ -315,3 +315,41 @@ def test_a_leader_stopped_with_sigterm_hands_over_and_exits_0(replicas: ReplicaC
             assert time.monotonic() < deadline, (readyz(replica.url), head)
             time.sleep(0.05)
     client.close()
+
+
+def test_replicas_reach_an_etcd_that_wants_tls_and_a_password(tmp_path: Path) -> None:
+    from server_process import TLSFiles
+
+    require_etcd()
+    tls = TLSFiles.make(tmp_path / "tls")
+    etcd = EtcdCluster(1, tls=tls).start()
+    try:
+        etcd.enable_auth("root-secret")
+        good = tmp_path / "etcd-user"
+        good.write_text("root:root-secret\n")
+        good.chmod(0o600)
+        cluster = ReplicaCluster(
+            etcd, tmp_path / "ok", 2, args=("--etcd-ca", str(tls.ca), "--etcd-token-file", str(good))
+        ).start()
+        try:
+            client = Client(cluster.endpoint, retry_budget=RETRY_BUDGET_S)
+            job = new_job(client)
+            assert client.add(job, "counter", 5) == 5
+            leader = cluster.wait_for_leader()
+            cluster.replicas[leader].kill()
+            cluster.wait_for_leader(other_than=leader)
+            assert client.add(job, "counter", 1) == 6
+            client.close()
+        finally:
+            cluster.close()
+        # A wrong password is a configuration error: the replica says so and exits, not waits.
+        bad = tmp_path / "etcd-wrong"
+        bad.write_text("root:not-the-password\n")
+        wrong = ReplicaCluster(etcd, tmp_path / "bad", 1, args=("--etcd-ca", str(tls.ca), "--etcd-token-file", str(bad)))
+        with pytest.raises(RuntimeError, match="server did not start"):
+            wrong.replicas[0].start()
+        log = wrong.replicas[0].log_text()
+        assert "etcd refused this replica" in log and "--etcd-token-file" in log, log
+        assert "not-the-password" not in log and "Traceback" not in log, log
+    finally:
+        etcd.close()
