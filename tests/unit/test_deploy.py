@@ -5,7 +5,9 @@ Each recipe is read the way its own tool reads it (systemd settings, the Contain
 instructions, YAML documents, the shell words of the sbatch scripts); nothing runs but
 ``bash -n`` over the sbatch scripts and their line that makes a job's token file. Shell and systemd variables become ``/ENV/NAME``,
 so a test can say where a path comes from (``${CREDENTIALS_DIRECTORY}/token`` is
-``/ENV/CREDENTIALS_DIRECTORY/token``).
+``/ENV/CREDENTIALS_DIRECTORY/token``); so do Kubernetes' ``$(NAME)`` references, except where a
+test makes each pod of a StatefulSet as Kubernetes does and expands them from the pod's own
+environment (``$(POD_NAME)`` from the downward API is ``rdzv-0``, ``rdzv-1``, ...).
 
 The token rules every recipe keeps:
 - no ``--token`` flag (the server has none: a command line shows in ``ps``) and no
@@ -25,11 +27,13 @@ import shlex
 import stat
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
+from rdzv_client.client import parse_endpoints
 from rdzv_client.credential import CredentialError, read_token_file
 from rdzv_server.api.auth import TokenError, read_token
 from rdzv_server.cli import parse
@@ -38,7 +42,7 @@ from rdzv_server.config import ServerConfig
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 # The recipes that start an rdzv-server, and the others (which only run or feed clients).
-SERVER_RECIPES = ("rdzv-server.service", "Containerfile", "kubernetes.yaml", "slurm.sbatch")
+SERVER_RECIPES = ("rdzv-server.service", "Containerfile", "kubernetes.yaml", "kubernetes-ha.yaml", "slurm.sbatch")
 CLIENT_RECIPES = ("kubernetes-secrets.yaml", "kubernetes-train-job.yaml", "slurm-service-host.sbatch")
 DOCS = ("README.md", "etcd-test-cluster.sh")  # not recipes: the index, and a local etcd for replica tests
 
@@ -256,8 +260,12 @@ def _server_invocations(recipe: str, monkeypatch: pytest.MonkeyPatch) -> list[li
         runs = [shlex.split(value) for key, value, _ in _unit_settings(text) if key == "ExecStart"]
         assert all(Path(words[0]).name == "rdzv-server" for words in runs), "every ExecStart runs rdzv-server"
         return [words[1:] for words in runs]
-    if path.suffix == ".yaml":
-        return [container.get("args", []) for _, _, container in _containers(recipe) if _runs_server(container)]
+    if path.suffix == ".yaml":  # Kubernetes' $(NAME) is a variable, not a command substitution
+        return [
+            [re.sub(r"\$\((\w+)\)", r"${\1}", word) for word in container.get("args", [])]
+            for _, _, container in _containers(recipe)
+            if _runs_server(container)
+        ]
     return [words[words.index("rdzv-server") + 1 :] for words in _shell_commands(text) if "rdzv-server" in words]
 
 
@@ -342,7 +350,7 @@ def test_systemd_unit_is_hardened_and_writes_only_its_state_directory() -> None:
 # -- container ------------------------------------------------------------------------------
 
 
-def test_container_runs_as_a_numeric_non_root_user() -> None:
+def _image_uid() -> int:
     users = [
         rest
         for instruction, rest in _container_instructions((DEPLOY / "Containerfile").read_text())
@@ -351,8 +359,13 @@ def test_container_runs_as_a_numeric_non_root_user() -> None:
     uid = users[-1].split(":")[0]
     # Kubernetes' runAsNonRoot can only verify a numeric user.
     assert uid.isdigit() and int(uid) != 0, f"USER {users[-1]}: a numeric, non-root uid"
+    return int(uid)
+
+
+def test_container_runs_as_a_numeric_non_root_user() -> None:
+    uid = _image_uid()
     _, pod, _, _ = _the_server()
-    assert pod["securityContext"]["runAsUser"] == int(uid), "kubernetes.yaml runs the image's own uid"
+    assert pod["securityContext"]["runAsUser"] == uid, "kubernetes.yaml runs the image's own uid"
 
 
 def test_container_reads_its_token_from_a_mounted_secret_and_keeps_state_in_a_volume(
@@ -373,11 +386,11 @@ def test_container_reads_its_token_from_a_mounted_secret_and_keeps_state_in_a_vo
 # -- Kubernetes -----------------------------------------------------------------------------
 
 
-def test_kubernetes_server_reads_its_token_and_tls_key_from_secrets() -> None:
-    doc, pod, server, config = _the_server()
+def _assert_reads_secrets(recipe: str, doc: Doc, pod: Doc, server: Doc, config: ServerConfig) -> None:
+    """The server's token files and TLS key are Secrets' files, and it speaks TLS."""
     namespace = doc["metadata"]["namespace"]
     assert config.token_file is not None and config.tls_cert is not None and config.tls_key is not None, (
-        "the server in a cluster uses TLS: the token must not cross the pod network in clear"
+        f"{recipe}: the server in a cluster uses TLS: the token must not cross the pod network in clear"
     )
     _assert_from_secret(pod, server, namespace, str(config.token_file), "--token-file")
     if config.read_token_file is not None:
@@ -387,7 +400,11 @@ def test_kubernetes_server_reads_its_token_and_tls_key_from_secrets() -> None:
         assert found == key and _declared_secrets()[(namespace, name)]["type"] == "kubernetes.io/tls"
 
 
-@pytest.mark.parametrize("recipe", ["kubernetes.yaml", "kubernetes-train-job.yaml"])
+def test_kubernetes_server_reads_its_token_and_tls_key_from_secrets() -> None:
+    _assert_reads_secrets("kubernetes.yaml", *_the_server())
+
+
+@pytest.mark.parametrize("recipe", ["kubernetes.yaml", "kubernetes-ha.yaml", "kubernetes-train-job.yaml"])
 def test_kubernetes_secret_files_are_readable_by_the_pod_alone(recipe: str) -> None:
     for doc in _documents(recipe):
         pod = _pod_spec(doc)
@@ -405,19 +422,23 @@ def test_kubernetes_secret_files_are_readable_by_the_pod_alone(recipe: str) -> N
             assert "fsGroup" in pod["securityContext"] and mode & 0o040, f"{recipe}: volume {volume['name']} unreadable"
 
 
+def _assert_unprivileged(recipe: str, pod: Doc, container: Doc) -> None:
+    what = f"{recipe}: {container['name']}"
+    assert pod["securityContext"]["runAsNonRoot"] is True, what
+    assert pod.get("automountServiceAccountToken") is False, f"{what} never talks to the Kubernetes API"
+    context = container["securityContext"]
+    assert context["readOnlyRootFilesystem"] is True and context["allowPrivilegeEscalation"] is False, what
+    assert context["capabilities"]["drop"] == ["ALL"], what
+
+
 def test_kubernetes_server_runs_unprivileged_on_a_read_only_root() -> None:
     _, pod, server, config = _the_server()
-    assert pod["securityContext"]["runAsNonRoot"] is True
-    assert pod.get("automountServiceAccountToken") is False, "the server never talks to the Kubernetes API"
-    context = server["securityContext"]
-    assert context["readOnlyRootFilesystem"] is True and context["allowPrivilegeEscalation"] is False
-    assert context["capabilities"]["drop"] == ["ALL"]
+    _assert_unprivileged("kubernetes.yaml", pod, server)
     mounts = {m["mountPath"] for m in server["volumeMounts"]}
     assert str(config.data_dir) in mounts, "with a read-only root, the data directory must be a volume"
 
 
-def test_kubernetes_probes_use_livez_and_readyz_which_need_no_token() -> None:
-    _, _, server, config = _the_server()
+def _assert_probes(server: Doc, config: ServerConfig) -> None:
     assert server["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert server["livenessProbe"]["httpGet"]["path"] == "/livez"
     for probe in (server["readinessProbe"]["httpGet"], server["livenessProbe"]["httpGet"]):
@@ -429,22 +450,31 @@ def test_kubernetes_probes_use_livez_and_readyz_which_need_no_token() -> None:
     assert config.tls_client_ca is None
 
 
+def test_kubernetes_probes_use_livez_and_readyz_which_need_no_token() -> None:
+    _, _, server, config = _the_server()
+    _assert_probes(server, config)
+
+
 # Set by Kubernetes on every namespace (1.22+): nobody can give another namespace this name.
 NAMESPACE_LABEL = "kubernetes.io/metadata.name"
 
 
-def _admitted_namespaces() -> set[str]:
-    """The namespaces the NetworkPolicies covering the server admit (asserting nothing else gets in)."""
-    doc, _, _, config = _the_server()
-    labels = doc["spec"]["template"]["metadata"]["labels"]
-    policies = [
+def _policies_covering(recipe: str, workload: Doc) -> list[Doc]:
+    """The NetworkPolicies of ``recipe`` that select the workload's pods."""
+    labels = workload["spec"]["template"]["metadata"]["labels"]
+    return [
         d
-        for d in _documents("kubernetes.yaml")
+        for d in _documents(recipe)
         if d["kind"] == "NetworkPolicy"
-        and d["metadata"]["namespace"] == doc["metadata"]["namespace"]
+        and d["metadata"]["namespace"] == workload["metadata"]["namespace"]
         and d["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
     ]
-    assert policies, "a NetworkPolicy must select the server's pods"
+
+
+def _admitted_namespaces(recipe: str, workload: Doc, port: int) -> set[str]:
+    """The namespaces the NetworkPolicies covering a server admit (asserting nothing else gets in)."""
+    policies = _policies_covering(recipe, workload)
+    assert policies, f"{recipe}: a NetworkPolicy must select the server's pods"
     admitted: set[str] = set()
     for policy in policies:
         assert "Ingress" in policy["spec"]["policyTypes"]
@@ -456,12 +486,46 @@ def _admitted_namespaces() -> set[str]:
                 assert list(peer) == ["namespaceSelector"] and list(selector) == ["matchLabels"], peer
                 assert list(selector["matchLabels"]) == [NAMESPACE_LABEL], peer
                 admitted.add(selector["matchLabels"][NAMESPACE_LABEL])
-            assert [p["port"] for p in rule["ports"]] == [config.port]
+            assert [p["port"] for p in rule["ports"]] == [port]
     return admitted
 
 
+def _server_admits() -> set[str]:
+    doc, _, _, config = _the_server()
+    return _admitted_namespaces("kubernetes.yaml", doc, config.port)
+
+
 def test_kubernetes_network_policy_admits_the_training_and_monitoring_namespaces_only() -> None:
-    assert _admitted_namespaces() == {"training", "monitoring"}
+    assert _server_admits() == {"training", "monitoring"}
+
+
+def _agents() -> list[tuple[Doc, Doc, Doc, list[str]]]:
+    """(job, pod spec, container, torchrun's words) for every agent of kubernetes-train-job.yaml."""
+    found = []
+    for job, pod, container in _containers("kubernetes-train-job.yaml"):
+        words = container.get("command", []) + container.get("args", [])
+        if words[:1] == ["torchrun"]:
+            found.append((job, pod, container, words))
+    assert found, "kubernetes-train-job.yaml runs no torchrun"
+    return found
+
+
+def _assert_agents_can_reach(admitted: set[str], tls: bool) -> None:
+    """Every agent runs where the server's NetworkPolicy admits it, reads its token from a
+    Secret's file and, when the server speaks TLS, uses TLS and verifies it against a CA."""
+    for job, pod, container, words in _agents():
+        namespace = job["metadata"]["namespace"]
+        assert namespace in admitted, f"the NetworkPolicy must admit {namespace}"
+        flags, env = _flags(words), {e["name"]: e.get("value") for e in container.get("env", [])}
+        conf = _rdzv_conf(flags)
+        assert flags["--rdzv-backend"] == "rdzv-server"
+        token_file = conf.get("token_file") or env.get("RDZV_TOKEN_FILE")
+        assert token_file, "the agents name their token file (token_file= or RDZV_TOKEN_FILE)"
+        assert _assert_from_secret(pod, container, namespace, token_file, "the agents' token")[1] == "token"
+        if tls:
+            assert flags["--rdzv-endpoint"].startswith("https://") or conf.get("tls") == "1", "agents must use TLS"
+            assert "ca_file" in conf, "agents verify the server against its CA"
+            _assert_from_secret(pod, container, namespace, conf["ca_file"], "the CA")
 
 
 def test_kubernetes_training_pods_dial_the_service_over_tls_with_the_token_from_a_secret() -> None:
@@ -471,26 +535,9 @@ def test_kubernetes_training_pods_dial_the_service_over_tls_with_the_token_from_
     address = (
         f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc:{service['spec']['ports'][0]['port']}"
     )
-    agents = 0
-    for job, pod, container in _containers("kubernetes-train-job.yaml"):
-        words = container.get("command", []) + container.get("args", [])
-        if words[:1] != ["torchrun"]:
-            continue
-        agents += 1
-        namespace = job["metadata"]["namespace"]
-        assert namespace in _admitted_namespaces(), f"the NetworkPolicy must admit {namespace}"
-        flags, env = _flags(words), {e["name"]: e.get("value") for e in container.get("env", [])}
-        conf = _rdzv_conf(flags)
-        assert flags["--rdzv-backend"] == "rdzv-server"
-        assert flags["--rdzv-endpoint"].removeprefix("https://") == address
-        token_file = conf.get("token_file") or env.get("RDZV_TOKEN_FILE")
-        assert token_file, "the agents name their token file (token_file= or RDZV_TOKEN_FILE)"
-        assert _assert_from_secret(pod, container, namespace, token_file, "the agents' token")[1] == "token"
-        if config.tls_cert is not None:
-            assert flags["--rdzv-endpoint"].startswith("https://") or conf.get("tls") == "1", "agents must use TLS"
-            assert "ca_file" in conf, "agents verify the server against its CA"
-            _assert_from_secret(pod, container, namespace, conf["ca_file"], "the CA")
-    assert agents, "kubernetes-train-job.yaml runs no torchrun"
+    for _, _, _, words in _agents():
+        assert _flags(words)["--rdzv-endpoint"].removeprefix("https://") == address
+    _assert_agents_can_reach(_server_admits(), config.tls_cert is not None)
 
 
 def test_kubernetes_committed_secrets_hold_no_usable_token_or_key(tmp_path: Path) -> None:
@@ -509,6 +556,265 @@ def test_kubernetes_committed_secrets_hold_no_usable_token_or_key(tmp_path: Path
                     read_token(held)
                 with pytest.raises(CredentialError):
                     read_token_file(held)
+
+
+# -- Kubernetes: replicas over etcd (kubernetes-ha.yaml) ------------------------------------
+
+HA = "kubernetes-ha.yaml"
+
+
+class StatefulPod(NamedTuple):
+    """One pod of a StatefulSet as Kubernetes makes it."""
+
+    workload: Doc
+    pod: Doc  # the pod spec
+    container: Doc
+    service: Doc  # the headless Service that names it
+    name: str  # NAME-ORDINAL
+    dns: str  # NAME-ORDINAL.SERVICE.NAMESPACE.svc
+    args: list[str]  # after the program, $(VAR) expanded from the container's env
+
+
+def _program(container: Doc) -> str:
+    """What the container runs: its command's file name, else its image's name."""
+    command = container.get("command") or [container["image"].rsplit("/", 1)[-1].split(":")[0]]
+    return Path(command[0]).name
+
+
+def _pod_env(container: Doc, pod_name: str, namespace: str) -> dict[str, str]:
+    """The container's environment in one pod: plain values and the downward API's name and namespace."""
+    fields = {"metadata.name": pod_name, "metadata.namespace": namespace}
+    env: dict[str, str] = {}
+    for var in container.get("env", []):
+        field = var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+        if "value" in var:
+            env[var["name"]] = var["value"]
+        elif field in fields:
+            env[var["name"]] = fields[field]
+    return env
+
+
+def _kubernetes_expand(word: str, env: dict[str, str]) -> str:
+    """``$(NAME)`` as Kubernetes expands it in a container's command and args (unknown: kept)."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), word)
+
+
+def _stateful_pods(program: str) -> list[StatefulPod]:
+    """Every pod of the one StatefulSet of kubernetes-ha.yaml whose container runs ``program``."""
+    (doc, pod, container), *more = [
+        found for found in _containers(HA) if found[0]["kind"] == "StatefulSet" and _program(found[2]) == program
+    ]
+    assert not more, f"{HA}: one StatefulSet runs {program}"
+    namespace, service_name = doc["metadata"]["namespace"], doc["spec"]["serviceName"]
+    (service,) = [
+        d
+        for d in _documents(HA)
+        if d["kind"] == "Service" and (d["metadata"]["namespace"], d["metadata"]["name"]) == (namespace, service_name)
+    ]
+    # Headless: NAME-ORDINAL.SERVICE names one pod, not a balanced address.
+    assert service["spec"].get("clusterIP") == "None", f"{HA}: Service {service_name} must be headless"
+    assert service["spec"]["selector"].items() <= doc["spec"]["template"]["metadata"]["labels"].items()
+    pods = []
+    for ordinal in range(doc["spec"]["replicas"]):
+        name = f"{doc['metadata']['name']}-{ordinal}"
+        env = _pod_env(container, name, namespace)
+        words = (container.get("command") or ["(image)"])[1:] + container.get("args", [])
+        args = [_kubernetes_expand(word, env) for word in words]
+        pods.append(StatefulPod(doc, pod, container, service, name, f"{name}.{service_name}.{namespace}.svc", args))
+    return pods
+
+
+def _replicas() -> list[tuple[StatefulPod, ServerConfig]]:
+    replicas = [(run, _server_config(HA, run.args)) for run in _stateful_pods("rdzv-server")]
+    assert len(replicas) == 3, f"{HA}: three replicas (one may go, and a leader is still left or elected)"
+    return replicas
+
+
+def _etcd_members() -> list[tuple[StatefulPod, dict[str, str]]]:
+    members = [(run, _flags(run.args)) for run in _stateful_pods("etcd")]
+    assert len(members) == 3, f"{HA}: three etcd members (one may go, and two are a quorum)"
+    return members
+
+
+def _same_address(url: str, host: str, listen: str) -> bool:
+    """Whether ``url`` is ``host`` at the scheme and port of the listen URL ``listen``."""
+    named, bound = urlsplit(url), urlsplit(listen)
+    return (named.scheme, named.hostname, named.port) == (bound.scheme, host, bound.port)
+
+
+def test_ha_every_replica_keeps_its_log_in_exactly_the_etcd_members_of_the_same_file() -> None:
+    client_urls = []
+    for member, flags in _etcd_members():
+        advertised = flags["--advertise-client-urls"]
+        assert _same_address(advertised, member.dns, flags["--listen-client-urls"]), (
+            f"{member.name} advertises {advertised}: its own pod name, where it listens"
+        )
+        client_urls.append(advertised)
+    for replica, config in _replicas():
+        assert not config.memory and config.data_dir is None, f"{replica.name}: a replica keeps no local state"
+        assert sorted(config.etcd) == sorted(client_urls), f"{replica.name}: --etcd lists every etcd member"
+
+
+def test_ha_each_replica_advertises_the_name_clients_dial_and_an_id_of_its_own() -> None:
+    replicas = _replicas()
+    for replica, config in replicas:
+        assert config.port in [p["port"] for p in replica.service["spec"]["ports"]]
+        assert config.port in [p["containerPort"] for p in replica.container["ports"]]
+        scheme = "https" if config.tls_cert is not None else "http"
+        # A follower names the leader by this URL; clients follow it only to a host:port they list.
+        assert config.advertise_url == f"{scheme}://{replica.dns}:{config.port}", replica.name
+        assert config.replica_id == replica.name
+    ids = [config.replica_id for _, config in replicas]
+    assert len(set(ids)) == len(ids), f"replica ids must differ: {ids}"
+
+
+def test_ha_etcd_members_bootstrap_from_one_initial_cluster_of_their_peer_urls() -> None:
+    members = _etcd_members()
+    peers = {}
+    for member, flags in members:
+        assert flags["--name"] == member.name
+        peer = flags["--initial-advertise-peer-urls"]
+        assert _same_address(peer, member.dns, flags["--listen-peer-urls"]), f"{member.name} advertises {peer}"
+        peers[member.name] = peer
+    claims = {claim["metadata"]["name"] for claim in members[0][0].workload["spec"]["volumeClaimTemplates"]}
+    for member, flags in members:
+        cluster = dict(item.split("=", 1) for item in flags["--initial-cluster"].split(","))
+        assert cluster == peers, f"{member.name}: --initial-cluster must name every member at its peer URL"
+        assert flags["--initial-cluster-state"] == "new" and flags["--initial-cluster-token"]
+        data = Path(flags["--data-dir"])
+        assert any(
+            m["name"] in claims and data.is_relative_to(m["mountPath"]) for m in member.container["volumeMounts"]
+        ), f"{member.name}: --data-dir must be on its volume claim"
+    assert len({flags["--initial-cluster-token"] for _, flags in members}) == 1
+
+
+def test_ha_replicas_read_every_secret_from_secrets_and_speak_tls_as_etcd_does() -> None:
+    members = _etcd_members()
+    for member, flags in members:
+        namespace = member.workload["metadata"]["namespace"]
+        for flag in [f for f in flags if f.endswith("-file")]:
+            _assert_from_secret(member.pod, member.container, namespace, flags[flag], f"etcd {flag}")
+        for prefix, urls in (("--", "--listen-client-urls"), ("--peer-", "--listen-peer-urls")):
+            if flags[urls].startswith("https://"):
+                assert f"{prefix}cert-file" in flags and f"{prefix}key-file" in flags, f"{member.name}: {urls}"
+            if f"{prefix}client-cert-auth" in flags:
+                assert f"{prefix}trusted-ca-file" in flags, f"{member.name}: {prefix}client-cert-auth needs a CA"
+    tls = {flags["--listen-client-urls"].startswith("https://") for _, flags in members}
+    client_certs = {"--client-cert-auth" in flags for _, flags in members}
+    assert len(tls) == len(client_certs) == 1, "every etcd member serves its clients alike"
+    for replica, config in _replicas():
+        _assert_reads_secrets(HA, replica.workload, replica.pod, replica.container, config)
+        namespace = replica.workload["metadata"]["namespace"]
+        assert {url.startswith("https://") for url in config.etcd} == tls, f"{replica.name}: etcd's scheme"
+        if tls == {True}:
+            assert config.etcd_ca is not None, f"{replica.name}: --etcd-ca verifies etcd"
+        if client_certs == {True}:
+            assert config.etcd_cert is not None, f"{replica.name}: etcd wants a client certificate (--etcd-cert)"
+        for flag, path in (
+            ("--etcd-ca", config.etcd_ca),
+            ("--etcd-cert", config.etcd_cert),
+            ("--etcd-key", config.etcd_key),
+            ("--etcd-token-file", config.etcd_token_file),
+        ):
+            if path is not None:
+                _assert_from_secret(replica.pod, replica.container, namespace, str(path), flag)
+
+
+def test_ha_probes_ask_readyz_and_livez_of_replicas_and_members() -> None:
+    for replica, config in _replicas():
+        _assert_probes(replica.container, config)  # /readyz: followers stay ready (their not_leader finds the leader)
+    for member, flags in _etcd_members():
+        metrics = urlsplit(flags["--listen-metrics-urls"])  # no client certificate needed there
+        probes = {kind: member.container[kind]["httpGet"] for kind in ("readinessProbe", "livenessProbe")}
+        assert probes["readinessProbe"]["path"] == "/readyz" and probes["livenessProbe"]["path"] == "/livez"
+        for probe in probes.values():
+            assert probe["port"] == metrics.port and probe.get("scheme", "HTTP") == metrics.scheme.upper()
+
+
+@pytest.mark.parametrize("program", ["rdzv-server", "etcd"])
+def test_ha_pods_start_together_on_three_nodes_and_a_drain_takes_one_at_a_time(program: str) -> None:
+    first, *_ = _stateful_pods(program)
+    spec, namespace = first.workload["spec"], first.workload["metadata"]["namespace"]
+    labels = spec["template"]["metadata"]["labels"]
+    # etcd is not ready before it has quorum: one pod at a time would wait for ever.
+    assert spec["podManagementPolicy"] == "Parallel"
+    terms = first.pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert any(
+        term["topologyKey"] == "kubernetes.io/hostname"
+        and term["labelSelector"]["matchLabels"].items() <= labels.items()
+        for term in terms
+    ), f"{program}: no two pods on one node"
+    budgets = [
+        d["spec"]
+        for d in _documents(HA)
+        if d["kind"] == "PodDisruptionBudget"
+        and d["metadata"]["namespace"] == namespace
+        and d["spec"]["selector"]["matchLabels"]
+        and d["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    ]
+    assert [budget.get("maxUnavailable") for budget in budgets] == [1], f"{program}: one PodDisruptionBudget"
+
+
+def test_ha_every_container_runs_unprivileged_on_a_read_only_root() -> None:
+    for doc, pod, container in _containers(HA):
+        _assert_unprivileged(HA, pod, container)
+    replica = _replicas()[0][0]
+    assert replica.pod["securityContext"]["runAsUser"] == _image_uid(), "the replicas run the image's own uid"
+
+
+def _egress_ports(workload: Doc, to: Doc) -> set[int] | None:
+    """The ports the workload's pods may dial on ``to``'s pods (same namespace); None: any."""
+    policies = [d for d in _policies_covering(HA, workload) if "Egress" in d["spec"]["policyTypes"]]
+    if not policies:
+        return None
+    labels = to["spec"]["template"]["metadata"]["labels"]
+    return {
+        port["port"]
+        for policy in policies
+        for rule in policy["spec"].get("egress", [])
+        if any(
+            list(peer) == ["podSelector"] and peer["podSelector"]["matchLabels"].items() <= labels.items()
+            for peer in rule.get("to", [])
+        )
+        for port in rule["ports"]
+    }
+
+
+def test_ha_network_policies_admit_agents_to_the_replicas_and_only_the_replicas_to_etcd() -> None:
+    (replica, config), *_ = _replicas()
+    (member, flags), *_ = _etcd_members()
+    assert _admitted_namespaces(HA, replica.workload, config.port) == {"training", "monitoring"}
+    client_port, peer_port = urlsplit(flags["--listen-client-urls"]).port, urlsplit(flags["--listen-peer-urls"]).port
+    replica_labels = replica.workload["spec"]["template"]["metadata"]["labels"]
+    policies = _policies_covering(HA, member.workload)
+    assert policies and all("Ingress" in p["spec"]["policyTypes"] for p in policies)
+    admitted = False
+    for rule in [rule for policy in policies for rule in policy["spec"].get("ingress", [])]:
+        assert rule.get("from"), "an ingress rule with no `from` admits everyone"
+        if "ports" in rule and client_port not in [p["port"] for p in rule["ports"]]:
+            continue
+        for peer in rule["from"]:  # the client port: the replicas' pods, no one else
+            selector = peer.get("podSelector", {}).get("matchLabels")
+            assert list(peer) == ["podSelector"] and selector and selector.items() <= replica_labels.items(), peer
+            admitted = True
+    assert admitted, "etcd's NetworkPolicy must admit the replicas"
+    replica_egress = _egress_ports(replica.workload, member.workload)
+    assert replica_egress is None or client_port in replica_egress, "the replicas must be let out to etcd"
+    member_egress = _egress_ports(member.workload, member.workload)
+    assert member_egress is None or peer_port in member_egress, "etcd members must be let out to their peers"
+
+
+def test_ha_training_pods_list_exactly_the_replicas_as_they_advertise_themselves() -> None:
+    """kubernetes-train-job.yaml's commented --rdzv-endpoint: every replica, by its --advertise-url."""
+    text = (DEPLOY / "kubernetes-train-job.yaml").read_text()
+    (spec,) = re.findall(r"^\s*#\s*--rdzv-endpoint=(\S+)\s*$", text, re.MULTILINE)
+    listed = [(endpoint.host, endpoint.port) for endpoint in parse_endpoints(spec)]
+    replicas = _replicas()
+    advertised = [(url.hostname, url.port) for url in (urlsplit(str(c.advertise_url)) for _, c in replicas)]
+    assert len(set(listed)) == len(listed) and sorted(listed) == sorted(advertised)
+    # The rest of the agents' command serves the replicas unchanged.
+    (replica, config), *_ = replicas
+    _assert_agents_can_reach(_admitted_namespaces(HA, replica.workload, config.port), config.tls_cert is not None)
 
 
 # -- Slurm ----------------------------------------------------------------------------------
