@@ -1,11 +1,13 @@
 """``python -m bench``: run the measurements, print the table, write JSON and plots.
 
     python -m bench                 # everything (10-25 minutes on 2 cores)
-    python -m bench --quick         # every measurement, small (under ~2 minutes)
+    python -m bench --quick         # every measurement, small (about 3 minutes)
     python -m bench --only formation,store --backends rdzv-server,c10d --sizes 8,64,256
+    python -m bench --only ha --quick   # replicas over etcd vs the single server (< ~1 minute)
 
 Measurements (one module each): ``formation`` (bench.formation), ``store``
-(bench.store), ``rerdzv`` (bench.rerdzv), ``server`` (bench.server_cost). Results go to
+(bench.store), ``rerdzv`` (bench.rerdzv), ``server`` (bench.server_cost), ``ha``
+(bench.ha: replicas over a 3-member etcd against the single server). Results go to
 ``--out`` (default ``bench/out``): ``results.json``, ``*.png``, ``bench.log`` and
 ``logs/`` (every service's own log). The exit status is 0 when the run completed, even
 with missed targets (the table says which); 2 for bad arguments.
@@ -28,7 +30,7 @@ from .result import Plan, Row, load_average
 
 log = logging.getLogger("bench")
 
-MEASUREMENTS = ("formation", "store", "rerdzv", "server")
+MEASUREMENTS = ("formation", "store", "rerdzv", "server", "ha")
 #: N=128 is where formation is compared with c10d (the 20x target).
 FULL_SIZES = (8, 64, 128, 256, 1024, 4096)
 QUICK_SIZES = (8, 64)
@@ -37,15 +39,28 @@ QUICK_RERDZV_SIZES = (8,)
 #: A formation (or one phase of a re-rendezvous) that takes longer is a timeout.
 FULL_TIMEOUT = 120.0
 QUICK_TIMEOUT = 30.0
+#: ha: one writer (latency alone), then 16 and 64 sharing the leader (its group commit).
+HA_CLIENTS = (1, 16, 64)
+FULL_HA_SIZES = (8, 64)
+QUICK_HA_SIZES = (8,)
+#: ha: 2 s is the shortest lease the server takes; 5 s is its default.
+FULL_HA_TTLS = (2, 5)
+QUICK_HA_TTLS = (2,)
+FULL_HA_REPEATS = 5
+QUICK_HA_REPEATS = 3
+FULL_HA_OPS = 1000
+QUICK_HA_OPS = 100
 
 
-def _csv(kind: type, allowed: Sequence[str] | None = None):  # type: ignore[no-untyped-def]
+def _csv(kind: type, allowed: Sequence[str] | None = None, least: int | None = None):  # type: ignore[no-untyped-def]
     def parse(text: str) -> tuple[object, ...]:
         items = tuple(kind(x.strip()) for x in text.split(",") if x.strip())
         if allowed is not None:
             bad = [x for x in items if x not in allowed]
             if bad:
                 raise argparse.ArgumentTypeError(f"unknown {', '.join(map(str, bad))}; expected some of {', '.join(allowed)}")
+        if least is not None and any(x < least for x in items):
+            raise argparse.ArgumentTypeError(f"every value must be at least {least}, got {text}")
         if not items:
             raise argparse.ArgumentTypeError("empty list")
         return items
@@ -53,13 +68,27 @@ def _csv(kind: type, allowed: Sequence[str] | None = None):  # type: ignore[no-u
     return parse
 
 
+def _count(least: int, most: int):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> int:
+        value = int(text)
+        if not least <= value <= most:
+            raise argparse.ArgumentTypeError(f"expected {least}..{most}, got {text}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description="Benchmark rdzv-server against torch's c10d and etcd-v2 rendezvous backends.")
-    p.add_argument("--quick", action="store_true", help="a small smoke run of every measurement (< ~2 min)")
+    p.add_argument("--quick", action="store_true", help="a small smoke run of every measurement (~3 min)")
     p.add_argument("--only", type=_csv(str, MEASUREMENTS), default=MEASUREMENTS, help="measurements: " + ",".join(MEASUREMENTS))
     p.add_argument("--backends", type=_csv(str, BACKEND_NAMES), default=BACKEND_NAMES, help="backends: " + ",".join(BACKEND_NAMES))
     p.add_argument("--sizes", type=_csv(int), default=None, help="formation sizes N (default 8,64,128,256,1024,4096; quick 8,64)")
     p.add_argument("--rerdzv-sizes", type=_csv(int), default=None, help="re-rendezvous sizes (default 8,64,256,1024; quick 8)")
+    p.add_argument("--ha-clients", type=_csv(int, least=1), default=None, help="ha: concurrent writers per step (default 1,16,64)")
+    p.add_argument("--ha-sizes", type=_csv(int, least=1), default=None, help="ha: formation sizes N (default 8,64; quick 8)")
+    p.add_argument("--ha-ttls", type=_csv(int, least=2), default=None, help="ha: replica lease TTLs, s, >= 2 (default 2,5; quick 2)")
+    p.add_argument("--ha-repeats", type=_count(1, 100), default=None, help="ha: leader kills per TTL (default 5; quick 3)")
     p.add_argument("--timeout", type=float, default=None, help="s per formation / re-rendezvous phase (default 120; quick 30)")
     p.add_argument("--out", type=Path, default=Path("bench/out"), help="output directory (default %(default)s)")
     p.add_argument("-v", "--verbose", action="store_true", help="progress on stderr too")
@@ -83,6 +112,11 @@ def make_plan(args: argparse.Namespace) -> Plan:
         server_nodes=100 if quick else 1000,
         server_sample_seconds=5.0 if quick else 20.0,
         recovery_keys=100_000 if quick else 1_000_000,
+        ha_clients=tuple(args.ha_clients or HA_CLIENTS),
+        ha_sizes=tuple(args.ha_sizes or (QUICK_HA_SIZES if quick else FULL_HA_SIZES)),
+        ha_ttls=tuple(args.ha_ttls or (QUICK_HA_TTLS if quick else FULL_HA_TTLS)),
+        ha_repeats=args.ha_repeats or (QUICK_HA_REPEATS if quick else FULL_HA_REPEATS),
+        ha_ops=QUICK_HA_OPS if quick else FULL_HA_OPS,
     )
 
 
@@ -109,12 +143,18 @@ def run(plan: Plan) -> tuple[list[Row], dict[str, object]]:
             from . import rerdzv
 
             got, data = rerdzv.measure(make_backends(list(plan.backends), durable=False), plan)
-        else:
+        elif name == "server":
             from . import server_cost
 
             if "rdzv-server" not in plan.backends:
                 continue
             got, data = server_cost.measure(plan)
+        else:
+            from . import ha
+
+            if "rdzv-server" not in plan.backends:
+                continue
+            got, data = ha.measure(plan)
         rows += got
         raw[name] = {**data, "seconds": time.monotonic() - started}
         log.info("== %s done in %.0f s", name, time.monotonic() - started)

@@ -42,7 +42,7 @@ def measure(backends: list[Backend], plan: Plan) -> tuple[list[Row], dict[str, o
                 if gave_up:
                     rows.append(Row.failed("formation", backend.label, METRIC, n, "s", "skipped", gave_up))
                     continue
-                row, finish = _one(backend, n, plan)
+                row, finish = form_round(backend, n, plan)
                 rows.append(row)
                 raw[f"{backend.label}/{n}"] = {"finish_s": finish, "load": load_average()}
                 log.info("formation %s N=%d: %s %s", backend.label, n, row.status, _shown(row))
@@ -63,7 +63,8 @@ def _cpu_seconds(pid: int | None) -> float | None:
     return float(times.user + times.system)
 
 
-def _one(backend: Backend, n: int, plan: Plan) -> tuple[Row, list[float]]:
+def form_round(backend: Backend, n: int, plan: Plan) -> tuple[Row, list[float]]:
+    """One fresh job of N nodes on a started backend: its formation row and each node's finish time (s)."""
     spec = backend.node_spec(f"formation-{n}-{uuid.uuid4().hex[:8]}", n, n, backend.base_conf())
     with SimulatedJob(spec, split(range(n), (Phase.on(GO),)), plan.timeout) as job:
         try:

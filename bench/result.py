@@ -7,7 +7,9 @@ judged in :mod:`bench.target`; rendering is :mod:`bench.report`'s.
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +21,7 @@ STATUSES = ("ok", "timeout", "unavailable", "error", "skipped", "never", "unsupp
 class Row:
     """One figure of the report."""
 
-    measurement: str  # formation | store | rerdzv | server
+    measurement: str  # formation | store | rerdzv | server | ha
     backend: str  # the backend's label
     metric: str  # e.g. "formation time", "set p50", "detect (kill)"
     n: int | None  # nodes, clients or jobs x nodes: what the figure scales with
@@ -57,6 +59,11 @@ class Plan:
     server_nodes: int
     server_sample_seconds: float
     recovery_keys: int
+    ha_clients: tuple[int, ...]  # concurrent writers per throughput step (bench.ha)
+    ha_sizes: tuple[int, ...]  # formation sizes per mode (bench.ha)
+    ha_ttls: tuple[int, ...]  # replica lease TTLs, s, each with its own take-overs (bench.ha)
+    ha_repeats: int  # leader kills per TTL
+    ha_ops: int  # round-trip samples per operation
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -71,3 +78,9 @@ class Plan:
 def load_average() -> float:
     """The 1-minute load average: the bench shares the machine, so every result records it."""
     return os.getloadavg()[0]
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """The nearest-rank ``p``-th percentile of ``values`` (not empty): a value that was measured."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(p / 100 * len(ordered)) - 1))]

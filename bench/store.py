@@ -18,7 +18,6 @@ The worker processes are spawned once and reused for every backend and client co
 from __future__ import annotations
 
 import logging
-import math
 import multiprocessing.connection
 import statistics
 import threading
@@ -31,7 +30,7 @@ from .backend import Backend, StoreSpec
 from .backend.tcpstore import LABEL as TCPSTORE
 from .backend.tcpstore import TCPStoreService
 from .process import SPAWN, Timeout, Unavailable, end_processes, gather
-from .result import Plan, Row, load_average
+from .result import Plan, Row, load_average, percentile
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -101,8 +100,8 @@ def _measure_store(
         if isinstance(values, str):
             rows.append(Row.failed("store", label, f"{op} p50", 1, "µs", "unsupported", values))
             continue
-        rows.append(Row("store", label, f"{op} p50", 1, _pct(values, 50), "µs"))
-        rows.append(Row("store", label, f"{op} p99", 1, _pct(values, 99), "µs"))
+        rows.append(Row("store", label, f"{op} p50", 1, percentile(values, 50), "µs"))
+        rows.append(Row("store", label, f"{op} p99", 1, percentile(values, 99), "µs"))
     raw[f"{label}/latency_us"] = {op: v if isinstance(v, str) else _summary(v) for op, v in samples.items()}
     for clients in plan.throughput_clients:
         try:
@@ -147,13 +146,8 @@ def latency(store: Store, count: int) -> dict[str, list[float] | str]:
     return out
 
 
-def _pct(values: list[float], p: int) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(p / 100 * len(ordered)) - 1)]
-
-
 def _summary(values: list[float]) -> dict[str, float]:
-    return {"p50": _pct(values, 50), "p90": _pct(values, 90), "p99": _pct(values, 99), "mean": statistics.fmean(values)}
+    return {"p50": percentile(values, 50), "p90": percentile(values, 90), "p99": percentile(values, 99), "mean": statistics.fmean(values)}
 
 
 def _quietly(call: Callable[[], object]) -> None:

@@ -27,9 +27,9 @@ if TYPE_CHECKING:
 READY_LINE = "rdzv-server listening on http://"
 
 
-def server_argv(*flags: str) -> list[str]:
-    """The command line of an rdzv-server on a free loopback port."""
-    return [sys.executable, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", "0", "--log-level", "info", *flags]
+def server_argv(*flags: str, port: int = 0) -> list[str]:
+    """The command line of an rdzv-server on ``port`` of 127.0.0.1 (0: a free one)."""
+    return [sys.executable, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(port), "--log-level", "info", *flags]
 
 
 def start_server(name: str, flags: list[str], log_dir: Path, timeout: float = 60.0) -> tuple[Service, str]:
