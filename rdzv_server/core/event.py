@@ -62,6 +62,7 @@ class Cause(str, enum.Enum):
     HEARTBEAT_EXPIRED = "heartbeat_expired"  # silent for the heartbeat TTL (a host that vanished)
     LEFT = "left"  # a graceful leave (the agent finished)
     JOIN_TIMEOUT = "join_timeout"  # waited longer than join_timeout for a round
+    NOT_REJOINED = "not_rejoined"  # a live member of the last round that the next round formed without
     # join_refused
     SETTINGS_CONFLICT = "settings_conflict"  # the node asked for other --nnodes / --rdzv-conf settings
     # server_restarted

@@ -438,10 +438,16 @@ class Job:
             elif node.role is Role.STANDBY:
                 candidates.append(Candidate(node.node_id, Tier.STANDBY, node.arrival, node.nproc_per_node))
         placements, overflow = place(candidates, self.settings.max_nodes)
-        for member_id in previous:
+        for member_id in self.members:  # in node-rank order: the timeline reads the same on every replay
             member = self.nodes.get(member_id)
-            if member is not None and member.role is Role.MEMBER:
-                self._forget(member_id)  # not back for this round
+            if member is None or member.role is not Role.MEMBER:
+                continue  # back for this round
+            if member.liveness is Liveness.ALIVE:  # its death (if any) was not noticed before the round formed
+                self.timeline.add(
+                    now, Kind.NODE_DEPARTED, Cause.NOT_REJOINED, self.round, member_id, member.addr, role=member.role.value
+                )
+                self._remember_departure(member_id, Departure.DEAD)
+            self._forget(member_id)  # not back for this round
         for c in overflow:
             node = self.nodes[c.node_id]
             self._set(node, Role.STANDBY)

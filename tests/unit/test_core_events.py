@@ -85,6 +85,33 @@ def test_deaths_say_how_they_were_noticed_and_the_next_round_why_it_formed() -> 
     assert (formed.round, formed.detail["formation_s"]) == (1, 5.5)  # from the re-join that opened it
 
 
+def test_a_member_the_next_round_formed_without_departs_on_the_timeline_though_its_death_went_unnoticed() -> None:
+    """A host that vanishes without closing its connection is noticed only at its heartbeat
+    TTL; the survivors may re-form before that. The member must not vanish from the job with
+    no word on the timeline (found by the torchrun e2e over replicas)."""
+    log = Log()
+    for node in "abc":
+        log.join(node, 0.0)
+    log.join("b", 10.1)  # the survivors' workers failed: they re-join
+    log.join("a", 10.2)
+    log.apply(c.LastCall(JOB, 1), 15.2)  # c's TTL (30 s) has not passed
+    assert log.events()[-3:] == [
+        ("node_joined", "rejoined", "a"),
+        ("node_departed", "not_rejoined", "c"),
+        ("round_formed", "last_call", None),
+    ]
+    departed = log.sm.job(JOB).timeline.since(0)[-2]
+    assert (departed.round, departed.addr, departed.detail) == (1, "c.host", {"role": "member"})
+    # A member whose death was noticed already has its event: no second one.
+    log.apply(c.Expire(JOB, ("a",), "dead", Cause.CONNECTION_CLOSED.value), 20.0)
+    log.join("b", 21.0)
+    log.apply(c.LastCall(JOB, 2), 26.0)
+    assert [e for e in log.events() if e[0] == "node_departed"] == [
+        ("node_departed", "not_rejoined", "c"),
+        ("node_departed", "connection_closed", "a"),
+    ]
+
+
 def test_a_spare_is_recorded_and_its_promotion_too() -> None:
     log = Log()
     for node in "abc":
