@@ -28,3 +28,30 @@ def test_ci_runs_the_readme_test_command_in_a_fresh_venv() -> None:
     assert "--system-site-packages" not in ci
     assert venv_at < ci.index(test), "the venv must exist before the test command runs"
     assert "activate" in ci[venv_at : ci.index(test)]
+
+
+def _high_availability_lines() -> list[str]:
+    section = (ROOT / "README.md").read_text().split("## High availability", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(.*?)```", section, re.DOTALL)
+    assert block is not None, "the High availability section shows its command lines"
+    return [line.split("#")[0].strip() for line in block.group(1).splitlines() if line.split("#")[0].strip()]
+
+
+def test_the_high_availability_command_lines_parse_and_agree() -> None:
+    import shlex
+
+    from rdzv_client.client import parse_endpoints
+    from rdzv_client.ctl import _parser as ctl_parser
+    from rdzv_server.cli import parse
+
+    server, torchrun, rdzvctl = _high_availability_lines()
+    argv = shlex.split(server)
+    assert argv[0] == "rdzv-server"
+    config = parse(argv[1:])
+    assert config.etcd == ("http://e1:2379", "http://e2:2379", "http://e3:2379") and config.advertise_url
+    endpoint = next(a.split("=", 1)[1] for a in shlex.split(torchrun) if a.startswith("--rdzv-endpoint="))
+    listed = {(e.host, e.port) for e in parse_endpoints(endpoint)}
+    advertised = parse_endpoints(config.advertise_url)[0]
+    assert (advertised.host, advertised.port) in listed, "a follower names the leader by an endpoint the agents have"
+    args = ctl_parser().parse_args(shlex.split(rdzvctl)[1:])
+    assert args.command == "cluster" and parse_endpoints(args.endpoint) == parse_endpoints(endpoint)
