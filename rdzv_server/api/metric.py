@@ -188,13 +188,13 @@ class _StateCollector:
         yield from self._limits()
         yield GaugeMetricFamily("rdzv_waiters", "Parked long-polls.", value=len(self.svc.waiters))
         yield GaugeMetricFamily("rdzv_ready", "1 once recovery finished.", value=1 if self.svc.ready else 0)
-        role = GaugeMetricFamily(
+        roles = GaugeMetricFamily(
             "rdzv_replica_role", "1 for this server's role: single (no --etcd), leader, follower or candidate.",
             labels=["role"],
         )
         for name in ("single", "leader", "follower", "candidate"):
-            role.add_metric([name], 1 if self.svc.role == name else 0)
-        yield role
+            roles.add_metric([name], 1 if self.svc.role == name else 0)
+        yield roles
 
 
     def _limits(self) -> Any:
