@@ -122,7 +122,7 @@ class ServerProcess:
                 self.scheme = line.split("://", 1)[0].rsplit(" ", 1)[1]
                 self.port = int(line.strip().rsplit(":", 1)[1])
                 return
-        self.kill()
+        self.close()  # its stdout pipe too: a test that expects the refusal leaks nothing
         raise RuntimeError(f"server did not start; its log:\n{self.log_text()}")
 
     @property
