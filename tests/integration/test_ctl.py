@@ -172,9 +172,19 @@ def test_show_says_what_an_open_round_is_waiting_for(server: Any, client: Client
     assert lines[2:4] == ["", "no nodes in the current round"]
 
 
+# The watch as `rdzvctl watch ...` under a person's terminal: whatever this process's own SIGINT
+# disposition (a shell's background job ignores it, and a child inherits an ignored signal),
+# Ctrl-C raises KeyboardInterrupt in it. -X faulthandler: a watch that hangs is sent SIGABRT
+# and prints where it is.
+_INTERRUPTIBLE_CTL = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv[0] = 'rdzvctl'; runpy.run_module('rdzv_client.ctl', run_name='__main__')"
+)
+
+
 def start_watch(endpoint: str, job: str, *args: str, stdout: Any = subprocess.PIPE) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "rdzv_client.ctl", "--endpoint", endpoint, "watch", job, *args],
+        [sys.executable, "-X", "faulthandler", "-c", _INTERRUPTIBLE_CTL, "--endpoint", endpoint, "watch", job, *args],
         stdout=stdout, stderr=subprocess.PIPE, text=True,
     )
 
@@ -236,7 +246,12 @@ def test_watch_ends_on_ctrl_c_with_exit_0_and_no_traceback(server: Any, client: 
     read_first_frame(watch)
     time.sleep(0.3)  # parked in the events long-poll
     watch.send_signal(signal.SIGINT)
-    _, err = watch.communicate(timeout=30)
+    try:
+        _, err = watch.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        watch.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
+        _, err = watch.communicate(timeout=10)
+        raise AssertionError(f"the watch did not end on SIGINT; where it was:\n{err}") from None
     assert (watch.returncode, err) == (0, "")
 
 
