@@ -45,25 +45,29 @@ def client_context(
         try:
             context.load_verify_locations(cafile=os.fspath(ca_file))
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
-            raise TLSConfigError(f"cannot use the CA bundle {os.fspath(ca_file)}: {_reason(exc)}") from exc
+            raise TLSConfigError(f"cannot use the CA bundle {os.fspath(ca_file)}: {ssl_reason(exc)}") from exc
     else:
         context.load_default_certs(ssl.Purpose.SERVER_AUTH)
     if cert_file is not None:
         try:
             key = os.fspath(key_file) if key_file is not None else None
-            context.load_cert_chain(os.fspath(cert_file), key, password=_no_key_password)
+            context.load_cert_chain(os.fspath(cert_file), key, password=no_key_password)
         except (OSError, ValueError) as exc:
             where = os.fspath(cert_file) + (f" and key {os.fspath(key_file)}" if key_file is not None else "")
-            raise TLSConfigError(f"cannot use the client certificate {where}: {_reason(exc)}") from exc
+            raise TLSConfigError(f"cannot use the client certificate {where}: {ssl_reason(exc)}") from exc
     return context
 
 
-def _no_key_password() -> str:
-    # Without a callback OpenSSL would prompt on the terminal for an encrypted key's password.
+def no_key_password() -> str:
+    """The ``password`` callback of ``load_cert_chain``: refuse an encrypted key.
+
+    Without a callback OpenSSL would prompt on the terminal for the key's password (and a
+    server under systemd would hang there); raising makes the load fail with a reason.
+    """
     raise ValueError("the private key is encrypted; give an unencrypted key file")
 
 
-def _reason(exc: BaseException) -> str:
+def ssl_reason(exc: BaseException) -> str:
     """A one-line reason, without the ``(_ssl.c:LINE)`` OpenSSL's messages end with."""
     text = (exc.strerror if isinstance(exc, OSError) else None) or str(exc) or type(exc).__name__
     text = re.sub(r"\s*\(_ssl\.c:\d+\)$", "", text)
@@ -87,7 +91,7 @@ def is_tls_misconfiguration(exc: BaseException) -> bool:
 
 def tls_failure(endpoint: object, exc: BaseException) -> str:
     """What went wrong with TLS to ``endpoint``, and what to check."""
-    reason = _reason(exc)
+    reason = ssl_reason(exc)
     if isinstance(exc, ssl.SSLCertVerificationError):
         hint = (
             "the server's certificate is not trusted by this client: give the CA that signed it "

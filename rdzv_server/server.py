@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import signal
 import ssl
 import sys
@@ -40,6 +39,7 @@ from typing import Any, cast
 from aiohttp import web
 
 from rdzv_client import wire
+from rdzv_client.tls import no_key_password, ssl_reason
 
 from . import logformat
 from .api.app import METRICS, create_app
@@ -220,11 +220,11 @@ def tls_context(config: ServerConfig) -> ssl.SSLContext | None:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = TLS_MINIMUM_VERSION
     try:
-        context.load_cert_chain(config.tls_cert, config.tls_key, password=_no_key_password)
+        context.load_cert_chain(config.tls_cert, config.tls_key, password=no_key_password)
     except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
         raise SystemExit(
             f"rdzv-server: error: cannot load the TLS certificate {config.tls_cert} and key {config.tls_key} "
-            f"(--tls-cert, --tls-key): {_ssl_reason(exc)}; give a PEM certificate chain and its unencrypted "
+            f"(--tls-cert, --tls-key): {ssl_reason(exc)}; give a PEM certificate chain and its unencrypted "
             "PEM private key"
         ) from exc
     if config.tls_client_ca is not None:
@@ -233,25 +233,10 @@ def tls_context(config: ServerConfig) -> ssl.SSLContext | None:
         except (OSError, ValueError) as exc:
             raise SystemExit(
                 f"rdzv-server: error: cannot load the client CA bundle {config.tls_client_ca} (--tls-client-ca): "
-                f"{_ssl_reason(exc)}; give the PEM certificate(s) of the CA that signs the clients' certificates"
+                f"{ssl_reason(exc)}; give the PEM certificate(s) of the CA that signs the clients' certificates"
             ) from exc
         context.verify_mode = ssl.CERT_REQUIRED
     return context
-
-
-def _no_key_password() -> str:
-    # Without a callback OpenSSL would prompt on the terminal for an encrypted key's password,
-    # and a server under systemd would hang there. Raising makes the load fail instead.
-    raise ValueError("the private key is encrypted; this server needs an unencrypted key file")
-
-
-def _ssl_reason(exc: BaseException) -> str:
-    """A one-line reason, without the ``(_ssl.c:LINE)`` OpenSSL's messages end with."""
-    text = (exc.strerror if isinstance(exc, OSError) else None) or str(exc) or type(exc).__name__
-    text = re.sub(r"\s*\(_ssl\.c:\d+\)$", "", text)
-    if text == "[SSL] PEM lib":  # OpenSSL's words for "no PEM block I could use"
-        return "it holds no PEM data of the right kind ([SSL] PEM lib)"
-    return text
 
 
 async def _start(svc: Service) -> SystemExit | None:

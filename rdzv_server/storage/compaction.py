@@ -201,9 +201,7 @@ def build(job: BuildJob) -> BuildReport:
 def main() -> None:
     """The builder process: read one job from stdin, build, print one JSON line, exit."""
     gc.disable()  # see the module docstring
-    (length,) = _LENGTH.unpack(_read_exactly(0, _LENGTH.size))
-    job = pickle.loads(_read_exactly(0, length))  # from our own parent, over a private pipe
-    threading.Thread(target=_exit_with_parent, name="rdzv-snapshot-parent-watch", daemon=True).start()
+    job = receive_job()
     try:
         report = build(job)
     except Exception as exc:  # noqa: BLE001 (every failure is reported the same way)
@@ -212,10 +210,19 @@ def main() -> None:
     print(json.dumps({"records": report.records, "size": report.size, "seconds": report.seconds}), flush=True)
 
 
+def receive_job() -> Any:
+    """In a builder process: the job its parent sent on stdin (a length, then a pickle); from
+    then on the process exits as soon as its parent goes away (stdin closes)."""
+    (length,) = _LENGTH.unpack(_read_exactly(0, _LENGTH.size))
+    job = pickle.loads(_read_exactly(0, length))  # from our own parent, over a private pipe
+    threading.Thread(target=_exit_with_parent, name="rdzv-snapshot-parent-watch", daemon=True).start()
+    return job
+
+
 def _read_exactly(fd: int, size: int) -> bytes:
     chunks: list[bytes] = []
     while size > 0:
-        chunk = os.read(fd, size)
+        chunk = os.read(fd, min(size, 1 << 20))
         if not chunk:
             raise SystemExit(2)  # the parent went away before sending the job
         chunks.append(chunk)

@@ -69,6 +69,8 @@ from typing import Any, ClassVar, Literal
 
 import aiohttp
 
+from rdzv_client.tls import no_key_password, ssl_reason
+
 from .error import StorageError
 
 logger = logging.getLogger(__name__)
@@ -199,34 +201,19 @@ def etcd_ssl_context(ca_file: Path | None, cert_file: Path | None, key_file: Pat
             context.load_verify_locations(cafile=ca_file)
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
             raise EtcdConfigError(
-                f"cannot load the etcd CA bundle {ca_file} (--etcd-ca): {_ssl_reason(exc)}; "
+                f"cannot load the etcd CA bundle {ca_file} (--etcd-ca): {ssl_reason(exc)}; "
                 "give the PEM certificate(s) of the CA that signs etcd's certificates"
             ) from exc
     if cert_file is not None:
         try:
-            context.load_cert_chain(cert_file, key_file, password=_no_key_password)
+            context.load_cert_chain(cert_file, key_file, password=no_key_password)
         except (OSError, ValueError) as exc:
             flags = "--etcd-cert" if key_file is None else f"--etcd-cert, and key {key_file} (--etcd-key)"
             raise EtcdConfigError(
-                f"cannot load the etcd client certificate {cert_file} ({flags}): {_ssl_reason(exc)}; "
+                f"cannot load the etcd client certificate {cert_file} ({flags}): {ssl_reason(exc)}; "
                 "give a PEM certificate chain and its unencrypted PEM private key"
             ) from exc
     return context
-
-
-def _no_key_password() -> str:
-    # Without a callback OpenSSL would prompt on the terminal for an encrypted key's password,
-    # and a server under systemd would hang there. Raising makes the load fail instead.
-    raise ValueError("the private key is encrypted; give an unencrypted key file")
-
-
-def _ssl_reason(exc: BaseException) -> str:
-    """A one-line reason, without the ``(_ssl.c:LINE)`` OpenSSL's messages end with."""
-    text = (exc.strerror if isinstance(exc, OSError) else None) or str(exc) or type(exc).__name__
-    text = re.sub(r"\s*\(_ssl\.c:\d+\)$", "", text)
-    if text == "[SSL] PEM lib":  # OpenSSL's words for "no PEM block I could use"
-        return "it holds no PEM data of the right kind ([SSL] PEM lib)"
-    return text
 
 
 def read_credentials(path: Path) -> tuple[str, str]:
@@ -278,7 +265,7 @@ def _tls_failure(exc: BaseException) -> ssl.SSLError | None:
 
 
 def _tls_hint(error: ssl.SSLError) -> str:
-    reason = _ssl_reason(error)
+    reason = ssl_reason(error)
     if isinstance(error, ssl.SSLCertVerificationError):
         return (
             "etcd's certificate is not trusted: give the CA that signed it with --etcd-ca, "
@@ -592,7 +579,7 @@ class EtcdClient:
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                     tls = _tls_failure(exc)
                     if tls is not None:
-                        tls_failures.append(f"{self.endpoints[index]}: {_ssl_reason(tls)}; {_tls_hint(tls)}")
+                        tls_failures.append(f"{self.endpoints[index]}: {ssl_reason(tls)}; {_tls_hint(tls)}")
                     failures.append(f"{url}: {exc!r}")
                     continue
                 answer = self._decode(url, status, text)
@@ -797,7 +784,7 @@ class EtcdClient:
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 tls = _tls_failure(exc)
                 if tls is not None:
-                    tls_failures.append(f"{self.endpoints[index]}: {_ssl_reason(tls)}; {_tls_hint(tls)}")
+                    tls_failures.append(f"{self.endpoints[index]}: {ssl_reason(tls)}; {_tls_hint(tls)}")
                 failures.append(f"{url}: {exc!r}")
                 continue
             async with response:

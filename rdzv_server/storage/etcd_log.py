@@ -109,7 +109,6 @@ import os
 import pickle
 import struct
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -117,6 +116,7 @@ from typing import Any
 
 import msgpack
 
+from .compaction import receive_job
 from .election import LeaderKey
 from .error import LogClosedError, LogFailedError, SnapshotBuildError, StorageError
 from .etcd_client import (
@@ -565,9 +565,7 @@ def _builder_main() -> None:
     gc.disable()  # short-lived, single-threaded, acyclic data: see compaction.py
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
-    (length,) = _LENGTH.unpack(_read_exactly(0, _LENGTH.size))
-    job = pickle.loads(_read_exactly(0, length))  # from our own parent, over a private pipe
-    threading.Thread(target=_exit_with_parent, name="rdzv-snapshot-parent-watch", daemon=True).start()
+    job = receive_job()
     try:
         blob = _build(job)
         status, body = _BUILD_OK, hashlib.sha256(blob).digest() + blob
@@ -576,25 +574,6 @@ def _builder_main() -> None:
     out.write(bytes([status]) + _LENGTH.pack(len(body)))
     out.write(body)
     out.flush()
-
-
-def _read_exactly(fd: int, size: int) -> bytes:
-    chunks: list[bytes] = []
-    while size > 0:
-        chunk = os.read(fd, min(size, 1 << 20))
-        if not chunk:
-            raise SystemExit(2)  # the parent went away before sending the job
-        chunks.append(chunk)
-        size -= len(chunk)
-    return b"".join(chunks)
-
-
-def _exit_with_parent() -> None:
-    # Raw reads, not sys.stdin: a daemon thread blocked inside a buffered reader's lock
-    # makes interpreter shutdown abort.
-    while os.read(0, 4096):
-        pass
-    os._exit(3)
 
 
 def _split(blob: bytes) -> Iterator[tuple[int, bytes]]:
