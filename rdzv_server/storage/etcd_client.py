@@ -247,6 +247,14 @@ def read_credentials(path: Path) -> tuple[str, str]:
     return user, password
 
 
+def _note_failure(endpoint: str, url: str, exc: BaseException, failures: list[str], tls_failures: list[str]) -> None:
+    """Record why ``endpoint`` failed a request; a TLS failure also with its fix."""
+    tls = _tls_failure(exc)
+    if tls is not None:
+        tls_failures.append(f"{endpoint}: {ssl_reason(tls)}; {_tls_hint(tls)}")
+    failures.append(f"{url}: {exc!r}")
+
+
 def _tls_failure(exc: BaseException) -> ssl.SSLError | None:
     """The TLS error behind ``exc`` when retrying cannot fix it, else ``None``.
 
@@ -577,10 +585,7 @@ class EtcdClient:
                         text = await response.text()
                         status = response.status
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                    tls = _tls_failure(exc)
-                    if tls is not None:
-                        tls_failures.append(f"{self.endpoints[index]}: {ssl_reason(tls)}; {_tls_hint(tls)}")
-                    failures.append(f"{url}: {exc!r}")
+                    _note_failure(self.endpoints[index], url, exc, failures, tls_failures)
                     continue
                 answer = self._decode(url, status, text)
                 error = answer.get("error")
@@ -782,10 +787,7 @@ class EtcdClient:
             try:
                 response = await self._http().post(url, json=body, headers=headers, timeout=timeout)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                tls = _tls_failure(exc)
-                if tls is not None:
-                    tls_failures.append(f"{self.endpoints[index]}: {ssl_reason(tls)}; {_tls_hint(tls)}")
-                failures.append(f"{url}: {exc!r}")
+                _note_failure(self.endpoints[index], url, exc, failures, tls_failures)
                 continue
             async with response:
                 if response.status != 200:
