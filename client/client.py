@@ -107,6 +107,10 @@ DEFAULT_HEARTBEAT_TTL = 15.0  # torch: heartbeat 5 s x 3 attempts
 # outcome between them, mean the replicas disagree about who leads (an election under way,
 # a stale view): from then on the client backs off as for any 503 instead of bouncing.
 MAX_LEADER_REDIRECTS = 3
+# While replicas elect a leader (they answer not_leader), retries pause at most this long, so
+# a client notices the new leader within about this of its election instead of after a
+# grown exponential backoff (followers answer cheaply; an election lasts about a lease TTL).
+ELECTION_MAX_PAUSE = 0.25
 
 # Statuses that mean "this server (or the proxy before it) cannot answer right now".
 RETRY_STATUSES = frozenset({502, 503, 504})
@@ -471,6 +475,7 @@ class AsyncClient:
         tries = 0  # failed attempts, leader redirects included
         waits = 0  # backoff sleeps so far: the backoff's exponent
         redirects = 0  # leader redirects followed in a row, with no other outcome between
+        electing = False  # a replica answered not_leader: a new leader is due within a lease TTL
         give_up_at: float | None = None
         while True:
             index = self._current
@@ -502,7 +507,11 @@ class AsyncClient:
             redirects = 0
             if self._current == index:  # fail over, unless a concurrent call already did
                 self._current = (index + 1) % len(self._endpoints)
-            delay = min(backoff_delay(waits, self._rng), give_up_at - now)
+            electing = electing or code is wire.ErrorCode.NOT_LEADER
+            delay = backoff_delay(waits, self._rng)
+            if electing:  # a follower answers at once and cheaply: ask again soon, not seconds later
+                delay = min(delay, ELECTION_MAX_PAUSE)
+            delay = min(delay, give_up_at - now)
             waits += 1
             (log.warning if waits == 1 else log.debug)(
                 "Request for %s to rdzv-server at %s failed (%s); retrying in %.2f s (attempt %d).",

@@ -23,7 +23,7 @@ import pytest
 from aiohttp import web
 
 from rdzv_client import ctl, wire
-from rdzv_client.client import MAX_LEADER_REDIRECTS, AsyncClient, Client
+from rdzv_client.client import ELECTION_MAX_PAUSE, MAX_LEADER_REDIRECTS, AsyncClient, Client, backoff_delay
 from rdzv_client.error import NotLeaderError, RdzvConnectionError, error_from_body
 
 ANSWER = 7  # what a leader answers to an add
@@ -221,6 +221,28 @@ async def test_a_follower_that_names_no_other_leader_is_left_with_a_backoff(
         assert await c.add("job", "k", 1) == ANSWER
     assert len(sleeps.delays) == 1
     assert follower.rids() == leader.rids()  # rotated to the next endpoint, same rid
+
+
+async def test_while_no_replica_leads_retries_pause_briefly_so_the_new_leader_is_found_soon(
+    replicas: Callable[[int], list[Replica]],
+) -> None:
+    """An election lasts about a lease TTL; a grown backoff would add seconds after it."""
+    a, b = replicas(2)
+    a.leader = b.leader = None
+    sleeps = Sleeps()
+
+    async def elect_after_ten(seconds: float) -> None:
+        await sleeps(seconds)
+        if len(sleeps.delays) == 10:
+            b.leader = Replica.LEADS
+
+    async with client_of(f"{a.endpoint},{b.endpoint}", elect_after_ten, budget=60.0) as c:
+        assert await c.add("job", "k", 1) == ANSWER
+    assert len(sleeps.delays) in (10, 11)  # one more when the next try after the election was at a
+    assert max(sleeps.delays) <= ELECTION_MAX_PAUSE
+    # Without the cap the same attempts would have waited longer (the backoff's cap is 2 s).
+    uncapped = [backoff_delay(i, random.Random(1)) for i in range(10)]
+    assert max(uncapped) > ELECTION_MAX_PAUSE
 
 
 async def test_a_leader_outside_the_endpoints_is_not_followed_and_is_warned_about_once(
