@@ -111,6 +111,11 @@ MAX_LEADER_REDIRECTS = 3
 # a client notices the new leader within about this of its election instead of after a
 # grown exponential backoff (followers answer cheaply; an election lasts about a lease TTL).
 ELECTION_MAX_PAUSE = 0.25
+# With several endpoints (replicas), a server silent this long beyond a request's hold is
+# treated as failed and the next one is tried: a frozen leader (a paused VM) must not stall
+# the agents' heartbeats past their TTL while another replica takes over within a lease TTL.
+# One server alone keeps DEFAULT_REQUEST_TIMEOUT: there is nowhere else to go.
+REPLICAS_REQUEST_TIMEOUT = 10.0
 
 # Statuses that mean "this server (or the proxy before it) cannot answer right now".
 RETRY_STATUSES = frozenset({502, 503, 504})
@@ -333,6 +338,9 @@ class AsyncClient:
     ``endpoint`` is ``HOST[:PORT]`` or a comma-separated list of them (failover, in order);
     for a replicated server list every replica, as its ``--advertise-url`` names it: a
     follower's answer sends the client to the leader only when the leader is in the list.
+    ``request_timeout`` is how long beyond a request's own hold an answer may take before
+    the endpoint counts as failed: 30 s with one endpoint, 10 s with several (a frozen
+    leader is left for the next replica well within a node's heartbeat TTL).
     ``token`` / ``token_file`` name the bearer token; without them the client looks where
     :mod:`rdzv_client.credential` says (``RDZV_TOKEN``, ``RDZV_TOKEN_FILE``, the default file
     the server creates), and raises ``CredentialError`` (a ValueError) for an unreadable one.
@@ -352,7 +360,7 @@ class AsyncClient:
         endpoint: str,
         *,
         retry_budget: float = DEFAULT_RETRY_BUDGET,
-        request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+        request_timeout: float | None = None,
         max_hold: float = DEFAULT_MAX_HOLD,
         connection_limit: int = DEFAULT_CONNECTION_LIMIT,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
@@ -367,9 +375,11 @@ class AsyncClient:
         rng: random.Random | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
+        self._endpoints = _tls_endpoints(endpoint, tls)
+        if request_timeout is None:
+            request_timeout = DEFAULT_REQUEST_TIMEOUT if len(self._endpoints) == 1 else REPLICAS_REQUEST_TIMEOUT
         if retry_budget < 0 or request_timeout <= 0 or max_hold < 0:
             raise ValueError("retry_budget and max_hold must be >= 0 and request_timeout > 0")
-        self._endpoints = _tls_endpoints(endpoint, tls)
         self._current = 0
         self._unlisted_leader: str | None = None  # the last leader URL warned about, to warn once
         self._retry_budget = retry_budget
@@ -906,7 +916,7 @@ class Client:
         endpoint: str,
         *,
         retry_budget: float = DEFAULT_RETRY_BUDGET,
-        request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+        request_timeout: float | None = None,
         max_hold: float = DEFAULT_MAX_HOLD,
         connection_limit: int = DEFAULT_CONNECTION_LIMIT,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,

@@ -253,9 +253,15 @@ async def readyz(request: web.Request) -> web.Response:
     """Ready: the leader, the one server, or a follower whose state is hot (it redirects);
     ``?role=leader`` asks for the leader only (a load balancer that sends traffic there)."""
     svc = request.app[SERVICE]
-    following = svc.replication is not None and svc.recovered and not svc.stopping
+    # A candidate between terms (etcd unreachable, a lost lease) has no state it keeps current.
+    following = svc.replication is not None and svc.recovered and not svc.stopping and svc.role == "follower"
+    if svc.role == "leader" and svc.replication is not None and not svc.replication.lease_valid():
+        # Paused past its lease, say: another replica may lead by now.
+        message = "this replica's election lease may have expired: it steps down"
+        return encode(request, wire.error_body(wire.ErrorCode.NOT_READY, message), status=503)
     if not (svc.ready or following):
-        return encode(request, wire.error_body(wire.ErrorCode.NOT_READY, "recovering the log"), status=503)
+        why = "recovering the log" if svc.replication is None else "this replica neither leads nor follows (etcd?)"
+        return encode(request, wire.error_body(wire.ErrorCode.NOT_READY, why), status=503)
     body: dict[str, Any] = {"status": "ready", "role": svc.role, "recovery_seconds": round(svc.recovery_seconds, 3)}
     if svc.replication is not None:
         leader = svc.replication.leader

@@ -416,3 +416,14 @@ def test_rdzvctl_says_when_replicas_answer_but_none_leads(
     assert ctl.main(["--endpoint", follower.endpoint, "jobs"]) == ctl.EXIT_CANNOT_CONNECT
     err = capsys.readouterr().err
     assert "(not_leader)" in err and "rdzvctl cluster" in err and "--advertise-url" in err
+
+
+def test_with_several_endpoints_a_silent_server_is_left_sooner() -> None:
+    """A frozen leader (a paused VM) must not hold a node's heartbeat past its TTL: with
+    replicas to try, an endpoint silent for REPLICAS_REQUEST_TIMEOUT beyond the hold counts as failed."""
+    from rdzv_client.client import REPLICAS_REQUEST_TIMEOUT
+    from rdzv_client.transport import DEFAULT_REQUEST_TIMEOUT
+
+    one, several, chosen = AsyncClient("h1:1"), AsyncClient("h1:1,h2:2"), AsyncClient("h1:1,h2:2", request_timeout=3.0)
+    assert one._request_timeout == DEFAULT_REQUEST_TIMEOUT > several._request_timeout == REPLICAS_REQUEST_TIMEOUT
+    assert chosen._request_timeout == 3.0
