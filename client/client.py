@@ -486,6 +486,7 @@ class AsyncClient:
         waits = 0  # backoff sleeps so far: the backoff's exponent
         redirects = 0  # leader redirects followed in a row, with no other outcome between
         electing = False  # a replica answered not_leader: a new leader is due within a lease TTL
+        refused: set[int] = set()  # endpoints this call could not reach: a stale "leader" to skip
         give_up_at: float | None = None
         while True:
             index = self._current
@@ -503,7 +504,12 @@ class AsyncClient:
                     give_up_at = min(give_up_at, deadline)
             if now >= give_up_at:
                 raise RdzvConnectionError(self._unreachable(what, tries, failure), code=code) from failure
+            electing = electing or code is wire.ErrorCode.NOT_LEADER
+            if isinstance(failure, TransportError):
+                refused.add(index)
             leader = self._leader_index(failure, index) if redirects < MAX_LEADER_REDIRECTS else None
+            if leader in refused:  # the follower's view is older than our failure: try the others
+                leader = None
             if leader is not None:
                 redirects += 1
                 self._current = leader  # what the follower said beats a concurrent call's rotation
@@ -517,9 +523,11 @@ class AsyncClient:
             redirects = 0
             if self._current == index:  # fail over, unless a concurrent call already did
                 self._current = (index + 1) % len(self._endpoints)
-            electing = electing or code is wire.ErrorCode.NOT_LEADER
             delay = backoff_delay(waits, self._rng)
-            if electing:  # a follower answers at once and cheaply: ask again soon, not seconds later
+            # A replica answered not_leader: the leader it names may be the dead one (until its
+            # lease expires), and a new one is due within a lease TTL. Followers answer at once
+            # and cheaply: ask again soon, not seconds later.
+            if electing:
                 delay = min(delay, ELECTION_MAX_PAUSE)
             delay = min(delay, give_up_at - now)
             waits += 1

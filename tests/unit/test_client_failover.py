@@ -245,6 +245,31 @@ async def test_while_no_replica_leads_retries_pause_briefly_so_the_new_leader_is
     assert max(uncapped) > ELECTION_MAX_PAUSE
 
 
+async def test_a_follower_naming_the_dead_leader_until_its_lease_expires_costs_only_brief_pauses(
+    replicas: Callable[[int], list[Replica]],
+) -> None:
+    """Right after the leader dies, followers still name it (its lease has not expired): the
+    client bounces between a refused connection and a follower's not_leader. Those refusals
+    must not grow the backoff to seconds: the new leader is due within a lease TTL."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: the dead leader
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    a, b = replicas(2)
+    a.leader = b.leader = f"http://{dead}"
+    sleeps = Sleeps()
+
+    async def elect_after_twelve(seconds: float) -> None:
+        await sleeps(seconds)
+        if len(sleeps.delays) == 12:
+            b.leader = Replica.LEADS
+
+    async with client_of(f"{dead},{a.endpoint},{b.endpoint}", elect_after_twelve, budget=60.0) as c:
+        assert await c.add("job", "k", 1) == ANSWER
+    assert len(sleeps.delays) >= 12 and max(sleeps.delays) <= ELECTION_MAX_PAUSE, sleeps.delays
+
+
 async def test_a_leader_outside_the_endpoints_is_not_followed_and_is_warned_about_once(
     replicas: Callable[[int], list[Replica]], caplog: pytest.LogCaptureFixture
 ) -> None:
