@@ -353,3 +353,68 @@ def test_replicas_reach_an_etcd_that_wants_tls_and_a_password(tmp_path: Path) ->
         assert "not-the-password" not in log and "Traceback" not in log, log
     finally:
         etcd.close()
+
+
+def _free_run(count: int) -> int:
+    """The first of ``count`` consecutive free loopback ports (the script numbers its members so)."""
+    import random
+    import socket
+
+    for _ in range(200):  # bounded
+        first = random.randrange(20000, 60000 - count)
+        sockets: list[socket.socket] = []
+        try:
+            for port in range(first, first + count):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise AssertionError("no run of free ports")
+
+
+def test_readmes_local_etcd_script_serves_a_replica_and_cleans_up(tmp_path: Path) -> None:
+    """README's way to try replicas on one machine: deploy/etcd-test-cluster.sh, then --etcd."""
+    import shutil
+
+    require_etcd()
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed (deploy/etcd-test-cluster.sh polls /health with it)")
+    script = Path(__file__).resolve().parents[2] / "deploy" / "etcd-test-cluster.sh"
+    first = _free_run(6)
+    proc = subprocess.Popen(
+        ["bash", str(script), "3", str(first), str(first + 3)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline() for _ in range(2)]  # "... is healthy; data and logs in DIR", "--etcd URLS"
+        assert lines[1].startswith("--etcd "), (lines, proc.stderr.read() if proc.poll() is not None else "")
+        folder = Path(lines[0].rsplit(" in ", 1)[1].strip())
+        urls = lines[1].split()[1].split(",")
+        assert urls == [f"http://127.0.0.1:{first + i}" for i in range(3)]
+        etcd = EtcdCluster.__new__(EtcdCluster)  # only what ReplicaCluster reads: the client URLs
+        etcd.client_urls = urls
+        cluster = ReplicaCluster(etcd, tmp_path, 1).start()
+        try:
+            client = Client(cluster.endpoint, retry_budget=RETRY_BUDGET_S)
+            job = new_job(client)
+            assert client.add(job, "counter", 3) == 3
+            client.close()
+        finally:
+            cluster.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+    assert proc.returncode == 0 and not folder.exists()
+    import socket
+
+    for i in range(3):  # every member stopped with the script
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", first + i), timeout=1).close()
