@@ -17,7 +17,10 @@ Skipped only where etcd is not installed (apt-get install etcd-server).
 from __future__ import annotations
 
 import json
+import random
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +35,7 @@ from pathlib import Path
 import pytest
 from etcd_cluster import EtcdCluster, require_etcd
 from replica_cluster import LEASE_TTL_S, ReplicaCluster, readyz
+from server_process import TLSFiles
 
 from rdzv_client import Client
 from rdzv_client.error import RdzvError
@@ -318,8 +322,6 @@ def test_a_leader_stopped_with_sigterm_hands_over_and_exits_0(replicas: ReplicaC
 
 
 def test_replicas_reach_an_etcd_that_wants_tls_and_a_password(tmp_path: Path) -> None:
-    from server_process import TLSFiles
-
     require_etcd()
     tls = TLSFiles.make(tmp_path / "tls")
     etcd = EtcdCluster(1, tls=tls).start()
@@ -357,9 +359,6 @@ def test_replicas_reach_an_etcd_that_wants_tls_and_a_password(tmp_path: Path) ->
 
 def _free_run(count: int) -> int:
     """The first of ``count`` consecutive free loopback ports (the script numbers its members so)."""
-    import random
-    import socket
-
     for _ in range(200):  # bounded
         first = random.randrange(20000, 60000 - count)
         sockets: list[socket.socket] = []
@@ -379,8 +378,6 @@ def _free_run(count: int) -> int:
 
 def test_readmes_local_etcd_script_serves_a_replica_and_cleans_up(tmp_path: Path) -> None:
     """README's way to try replicas on one machine: deploy/etcd-test-cluster.sh, then --etcd."""
-    import shutil
-
     require_etcd()
     if shutil.which("curl") is None:
         pytest.skip("curl is not installed (deploy/etcd-test-cluster.sh polls /health with it)")
@@ -413,8 +410,6 @@ def test_readmes_local_etcd_script_serves_a_replica_and_cleans_up(tmp_path: Path
             if stream is not None:
                 stream.close()
     assert proc.returncode == 0 and not folder.exists()
-    import socket
-
     for i in range(3):  # every member stopped with the script
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", first + i), timeout=1).close()
