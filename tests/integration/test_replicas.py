@@ -31,11 +31,12 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from etcd_cluster import EtcdCluster, require_etcd
 from replica_cluster import LEASE_TTL_S, ReplicaCluster, readyz
-from server_process import TLSFiles
+from server_process import ServerProcess, TLSFiles
 
 from rdzv_client import Client
 from rdzv_client.error import RdzvError
@@ -118,6 +119,21 @@ class Writers:
         assert not self.failures, self.failures
 
 
+def post_add(replica: ServerProcess, job: str) -> tuple[int, dict[str, Any]]:
+    """A raw HTTP ``add`` to one replica: its status and JSON body (what a follower says)."""
+    request = urllib.request.Request(
+        f"{replica.url}/v1/jobs/{job}/add",
+        data=json.dumps({"key": "counter", "amount": 1}).encode(),
+        headers={**replica.auth, "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            return answer.status, dict(json.loads(answer.read()))
+    except urllib.error.HTTPError as exc:
+        with exc:  # it holds the connection
+            return exc.code, dict(json.loads(exc.read()))
+
+
 def assert_every_acknowledged_write_is_there(client: Client, writers: Writers) -> None:
     counter = client.add(writers.job, "counter", 0)
     # Each loop adds, then sets: an add acknowledged just before the stop may lack its set.
@@ -190,16 +206,8 @@ def test_a_leader_paused_past_its_lease_acknowledges_nothing_after(replicas: Rep
     # At once, before its keepalive even runs: it no longer says it leads, and a write to it is refused.
     doc = readyz(old.url, timeout=5)
     assert doc is not None and doc.get("role") != "leader", doc
-    request = urllib.request.Request(
-        f"{old.url}/v1/jobs/{job}/add",
-        data=json.dumps({"key": "counter", "amount": 1}).encode(),
-        headers={**old.auth, "Content-Type": "application/json"},
-    )
-    with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(request, timeout=5)
-    with refused.value:
-        assert refused.value.code == 503
-        assert json.loads(refused.value.read())["error"] == "not_leader"
+    status, body = post_add(old, job)
+    assert status == 503 and body["error"] == "not_leader", body
     thread.join(60)
     assert not thread.is_alive()
     acked_after_pause = [t for outcome, t in results if outcome == "acked"]
@@ -240,16 +248,8 @@ def test_killing_an_etcd_member_under_load_the_service_carries_on(tmp_path: Path
 def test_a_follower_names_the_leader_and_the_cluster_view_shows_every_replica(replicas: ReplicaCluster) -> None:
     leader = replicas.wait_for_leader()
     follower = next(r for i, r in enumerate(replicas.replicas) if i != leader)
-    request = urllib.request.Request(
-        f"{follower.url}/v1/jobs/some-job/add",
-        data=json.dumps({"key": "k", "amount": 1}).encode(),
-        headers={**follower.auth, "Content-Type": "application/json"},
-    )
-    with pytest.raises(urllib.error.HTTPError) as answer:
-        urllib.request.urlopen(request, timeout=5)
-    with answer.value:
-        body = json.loads(answer.value.read())
-    assert answer.value.code == 503 and body["error"] == "not_leader"
+    status, body = post_add(follower, "some-job")
+    assert status == 503 and body["error"] == "not_leader", body
     assert body["leader"] == replicas.replicas[leader].url
     doc = readyz(follower.url)
     assert doc is not None and doc["role"] == "follower" and doc["leader"] == replicas.replicas[leader].url

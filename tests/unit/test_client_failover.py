@@ -170,6 +170,19 @@ class Sleeps:
         self.delays.append(seconds)
 
 
+class ElectedAfter(Sleeps):
+    """Sleeps that make ``replica`` the leader once the client has backed off ``count`` times."""
+
+    def __init__(self, count: int, replica: Replica) -> None:
+        super().__init__()
+        self.count, self.replica = count, replica
+
+    async def __call__(self, seconds: float) -> None:
+        await super().__call__(seconds)
+        if len(self.delays) == self.count:
+            self.replica.leader = Replica.LEADS
+
+
 def client_of(endpoints: str, sleep: Callable[[float], Awaitable[None]], budget: float = 5.0) -> AsyncClient:
     return AsyncClient(endpoints, retry_budget=budget, rng=random.Random(1), sleep=sleep)
 
@@ -229,14 +242,8 @@ async def test_while_no_replica_leads_retries_pause_briefly_so_the_new_leader_is
     """An election lasts about a lease TTL; a grown backoff would add seconds after it."""
     a, b = replicas(2)
     a.leader = b.leader = None
-    sleeps = Sleeps()
-
-    async def elect_after_ten(seconds: float) -> None:
-        await sleeps(seconds)
-        if len(sleeps.delays) == 10:
-            b.leader = Replica.LEADS
-
-    async with client_of(f"{a.endpoint},{b.endpoint}", elect_after_ten, budget=60.0) as c:
+    sleeps = ElectedAfter(10, b)
+    async with client_of(f"{a.endpoint},{b.endpoint}", sleeps, budget=60.0) as c:
         assert await c.add("job", "k", 1) == ANSWER
     assert len(sleeps.delays) in (10, 11)  # one more when the next try after the election was at a
     assert max(sleeps.delays) <= ELECTION_MAX_PAUSE
@@ -258,14 +265,8 @@ async def test_a_follower_naming_the_dead_leader_until_its_lease_expires_costs_o
         dead = f"127.0.0.1:{s.getsockname()[1]}"
     a, b = replicas(2)
     a.leader = b.leader = f"http://{dead}"
-    sleeps = Sleeps()
-
-    async def elect_after_twelve(seconds: float) -> None:
-        await sleeps(seconds)
-        if len(sleeps.delays) == 12:
-            b.leader = Replica.LEADS
-
-    async with client_of(f"{dead},{a.endpoint},{b.endpoint}", elect_after_twelve, budget=60.0) as c:
+    sleeps = ElectedAfter(12, b)
+    async with client_of(f"{dead},{a.endpoint},{b.endpoint}", sleeps, budget=60.0) as c:
         assert await c.add("job", "k", 1) == ANSWER
     assert len(sleeps.delays) >= 12 and max(sleeps.delays) <= ELECTION_MAX_PAUSE, sleeps.delays
 
