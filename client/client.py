@@ -114,8 +114,10 @@ ELECTION_MAX_PAUSE = 0.25
 # With several endpoints (replicas), a server silent this long beyond a request's hold is
 # treated as failed and the next one is tried: a frozen leader (a paused VM) must not stall
 # the agents' heartbeats past their TTL while another replica takes over within a lease TTL.
+# The torchrun handler's watch holds a third of its TTL (10 s by default): 3.3 + 5 s leaves
+# the new leader's grace (a full TTL from its take-over) with room to spare.
 # One server alone keeps DEFAULT_REQUEST_TIMEOUT: there is nowhere else to go.
-REPLICAS_REQUEST_TIMEOUT = 10.0
+REPLICAS_REQUEST_TIMEOUT = 5.0
 
 # Statuses that mean "this server (or the proxy before it) cannot answer right now".
 RETRY_STATUSES = frozenset({502, 503, 504})
@@ -339,7 +341,7 @@ class AsyncClient:
     for a replicated server list every replica, as its ``--advertise-url`` names it: a
     follower's answer sends the client to the leader only when the leader is in the list.
     ``request_timeout`` is how long beyond a request's own hold an answer may take before
-    the endpoint counts as failed: 30 s with one endpoint, 10 s with several (a frozen
+    the endpoint counts as failed: 30 s with one endpoint, 5 s with several (a frozen
     leader is left for the next replica well within a node's heartbeat TTL).
     ``token`` / ``token_file`` name the bearer token; without them the client looks where
     :mod:`rdzv_client.credential` says (``RDZV_TOKEN``, ``RDZV_TOKEN_FILE``, the default file
