@@ -31,3 +31,26 @@ def stream_frames(data: bytes) -> list[list[Any]]:
         frames.append(msgpack.unpackb(data[4 : 4 + n], raw=False))
         data = data[4 + n :]
     return frames
+
+
+class FrameReader:
+    """Reply frames off one socket, one at a time (a frame may arrive in pieces, or several at once)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buf = b""
+
+    def recv(self) -> list[Any]:
+        """The next reply frame; ConnectionError once the server has closed (or reset) the socket."""
+        while len(self._buf) < 4 or len(self._buf) < 4 + struct.unpack(">I", self._buf[:4])[0]:
+            try:
+                chunk = self.sock.recv(1 << 16)
+            except ConnectionResetError:
+                chunk = b""
+            if not chunk:
+                raise ConnectionError("the server closed the stream")
+            self._buf += chunk
+        (n,) = struct.unpack(">I", self._buf[:4])
+        reply: list[Any] = msgpack.unpackb(self._buf[4 : 4 + n], raw=False)
+        self._buf = self._buf[4 + n :]
+        return reply

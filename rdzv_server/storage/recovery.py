@@ -273,22 +273,21 @@ def _set_aside_damage(
     damaged, later = paths[0], paths[1:]
     dropped = damage.verified_after
     moved: list[str] = []
-    for path in reversed(later):  # newest first: a crash midway leaves a contiguous log
+
+    def set_aside(path: Path) -> int:
+        """Rename ``path`` aside; the records it held that verify (now dropped from the log)."""
         first = parse_segment_name(path.name)
         assert first is not None
         scan = scan_segment(path, first, decode_after=2**63)
-        dropped += scan.count + scan.verified_after
         aside = _aside_name(path, stamp)
         os.rename(path, aside)
         moved.append(aside.name)
+        return scan.count + scan.verified_after
+
+    for path in reversed(later):  # newest first: a crash midway leaves a contiguous log
+        dropped += set_aside(path)
     if damage.whole:
-        first = parse_segment_name(damaged.name)
-        assert first is not None
-        scan = scan_segment(damaged, first, decode_after=2**63)
-        dropped += scan.count + scan.verified_after
-        aside = _aside_name(damaged, stamp)
-        os.rename(damaged, aside)
-        moved.append(aside.name)
+        dropped += set_aside(damaged)
         fsync_directory(data_dir, fsync)
     else:
         fsync_directory(data_dir, fsync)  # the renames are durable before the truncation

@@ -42,6 +42,7 @@ from typing import Any
 
 import msgpack
 import pytest
+from raw_stream import FrameReader
 from server_process import ServerProcess
 
 from rdzv_client import AsyncClient, Client, UnauthorizedError, wire
@@ -145,7 +146,7 @@ class RawStream:
 
     def __init__(self, srv: ServerProcess) -> None:
         self.sock = socket.create_connection(("127.0.0.1", srv.port), timeout=PATIENCE)
-        self._buf = b""
+        self._frames = FrameReader(self.sock)
         self.sock.sendall(wire.STREAM_PREFACE)
 
     def send(self, *frames: bytes) -> None:
@@ -153,18 +154,7 @@ class RawStream:
 
     def recv(self) -> list[Any]:
         """The next reply frame; ConnectionError once the server has closed."""
-        while len(self._buf) < 4 or len(self._buf) < 4 + struct.unpack(">I", self._buf[:4])[0]:
-            try:
-                chunk = self.sock.recv(1 << 16)
-            except ConnectionResetError:
-                chunk = b""
-            if not chunk:
-                raise ConnectionError("the server closed the stream")
-            self._buf += chunk
-        (n,) = struct.unpack(">I", self._buf[:4])
-        reply: list[Any] = msgpack.unpackb(self._buf[4 : 4 + n], raw=False)
-        self._buf = self._buf[4 + n :]
-        return reply
+        return self._frames.recv()
 
     def until_closed(self) -> list[list[Any]]:
         """Every frame the server sends before it closes (at most 100; it must close)."""

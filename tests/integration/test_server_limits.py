@@ -28,7 +28,7 @@ from typing import Any
 import msgpack
 import psutil
 import pytest
-from raw_stream import read_until_eof, stream_frames
+from raw_stream import FrameReader, read_until_eof, stream_frames
 from server_process import ServerProcess
 
 from rdzv_client import AsyncClient, Client, RdzvConnectionError, wire
@@ -82,7 +82,7 @@ class Stream:
 
     def __init__(self, port: int, *, preface: bool = True, token: str | None = None) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=PATIENCE)
-        self._buf = b""
+        self._frames = FrameReader(self.sock)
         if preface:
             self.sock.sendall(PREFACE)
         if token is not None:
@@ -93,15 +93,7 @@ class Stream:
         self.sock.sendall(frame([tag, op, rdzv_id, fields]))
 
     def recv(self) -> list[Any]:
-        while len(self._buf) < 4 or len(self._buf) < 4 + struct.unpack(">I", self._buf[:4])[0]:
-            chunk = self.sock.recv(1 << 16)
-            if not chunk:
-                raise ConnectionError("the server closed the stream")
-            self._buf += chunk
-        (n,) = struct.unpack(">I", self._buf[:4])
-        reply: list[Any] = msgpack.unpackb(self._buf[4 : 4 + n], raw=False)
-        self._buf = self._buf[4 + n :]
-        return reply
+        return self._frames.recv()
 
     def call(self, op: str, rdzv_id: str, **fields: Any) -> list[Any]:
         self.send(7, op, rdzv_id, **fields)
