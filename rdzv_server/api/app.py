@@ -28,13 +28,14 @@ Browsers (README "Security"; :func:`site_middleware` runs before authentication)
   ``file:``) is foreign. Requests without ``Origin`` (our clients, curl) are not browsers'
   cross-site requests and pass. Together with the 415 of non-JSON bodies (codec.py), the
   GET-only cookie and the token, no other site's page can change anything here.
-- Headers: every response the app prepares (answers, errors, redirects, the pages) carries
-  ``X-Content-Type-Options: nosniff``, ``X-Frame-Options: DENY``, ``Referrer-Policy:
-  no-referrer`` (a ``?token=`` address never leaves in a Referer) and
-  ``Cross-Origin-Resource-Policy: same-origin``; the pages carry :data:`PAGE_POLICY`
+- Headers (one definition: ``header.py``): every response the app prepares (answers, errors,
+  redirects, the pages) carries ``X-Content-Type-Options: nosniff``, ``X-Frame-Options:
+  DENY``, ``Referrer-Policy: no-referrer`` (a ``?token=`` address never leaves in a Referer)
+  and ``Cross-Origin-Resource-Policy: same-origin``; the pages carry ``header.PAGE_POLICY``
   (``default-src 'self'``, no inline script or style: the page's script and style are
-  ``/static`` files), everything else :data:`DATA_POLICY` (``default-src 'none'``); both say
-  ``frame-ancestors 'none'``.
+  ``/static`` files), everything else ``header.DATA_POLICY`` (``default-src 'none'``); both
+  say ``frame-ancestors 'none'``. The answers written below the app (parser refusals, shed
+  and refused connections: ``connection.py``) carry the same headers.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from ..storage.etcd_client import EtcdError
 from .auth import OPEN, Grant, TokenTable, bearer_token
 from .codec import decode, encode
 from .error import error_middleware
+from .header import security_headers
 from .metric import Metrics
 from .operation import run_operation
 
@@ -82,19 +84,6 @@ _DEFAULT_PORTS = {"http": 80, "https": 443}
 # host[:port] as a browser writes it in Host and Origin: a name or IPv4 address, or an
 # IPv6 literal in brackets; nothing that could hide a second host (no @, /, spaces).
 _AUTHORITY = re.compile(r"^(?:\[([0-9a-f:.]+)\]|([^\[\]:/@\s]+))(?::([0-9]{1,5}))?$", re.IGNORECASE)
-#: The pages' policy: their own script, style and API only; no inline code, no framing.
-PAGE_POLICY = (
-    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
-    "object-src 'none'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
-)
-#: Every other answer (JSON, msgpack, metrics, scripts) is data: it may load nothing.
-DATA_POLICY = "default-src 'none'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
-SECURITY_HEADERS = {
-    "X-Content-Type-Options": "nosniff",
-    "X-Frame-Options": "DENY",
-    "Referrer-Policy": "no-referrer",
-    "Cross-Origin-Resource-Policy": "same-origin",
-}
 #: The dashboard's files (``static/``), by name: their content types. Nothing else is served.
 STATIC_FILES = {
     "dashboard.js": "text/javascript",
@@ -177,11 +166,9 @@ async def site_middleware(request: web.Request, handler: Handler) -> web.StreamR
 
 
 async def _security_headers(request: web.Request, response: web.StreamResponse) -> None:
-    """Add the browser hardening headers to every response the app prepares."""
-    for name, value in SECURITY_HEADERS.items():
+    """Add the browser hardening headers (``header.py``) to every response the app prepares."""
+    for name, value in security_headers(response.content_type == "text/html").items():
         response.headers.setdefault(name, value)
-    policy = PAGE_POLICY if response.content_type == "text/html" else DATA_POLICY
-    response.headers.setdefault("Content-Security-Policy", policy)
 
 
 async def operation(request: web.Request) -> web.Response:

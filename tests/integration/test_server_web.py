@@ -27,7 +27,8 @@ import pytest
 from server_process import ServerProcess
 
 from rdzv_client import wire
-from rdzv_server.api.app import DATA_POLICY, PAGE_POLICY, authority
+from rdzv_server.api.app import authority
+from rdzv_server.api.header import DATA_POLICY, PAGE_POLICY
 
 JSON = "application/json"
 ALLOWED = ("rdzv.test", "127.0.0.1", "::1")
