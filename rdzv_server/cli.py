@@ -8,7 +8,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .config import DEFAULT_ETCD_SNAPSHOT_EVERY, FSYNC_POLICIES, LOG_FORMATS, LOG_LEVELS, ConfigError, ServerConfig
+from .config import (
+    DEFAULT_ETCD_SNAPSHOT_EVERY,
+    FSYNC_POLICIES,
+    LOG_FORMATS,
+    LOG_LEVELS,
+    PRE_AUTH_SHARE,
+    ConfigError,
+    ServerConfig,
+)
 
 _DEFAULTS = ServerConfig()
 
@@ -87,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, kind, text in _LIMITS:
         flag = "--" + name.replace("_", "-")
         limits.add_argument(flag, type=kind, default=_env(name, getattr(_DEFAULTS, name)), help=f"{text} (default %(default)s)")
+    limits.add_argument("--max-pre-auth-bytes", type=int, default=_env("max_pre_auth_bytes", None),
+                        help="bytes connections that have not shown a token may hold together, of --max-buffered-bytes "
+                             f"(default 1/{PRE_AUTH_SHARE} of it, at least --max-head-bytes)")
     return p
 
 
@@ -95,6 +106,8 @@ _LIMITS: tuple[tuple[str, type, str], ...] = (
     ("max_buffered_bytes", int, "bytes of partly received requests over all connections"),
     ("idle_timeout", float, "s a connection with nothing in flight may stay silent"),
     ("read_timeout", float, "s a request or frame may take to arrive once its first byte did"),
+    ("max_head_bytes", int, "bytes of one HTTP request head (request line and header fields)"),
+    ("auth_timeout", float, "s a connection may take to show a token: a stream's hello, an HTTP head before it has"),
     ("max_jobs", int, "jobs held at once"),
     ("max_keys_per_job", int, "keys per job over all its rounds"),
     ("max_job_bytes", int, "bytes of keys and values per job"),
@@ -143,6 +156,7 @@ def parse(argv: Sequence[str] | None = None) -> ServerConfig:
             etcd_key=_path(args.etcd_key),
             advertise_url=str(args.advertise_url).rstrip("/") if args.advertise_url else None,
             replica_id=str(args.replica_id) if args.replica_id else None,
+            max_pre_auth_bytes=int(args.max_pre_auth_bytes) if args.max_pre_auth_bytes not in (None, "") else None,
             **{name: kind(getattr(args, name)) for name, kind, _ in _LIMITS},
         )
     except (ConfigError, ValueError) as exc:

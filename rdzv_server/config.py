@@ -42,6 +42,19 @@ DEFAULT_IDLE_TIMEOUT = 75.0
 # A request (headers and body) or a stream frame must arrive whole within this long of its
 # first byte: a 64 MiB body needs ~2 MB/s; a slow-loris client is cut off.
 DEFAULT_READ_TIMEOUT = 30.0
+# -- before authentication (README "Security"): what a connection gets until it shows a token. --
+# A request head (request line and every header field) in all: nginx's default takes 32 KiB
+# (4 x 8 KiB buffers), Node's 16 KiB; our clients send about 300 bytes and a browser with
+# cookies 1-2 KiB, so 32 KiB refuses no real client and makes a head cost at most that.
+DEFAULT_MAX_HEAD_BYTES = 32 * 1024
+# Of --max-buffered-bytes, what connections not yet authenticated may hold together: 1/8, so
+# token holders keep 7/8 of the budget whatever strangers send (32 MiB of 256 MiB: at the
+# connection limit still ~670 bytes a connection, more than a real client's hello or head).
+PRE_AUTH_SHARE = 8
+# A client sends its hello or request head in its first packets: 10 s covers three lost
+# packets of a congested network (TCP retransmits after 1, 2 and 4 s) and a busy server, and
+# a stranger's connection that says nothing useful costs the server 10 s at most, not 75.
+DEFAULT_AUTH_TIMEOUT = 10.0
 # Jobs live at once: far more than one cluster runs; each costs a few KB plus its keys.
 DEFAULT_MAX_JOBS = 10_000
 # Keys per job over all its rounds: torchrun writes a handful per worker per round.
@@ -61,6 +74,8 @@ DEFAULT_ETCD_SNAPSHOT_EVERY = 10_000
 # pause or a slow etcd shorter than it does not cost a replica its leadership.
 DEFAULT_ETCD_LEASE_TTL = 5
 DEFAULT_ETCD_PREFIX = "/rdzv"
+# The smallest --max-head-bytes: an ordinary browser request (with a few cookies) fits.
+MIN_HEAD_BYTES = 1024
 FSYNC_POLICIES = ("always", "batch", "never")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")  # json: one object per line, for log pipelines (logformat.py)
@@ -100,6 +115,9 @@ class ServerConfig:
     max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT
     read_timeout: float = DEFAULT_READ_TIMEOUT
+    max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES
+    max_pre_auth_bytes: int | None = None  # None: 1/PRE_AUTH_SHARE of max_buffered_bytes (pre_auth_bytes())
+    auth_timeout: float = DEFAULT_AUTH_TIMEOUT
     max_jobs: int = DEFAULT_MAX_JOBS
     max_keys_per_job: int = DEFAULT_MAX_KEYS_PER_JOB
     max_job_bytes: int = DEFAULT_MAX_JOB_BYTES
@@ -142,7 +160,14 @@ class ServerConfig:
         for name in ("max_connections", "max_jobs", "max_keys_per_job", "max_sessions", "max_session_writes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-        for name in ("max_hold", "disconnect_grace", "job_ttl", "idle_timeout", "read_timeout", "session_ttl"):
+        if self.max_head_bytes < MIN_HEAD_BYTES:
+            raise ConfigError(f"--max-head-bytes must be at least {MIN_HEAD_BYTES} (a browser's ordinary request head)")
+        if not self.max_head_bytes <= self.pre_auth_bytes() <= self.max_buffered_bytes:
+            raise ConfigError(
+                f"--max-pre-auth-bytes ({self.pre_auth_bytes()}) must be at least --max-head-bytes ({self.max_head_bytes}) "
+                f"and at most --max-buffered-bytes ({self.max_buffered_bytes})"
+            )
+        for name in ("max_hold", "disconnect_grace", "job_ttl", "idle_timeout", "read_timeout", "session_ttl", "auth_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
         if self.snapshot_every < 1:
@@ -166,6 +191,12 @@ class ServerConfig:
             raise ConfigError("--tls-cert and --tls-key go together: give both, or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
+
+    def pre_auth_bytes(self) -> int:
+        """Bytes connections not yet authenticated may hold together (``--max-pre-auth-bytes``)."""
+        if self.max_pre_auth_bytes is not None:
+            return self.max_pre_auth_bytes
+        return max(self.max_buffered_bytes // PRE_AUTH_SHARE, self.max_head_bytes)  # one whole head at least
 
     def resolved_token_file(self) -> Path | None:
         """The write token's file; None with auth off."""

@@ -5,14 +5,15 @@ hands the connection to the stream protocol if it is NUL (no HTTP request starts
 one; see ``wire.STREAM_PREFACE``), else to aiohttp's HTTP server. Every connection is
 counted from accept to close by one :class:`.api.connection.ConnectionTable`, which
 enforces ``--max-connections`` (clamped below the open-files limit), the buffer budget
-and the idle and read deadlines; a connection that has not spoken within ``--idle-timeout``
-is closed.
+and the idle, read and authentication deadlines; a connection that has not spoken within
+``--idle-timeout`` (``--auth-timeout`` if shorter, with auth on) is closed.
 
 TLS (``--tls-cert``/``--tls-key``, optionally ``--tls-client-ca`` for mutual TLS) wraps the
 port as a whole: the handshake comes first, then :class:`_FirstByte` reads the first
 *decrypted* byte, so both protocols, the connection table and the refusals work unchanged
 over it. A connection is counted from the end of its handshake; the handshake itself must
-finish within ``--read-timeout``. A client that does not speak TLS to a TLS port fails its
+finish within ``--read-timeout`` (``--auth-timeout`` if shorter, with auth on: the client has
+shown no token yet). A client that does not speak TLS to a TLS port fails its
 handshake and is closed (quietly: it is the client's mistake, not the server's).
 
 Order of start: bind the listener (``/healthz`` answers, operations answer 503
@@ -43,7 +44,7 @@ from rdzv_client.tls import no_key_password, ssl_reason
 
 from . import logformat
 from .api.app import METRICS, create_app
-from .api.auth import TokenError, TokenTable, load_tokens
+from .api.auth import TokenError, TokenTable, bearer_token, load_tokens
 from .api.connection import FD_RESERVE, LINGER, Closing, ConnectionTable, http_factory
 from .api.stream import StreamServer
 from .config import ServerConfig
@@ -59,8 +60,9 @@ LISTEN_BACKLOG = 65535
 # Each node holds a connection or two: lift the soft fd limit to the hard one.
 WANTED_OPEN_FILES = 1 << 20
 # HTTP request heads: aiohttp's own limits, made explicit. A longer request line or header
-# field, or more fields, is answered 431 headers_too_large; what a head holds while it
-# arrives is charged to --max-buffered-bytes.
+# field, or more fields, is answered 431 headers_too_large, and so is a head larger than
+# --max-head-bytes in all (the connection table's count); what a head holds while it arrives
+# is charged to --max-buffered-bytes (and to --max-pre-auth-bytes until a token is shown).
 MAX_HEADER_LINE = 8190
 MAX_HEADER_FIELDS = 128
 # TLS 1.0 and 1.1 are deprecated (RFC 8996); every client this server has speaks 1.2 or 1.3.
@@ -86,7 +88,9 @@ class _FirstByte(asyncio.Protocol):
             Closing(table, wire.ErrorCode.TOO_MANY_CONNECTIONS, message).adopt(transport)
             return
         self._transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
-        self._timer = asyncio.get_running_loop().call_later(table.idle_timeout, self._idle)
+        # Silent, it has shown no token either: a stranger's connection waits --auth-timeout at most.
+        wait = table.idle_timeout if table.auth_timeout is None else min(table.idle_timeout, table.auth_timeout)
+        self._timer = asyncio.get_running_loop().call_later(wait, self._idle)
 
     def _idle(self) -> None:
         self._timer = None
@@ -239,6 +243,11 @@ def tls_context(config: ServerConfig) -> ssl.SSLContext | None:
     return context
 
 
+def _handshake_timeout(config: ServerConfig, tokens: TokenTable) -> float:
+    """A TLS handshake is said by someone who has not shown a token yet: --auth-timeout bounds it."""
+    return min(config.read_timeout, config.auth_timeout) if tokens.enabled else config.read_timeout
+
+
 async def _start(svc: Service) -> SystemExit | None:
     """``svc.start()``; the SystemExit it raises when the server must not serve, returned."""
     try:
@@ -265,12 +274,17 @@ async def serve(config: ServerConfig, stop: asyncio.Event) -> None:
         max_buffered_bytes=config.max_buffered_bytes,
         idle_timeout=config.idle_timeout,
         read_timeout=config.read_timeout,
+        max_pre_auth_bytes=config.pre_auth_bytes(),
+        max_head_bytes=config.max_head_bytes,
+        # With auth off there is no stranger: every connection is a token holder's.
+        auth_timeout=config.auth_timeout if tokens.enabled else None,
     )
     app[METRICS].track_connections(table)
     streams = StreamServer(svc, app[METRICS], table, tokens)
     http = http_factory(
         runner.server,
         table,
+        lambda authorization: tokens.grant(bearer_token(authorization)) is not None,
         # The table closes idle connections; aiohttp's own keep-alive close is only a backstop.
         keepalive_timeout=config.idle_timeout + config.read_timeout,
         access_log=None,
@@ -281,7 +295,7 @@ async def serve(config: ServerConfig, stop: asyncio.Event) -> None:
     )
     listener = Listener(http=http, stream=streams, table=table)
     try:
-        await listener.start(config.host, config.port, tls=tls, handshake_timeout=config.read_timeout)
+        await listener.start(config.host, config.port, tls=tls, handshake_timeout=_handshake_timeout(config, tokens))
         svc.bound_port = listener.addresses()[0][1]
         # A replica waits for etcd as long as it takes; SIGTERM meanwhile still stops it.
         starting = asyncio.ensure_future(_start(svc))

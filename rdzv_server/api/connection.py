@@ -3,12 +3,15 @@
 What it owns:
 - :class:`ConnectionTable`: the open connections (undecided, stream, HTTP) against
   ``--max-connections``, the bytes of partly received requests held over all of them
-  against ``--max-buffered-bytes``, what to shed when either is reached, and the counters
-  ``/metrics`` shows;
+  against ``--max-buffered-bytes`` (and, of those, the bytes of connections not yet
+  authenticated against ``--max-pre-auth-bytes``), what to shed when a limit is reached, and
+  the counters ``/metrics`` shows;
 - :class:`TrackedConnection`: what a stream or HTTP connection tells the table, and its one
-  timer, which enforces ``--idle-timeout`` and ``--read-timeout``;
+  timer, which enforces ``--idle-timeout``, ``--read-timeout`` and ``--auth-timeout``;
 - :class:`HttpConnection`: aiohttp's ``RequestHandler`` with that accounting, the read
-  deadline aiohttp lacks, and ``{"error", "message"}`` JSON for everything its parser refuses;
+  deadline and the head limit (``--max-head-bytes``, :class:`RequestHead`) aiohttp lacks, and
+  ``{"error", "message"}`` JSON for everything its parser refuses, saying what was wrong and
+  where without quoting a byte of the request (:func:`refusal_reason`);
 - :class:`Closing`: the last seconds of a refused connection (answer, half-close, drain, close);
 - :class:`LogThrottle`: one source of warnings that hostile clients cannot turn into a flood.
 
@@ -29,6 +32,22 @@ Rules:
   body) or a stream frame not whole ``read_timeout`` after its first byte -> ``request_timeout``
   and closed. Both run on one lazily re-armed timer per connection, never one per request; the
   hot path only stores a time.
+- Before authentication (README "Security"): a connection is a stranger's until it shows a
+  valid token (a stream's hello; an HTTP request head with ``Authorization: Bearer`` and a
+  token), then a token holder's for its life; with auth off every connection is a token
+  holder's. A stranger's bytes are also charged to the pre-authentication share; bytes that
+  would pass it shed the stranger holding the most if it holds more than the receiving
+  connection would, else the receiving connection is refused ``buffers_full``, so strangers
+  never hold more than the share and a real client's small hello or head still gets in. A
+  stranger's idle and read deadlines are ``auth_timeout`` when that is shorter, and a stream
+  must say its hello within ``auth_timeout`` of its first byte (else ``request_timeout``).
+- An HTTP request head (from the request's first byte to its empty line) passing
+  ``max_head_bytes`` is refused ``431 headers_too_large`` before aiohttp buffers it; aiohttp
+  bounds each line and the number of fields itself.
+- No answer and no log line quotes the request: aiohttp's parser messages quote the line
+  they refuse, credentials included, so a refusal is described from the error's type and
+  position alone (:func:`refusal_reason`).
+- Every HTTP answer written here carries the app's security headers (``header.py``).
 - Refusals are answered, then the connection is half-closed and its input drained for
   :data:`LINGER` seconds, so the client reads the answer instead of a reset. Over TLS, which
   cannot half-close, the answer is followed by TLS's close (close_notify), and the TLS layer
@@ -41,18 +60,31 @@ implements :class:`TrackedConnection`'s hooks).
 from __future__ import annotations
 
 import abc
+import ast
 import asyncio
 import heapq
 import logging
+import re
 from collections.abc import Callable, Iterator
 from http import HTTPStatus
 from typing import Any, ClassVar, Protocol, cast
 
-from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
+from aiohttp import hdrs, web
+from aiohttp.http_exceptions import (
+    BadHttpMessage,
+    BadHttpMethod,
+    BadStatusLine,
+    HttpProcessingError,
+    InvalidHeader,
+    InvalidURLError,
+    LineTooLong,
+)
 from aiohttp.web_protocol import RequestHandler
+from multidict import istr
 
 from rdzv_client import wire
+
+from .header import security_headers
 
 log = logging.getLogger("rdzv_server.api")
 
@@ -76,12 +108,10 @@ RESCAN_PAUSE = 1.0
 # Warnings about misbehaving clients: this many lines per interval, then one summary line.
 LOG_INTERVAL = 10.0
 LOG_BURST = 5
-# Text of a refusal message kept in the answer and the log (aiohttp's include the raw line).
-MAX_REASON_CHARS = 200
 # Undecided connections that never spoke, then stream and HTTP ones (``protocol`` values).
 PROTOCOLS = ("undecided", "stream", "http")
 #: Why connections were closed by the server (``rdzv_connections_shed_total{reason}``).
-SHED_REASONS = ("idle_timeout", "read_timeout", "buffers_full", "connection_limit")
+SHED_REASONS = ("idle_timeout", "read_timeout", "auth_timeout", "buffers_full", "connection_limit")
 
 
 class LogThrottle:
@@ -139,21 +169,30 @@ class ConnectionTable:
         max_buffered_bytes: int,
         idle_timeout: float,
         read_timeout: float,
+        max_pre_auth_bytes: int,
+        max_head_bytes: int,
+        auth_timeout: float | None,
     ) -> None:
+        """``auth_timeout`` None: auth is off, and every connection is a token holder's."""
         self.max_connections = max_connections
         self.max_buffered_bytes = max_buffered_bytes
         self.idle_timeout = idle_timeout
         self.read_timeout = read_timeout
+        self.max_pre_auth_bytes = max_pre_auth_bytes
+        self.max_head_bytes = max_head_bytes
+        self.auth_timeout = auth_timeout
         self.undecided: dict[Sheddable, None] = {}  # oldest first
         self.open: dict[TrackedConnection, None] = {}
         self.by_protocol: dict[str, int] = {"stream": 0, "http": 0}
         self.buffered = 0
+        self.pre_auth_buffered = 0  # of buffered: held by connections not yet authenticated
         self.closing = 0  # Closing protocols alive (lingering refusals)
         self.shed_total: dict[str, int] = dict.fromkeys(SHED_REASONS, 0)
         self.rejected_total: dict[str, int] = {}
         self.refusals = LogThrottle(log)
         self.limit_log = LogThrottle(log, burst=1)
         self._holders: set[TrackedConnection] = set()
+        self._strangers: set[TrackedConnection] = set()  # the holders not yet authenticated
         self._candidates: list[tuple[TrackedConnection, float, bool]] = []  # best last
         self._rescan_at = 0.0
 
@@ -257,50 +296,85 @@ class ConnectionTable:
     # -- buffered bytes ----------------------------------------------------------------------
 
     def charge(self, conn: TrackedConnection, n: int) -> bool:
-        """Charge ``n`` more bytes held by ``conn``. False: ``conn`` must refuse itself."""
-        if self.buffered + n > self.max_buffered_bytes and not self._make_buffer_room(conn, n):
+        """Charge ``n`` more bytes held by ``conn`` (see the module rules). False: they would
+        pass a budget, and ``conn`` has been refused ``buffers_full`` and closed."""
+        stranger = not conn.trusted
+        if stranger and self.pre_auth_buffered + n > self.max_pre_auth_bytes and not self._make_buffer_room(conn, n, True):
+            self._refuse_bytes(conn, True)
+            return False
+        if self.buffered + n > self.max_buffered_bytes and not self._make_buffer_room(conn, n, False):
+            self._refuse_bytes(conn, False)
             return False
         if not conn.held:
             self._holders.add(conn)
+            if stranger:
+                self._strangers.add(conn)
         conn.held += n
         self.buffered += n
+        if stranger:
+            self.pre_auth_buffered += n
         return True
 
     def release(self, conn: TrackedConnection, n: int) -> None:
         conn.held -= n
         self.buffered -= n
+        if not conn.trusted:
+            self.pre_auth_buffered -= n
         if not conn.held:
             self._holders.discard(conn)
+            self._strangers.discard(conn)
 
-    def _make_buffer_room(self, conn: TrackedConnection, n: int) -> bool:
-        """Shed the largest holders while one holds more than ``conn`` would."""
-        while self.buffered + n > self.max_buffered_bytes:
-            victim = max(self._holders, key=_held, default=None)
+    def trust(self, conn: TrackedConnection) -> None:
+        """``conn`` has shown a valid token: from now on its bytes are a token holder's."""
+        if conn.trusted:
+            return
+        conn.trusted = True
+        self.pre_auth_buffered -= conn.held
+        self._strangers.discard(conn)
+
+    def _make_buffer_room(self, conn: TrackedConnection, n: int, pre_auth: bool) -> bool:
+        """Shed the largest holders (strangers only, for the pre-authentication share) while one
+        holds more than ``conn`` would."""
+        holders, limit = (self._strangers, self.max_pre_auth_bytes) if pre_auth else (self._holders, self.max_buffered_bytes)
+        while (self.pre_auth_buffered if pre_auth else self.buffered) + n > limit:
+            victim = max(holders, key=_held, default=None)
             if victim is None or victim is conn or victim.held <= conn.held + n:
                 return False
             self.shed("buffers_full")
             self.rejected(wire.ErrorCode.BUFFERS_FULL)
             self.refusals.warning(
-                "Shed %s connection holding %d bytes of a partly received request: the server's buffers are full (--max-buffered-bytes %d).",
+                "Shed %s connection holding %d bytes of a partly received request: %s.",
                 victim.article,
                 victim.held,
-                self.max_buffered_bytes,
+                self._full(pre_auth),
             )
-            victim.shed(wire.ErrorCode.BUFFERS_FULL, buffers_full_message(self.max_buffered_bytes))
+            victim.shed(wire.ErrorCode.BUFFERS_FULL, self._full_message(pre_auth))
             self.unregister(victim)
         return True
 
-    def refuse_bytes(self, conn: TrackedConnection) -> None:
+    def _refuse_bytes(self, conn: TrackedConnection, pre_auth: bool) -> None:
         """``conn`` could not be charged: count it, log it, answer it ``buffers_full``."""
         self.shed("buffers_full")
         self.rejected(wire.ErrorCode.BUFFERS_FULL)
-        self.refusals.warning(
-            "Refused %s connection's request: the server's buffers for partly received requests are full (--max-buffered-bytes %d).",
-            conn.article,
-            self.max_buffered_bytes,
-        )
-        conn.shed(wire.ErrorCode.BUFFERS_FULL, buffers_full_message(self.max_buffered_bytes))
+        self.refusals.warning("Refused %s connection's request: %s.", conn.article, self._full(pre_auth))
+        conn.shed(wire.ErrorCode.BUFFERS_FULL, self._full_message(pre_auth))
         self.unregister(conn)
+
+    def _full(self, pre_auth: bool) -> str:
+        if pre_auth:
+            return (
+                "the share of the buffers for connections that have not shown a token is full "
+                f"(--max-pre-auth-bytes {self.max_pre_auth_bytes})"
+            )
+        return f"the server's buffers for partly received requests are full (--max-buffered-bytes {self.max_buffered_bytes})"
+
+    def _full_message(self, pre_auth: bool) -> str:
+        if pre_auth:
+            return (
+                "the server's buffers for connections that have not yet shown a token are full "
+                f"({self.max_pre_auth_bytes} bytes); retry shortly"
+            )
+        return buffers_full_message(self.max_buffered_bytes)
 
 
 def _held(conn: TrackedConnection) -> int:
@@ -317,18 +391,25 @@ class TrackedConnection(abc.ABC):
     Subclasses call :meth:`_track` when connected and :meth:`_untrack` when closed (both
     idempotent), store ``last_active`` when bytes arrive or a request finishes, call
     :meth:`_start_reading` at the first byte of a request or frame and clear
-    ``reading_since`` when it is whole, and implement :meth:`busy`, :meth:`shed` and
+    ``reading_since`` when it is whole, ask the table to :meth:`~ConnectionTable.trust` them
+    once they have shown a valid token, and implement :meth:`busy`, :meth:`shed` and
     :meth:`_reading_counts`.
     """
 
     protocol: ClassVar[str]
     #: How log lines name it ("a stream connection").
     article: ClassVar[str]
+    #: What a stranger of this protocol must show within ``auth_timeout`` of its first byte
+    #: (None: nothing as a whole; each request head has its read deadline shortened instead).
+    must_authenticate: ClassVar[str | None] = None
     last_active: float = 0.0
     reading_since: float | None = None
     held: int = 0
+    #: Has shown a valid token (or auth is off): its bytes are not a stranger's.
+    trusted: bool = False
     _table: ConnectionTable
     _deadline: asyncio.TimerHandle | None = None
+    _auth_due: float | None = None
 
     def _track(self, table: ConnectionTable, loop: asyncio.AbstractEventLoop) -> None:
         now = loop.time()
@@ -337,7 +418,12 @@ class TrackedConnection(abc.ABC):
         self.last_active = now
         self.reading_since = None
         self.held = 0
-        self._deadline = loop.call_at(now + table.idle_timeout, self._check_deadlines)
+        self.trusted = table.auth_timeout is None
+        due = now + self._limits()[0]
+        if not self.trusted and self.must_authenticate is not None and table.auth_timeout is not None:
+            self._auth_due = now + table.auth_timeout
+            due = min(due, self._auth_due)
+        self._deadline = loop.call_at(due, self._check_deadlines)
         table.register(self)
 
     def _untrack(self) -> None:
@@ -358,9 +444,16 @@ class TrackedConnection(abc.ABC):
         """Whether the request being read is late by the client's doing (not held back by us)."""
         return True
 
+    def _limits(self) -> tuple[float, float]:
+        """The idle and read timeouts that apply now: a stranger's are cut to ``auth_timeout``."""
+        table = self._table
+        if self.trusted or table.auth_timeout is None:
+            return table.idle_timeout, table.read_timeout
+        return min(table.idle_timeout, table.auth_timeout), min(table.read_timeout, table.auth_timeout)
+
     def _start_reading(self, now: float) -> None:
         self.reading_since = now
-        due = now + self._table.read_timeout
+        due = now + self._limits()[1]
         timer = self._deadline
         if timer is not None and timer.when() > due:
             timer.cancel()
@@ -372,44 +465,72 @@ class TrackedConnection(abc.ABC):
         if self not in table.open:
             return
         now = self._clock.time()
+        idle, read = self._limits()
+        stranger = not self.trusted and table.auth_timeout is not None
+        if stranger and self._auth_due is not None and now >= self._auth_due:
+            self._late(
+                "auth_timeout",
+                f"it sent no {self.must_authenticate} with a valid token within %g s of its first byte (--auth-timeout)",
+                f"no {self.must_authenticate} within {table.auth_timeout:g} s of the connection's first byte "
+                "(--auth-timeout)",
+            )
+            return
         if self.reading_since is not None and self._reading_counts():
-            due = self.reading_since + table.read_timeout
+            due = self.reading_since + read
             if now >= due:
-                table.shed("read_timeout")
-                table.rejected(wire.ErrorCode.REQUEST_TIMEOUT)
-                table.refusals.warning(
-                    "Closed %s connection: its request did not arrive whole within %g s (--read-timeout).",
-                    self.article,
-                    table.read_timeout,
-                )
-                self.shed(
-                    wire.ErrorCode.REQUEST_TIMEOUT,
-                    f"the request did not arrive whole within {table.read_timeout:g} s of its first byte",
-                )
-                self._untrack()
+                if read < table.read_timeout:  # a stranger's head, cut short by --auth-timeout
+                    self._late(
+                        "auth_timeout",
+                        "its request did not arrive whole within %g s, and it has not shown a token (--auth-timeout)",
+                        f"the request did not arrive whole within {read:g} s of its first byte (--auth-timeout: "
+                        "the time a connection gets to show its token)",
+                    )
+                else:
+                    self._late(
+                        "read_timeout",
+                        "its request did not arrive whole within %g s (--read-timeout)",
+                        f"the request did not arrive whole within {read:g} s of its first byte",
+                    )
                 return
         elif self.reading_since is None and not self.busy():
-            due = self.last_active + table.idle_timeout
+            due = self.last_active + idle
             if now >= due:
                 table.shed("idle_timeout")
                 self.shed(None, "")
                 self._untrack()
                 return
         else:  # serving a request, or reading one we hold back: look again later
-            due = now + min(table.idle_timeout, table.read_timeout)
+            due = now + min(idle, read)
+        if stranger and self._auth_due is not None:
+            due = min(due, self._auth_due)
         self._deadline = self._clock.call_at(due, self._check_deadlines)
+
+    def _late(self, reason: str, what: str, message: str) -> None:
+        """Close with ``request_timeout``: ``what`` (a %g stands for the limit) logged, ``message`` answered."""
+        table = self._table
+        table.shed(reason)
+        table.rejected(wire.ErrorCode.REQUEST_TIMEOUT)
+        limit = table.auth_timeout if reason == "auth_timeout" else table.read_timeout
+        table.refusals.warning(f"Closed %s connection: {what}.", self.article, limit)
+        self.shed(wire.ErrorCode.REQUEST_TIMEOUT, message)
+        self._untrack()
 
 
 # --------------------------------------------------------------------------- refusals
 
 
+# The security headers of a JSON answer, as header lines (an answer written below the app).
+_HARDENING = "".join(f"{name}: {value}\r\n" for name, value in security_headers(False).items())
+
+
 def http_error(code: wire.ErrorCode, message: str) -> bytes:
-    """A whole HTTP/1.1 error response (JSON body, ``Connection: close``) as bytes."""
+    """A whole HTTP/1.1 error response (JSON body, the security headers, ``Connection:
+    close``) as bytes."""
     status = wire.HTTP_STATUS[code]
     body = wire.dump_json(wire.error_body(code, message))
     head = (
         f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: {wire.CONTENT_TYPE_JSON}\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        f"Content-Length: {len(body)}\r\n{_HARDENING}Connection: close\r\n\r\n"
     )
     return head.encode("ascii") + body
 
@@ -490,13 +611,182 @@ class Closing(asyncio.Protocol):
         self._transport = None
 
 
-# --------------------------------------------------------------------------- HTTP
+# --------------------------------------------------------------------------- HTTP heads
+
+# A header is named in a refusal when it is one of HTTP's own (aiohttp's ``hdrs``): a name the
+# client made up is bytes it sent, and could be anything, a token pasted in the wrong place too.
+_KNOWN_HEADERS = {str(name).lower(): str(name) for name in vars(hdrs).values() if isinstance(name, istr)}
+# Bytes of a line kept to name its header: the longest known name and its colon.
+_NAME_BYTES = max(map(len, _KNOWN_HEADERS)) + 1
+_HEAD_END = b"\r\n\r\n"
+_FIELD_NAME = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):")
 
 
-def _reason(exc: BaseException | None, fallback: str) -> str:
-    text = getattr(exc, "message", None) or str(exc or "") or fallback
-    first = " ".join(str(text).split())  # aiohttp's parser messages span lines
-    return first[:MAX_REASON_CHARS]
+class RequestHead:
+    """The head (request line and header fields) of the HTTP request arriving on one
+    connection, as its bytes go by: its size (for ``--max-head-bytes``), where it ends, and
+    where in it a parser error struck, named by its line and byte offset, never quoted.
+
+    No I/O: bytes in, numbers out. The head starts at the request's first byte other than CR
+    or LF (a server ignores empty lines before a request line, and so does aiohttp's parser)
+    and ends with its first empty line (CRLF CRLF: aiohttp's parser refuses a bare LF, and a
+    head it accepts otherwise is closed by :meth:`close`). Only the start of the line still
+    arriving is kept (enough to name a known header), never a value.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """A new request: its head starts with the next byte."""
+        self.size = 0  # bytes of the head received so far
+        self.open = True  # still arriving
+        self._started = False  # a byte other than CR or LF went by
+        self._request_line_at = 0
+        self._tail = b""  # its last 3 bytes: an empty line may span two reads
+        self._line = b""  # the start of the line still arriving ...
+        self._line_at = 0  # ... and where it starts in the head
+        self._chunk = (0, b"", 0)  # (size, _line, _line_at) when the last chunk came
+
+    def close(self) -> None:
+        """The parser has the whole head, whatever this reader saw of it."""
+        self.open = False
+
+    def feed(self, data: bytes) -> int:
+        """Count the bytes of ``data`` that belong to the head; return how many (all while the
+        head goes on, the bytes up to its empty line in the chunk that ends it, 0 after)."""
+        if not self.open:
+            return 0
+        self._chunk = (self.size, self._line, self._line_at)
+        start = 0
+        if not self._started:
+            if data[:1] in (b"\r", b"\n"):
+                start = len(data) - len(data.lstrip(b"\r\n"))
+                if start == len(data):
+                    self.size += start
+                    return start
+            self._started = True
+            self._request_line_at = self._line_at = self.size + start
+        end, ended = len(data), False
+        if self._tail and not start:
+            found = (self._tail + data[:3]).find(_HEAD_END)
+            if found >= 0:
+                end, ended = found + len(_HEAD_END) - len(self._tail), True
+        if not ended:
+            found = data.find(_HEAD_END, start)
+            if found >= 0:
+                end, ended = found + len(_HEAD_END), True
+        newline = data.rfind(b"\n", start, end)
+        if newline >= 0:
+            self._line = data[newline + 1 : min(end, newline + 1 + _NAME_BYTES)]
+            self._line_at = self.size + newline + 1
+        elif len(self._line) < _NAME_BYTES:
+            self._line += data[start : min(end, start + _NAME_BYTES - len(self._line))]
+        self._tail = (self._tail + data[max(start, end - 3) : end])[-3:]
+        self.size += end
+        self.open = not ended
+        return end
+
+    def where(self, chunk: bytes, head_bytes: int | None, needle: bytes, column: int) -> str:
+        """Where a parser error struck in ``chunk`` (the last one fed; its first ``head_bytes``
+        belong to the head, None: unknown): at ``column`` of the first ``needle`` in it, the
+        bytes the parser's message quoted. Says which line and which byte, quoting nothing;
+        "" when it cannot tell."""
+        found = chunk.find(needle) if needle and head_bytes is not None else -1
+        if head_bytes is None or found < 0:
+            return ""
+        at = found + column
+        if at >= head_bytes:
+            return "in the body"
+        size, line, line_at = self._chunk
+        # llhttp points past a bare LF it refuses: that byte is the end of the line before.
+        bare_lf = at >= 1 and chunk[at - 1 : at] == b"\n" and chunk[at - 2 : at - 1] != b"\r"
+        newline = chunk.rfind(b"\n", 0, at - 1 if bare_lf else at)
+        if newline >= 0:
+            line, line_at = chunk[newline + 1 : newline + 1 + _NAME_BYTES], size + newline + 1
+        else:
+            line = (line + chunk[:_NAME_BYTES])[:_NAME_BYTES]
+        if line_at == self._request_line_at:
+            what = "the request line"
+        else:
+            name = _FIELD_NAME.match(line)
+            known = _KNOWN_HEADERS.get(name.group(1).decode("ascii").lower()) if name else None
+            what = f"header {known}" if known else "a header field"
+        return f"in {what}, at byte {size + at} of the request"
+
+
+# aiohttp's messages for llhttp's errors: "REASON:\n\n  b'THE LINE'\n  <spaces>^" (possibly
+# after "Bad status line:\n  "). REASON is llhttp's own text; the line is the request's.
+_LLHTTP = re.compile(r"(?:^|\n  )(?P<reason>[A-Za-z][A-Za-z0-9 ,'/-]{0,99}):\n\n  (?P<line>b(?P<q>['\"]).*(?P=q))\n  (?P<caret> *)\^\Z")
+_DUPLICATE = re.compile(r"Duplicate '([A-Za-z-]+)' header found\.")
+# aiohttp's own messages that quote nothing, said in our words.
+_FIXED_REASONS = {
+    "Too many headers received": "too many header fields",
+    "Missing 'Host' header in request.": "no Host header (HTTP/1.1 requires one)",
+    "Received HTTPS traffic on an HTTP port": "TLS on a plain HTTP port (use http://, or give the server --tls-cert)",
+}
+# By the error's type, when its message has nothing we can use.
+_TYPE_REASONS: tuple[tuple[type[BaseException], str], ...] = (
+    (InvalidURLError, "a request target that is not a valid path or URL"),
+    (BadHttpMethod, "an unknown method"),
+    (BadStatusLine, "a malformed request line"),
+    (InvalidHeader, "a forbidden byte in a header field"),
+)
+# repr() width of each byte: how many characters of aiohttp's quoted line stand for it.
+_REPR_WIDTH = [len(repr(bytes([byte]))) - 3 for byte in range(256)]
+
+
+def _byte_at(line: bytes, width: int) -> int:
+    """The index in ``line`` of the byte that ``width`` characters of its repr() precede."""
+    if len(repr(line[:width])) == width + 3:  # nothing escaped before it (the usual case)
+        return width
+    seen = 0
+    for index, byte in enumerate(line):
+        if seen >= width:
+            return index
+        seen += _REPR_WIDTH[byte]
+    return len(line)
+
+
+def parser_error(exc: BaseException | None) -> tuple[str, bytes, int]:
+    """What aiohttp's parser refused, in words that quote nothing, and where to look for it:
+    ``(reason, needle, column)``, ``needle`` being the bytes its message quoted (to be found,
+    never shown; empty when unknown) and ``column`` the offending byte's index in it."""
+    message = getattr(exc, "message", "")
+    message = message if isinstance(message, str) else ""
+    if isinstance(exc, LineTooLong):
+        limit, quoted = exc.args[1] if len(exc.args) > 1 else "?", exc.args[0] if exc.args else b""
+        needle = bytes(quoted)[:-3] if isinstance(quoted, (bytes, bytearray)) else b""
+        return f"a line longer than {limit} bytes", needle, 0
+    if isinstance(exc, InvalidHeader) and exc.args and isinstance(exc.args[0], bytes):
+        value = exc.args[0]
+        return "a forbidden byte (NUL) in a header field", value, max(0, value.find(b"\x00"))
+    llhttp = _LLHTTP.search(message)
+    if llhttp is not None:
+        try:
+            line = ast.literal_eval(llhttp["line"])
+        except (ValueError, SyntaxError):
+            line = b""
+        if not isinstance(line, bytes):
+            line = b""
+        reason = llhttp["reason"]
+        return reason[0].lower() + reason[1:], line, _byte_at(line, max(0, len(llhttp["caret"]) - 2))
+    if message in _FIXED_REASONS:
+        return _FIXED_REASONS[message], b"", 0
+    duplicate = _DUPLICATE.fullmatch(message)
+    if duplicate is not None and duplicate.group(1).lower() in _KNOWN_HEADERS:
+        return f"header {_KNOWN_HEADERS[duplicate.group(1).lower()]} given twice", b"", 0
+    for kind, reason in _TYPE_REASONS:
+        if isinstance(exc, kind):
+            return reason, b"", 0
+    return "a malformed request", b"", 0
+
+
+def refusal_reason(exc: BaseException | None, where: str = "") -> str:
+    """The message of a request aiohttp's parser refused: what was wrong (and ``where``, from
+    :meth:`RequestHead.where`), never the request's bytes, which may hold a token."""
+    reason = parser_error(exc)[0]
+    return f"the request could not be read: {reason}{' ' + where if where else ''}"
 
 
 def classify(status: int, exc: BaseException | None) -> wire.ErrorCode:
@@ -513,35 +803,47 @@ def classify(status: int, exc: BaseException | None) -> wire.ErrorCode:
 
 
 def json_error(code: wire.ErrorCode, message: str) -> web.Response:
+    """An error answer for aiohttp to write, with the security headers."""
     return web.Response(
         body=wire.dump_json(wire.error_body(code, message)),
         status=wire.HTTP_STATUS[code],
         content_type=wire.CONTENT_TYPE_JSON,
+        headers=security_headers(False),
     )
 
 
+# --------------------------------------------------------------------------- HTTP connections
+
 RequestFactory = Callable[..., web.BaseRequest]
+#: Whether an ``Authorization`` header (None: absent) holds a valid token of the server.
+Authenticates = Callable[[str | None], bool]
 
 
 class HttpConnection(RequestHandler, TrackedConnection):
     """One HTTP connection: aiohttp's protocol, tracked by the table (see the module rules).
 
-    ``data_received`` charges bytes and starts the read deadline; a request is in flight from
-    its dispatch (:func:`http_factory` wraps aiohttp's request factory) to the end of
-    ``finish_response``. Errors aiohttp answers itself (its parser's 400s, an unknown
-    ``Expect``) become JSON with a documented code and one throttled warning line.
+    ``data_received`` measures the request head (:class:`RequestHead`), charges bytes and
+    starts the read deadline; a request is in flight from its dispatch (:func:`http_factory`
+    wraps aiohttp's request factory) to the end of ``finish_response``. Requests aiohttp's
+    parser refuses are answered as every refusal is (JSON
+    with a documented code and the security headers, over :class:`Closing`), with one
+    throttled warning line; neither quotes the request.
     """
 
     protocol = "http"
     article = "an HTTP"
 
-    def __init__(self, manager: web.Server, table: ConnectionTable, **settings: Any) -> None:
+    def __init__(self, manager: web.Server, table: ConnectionTable, authenticates: Authenticates, **settings: Any) -> None:
         super().__init__(manager, loop=asyncio.get_running_loop(), **settings)
         self._table = table
+        self._authenticates = authenticates
         self._deadline = None
         self._in_flight = False
         self._responding = False
         self._payload: Any = None
+        self._draining: Any = None  # the body of an answered request that aiohttp still reads away
+        self._head = RequestHead()
+        self._refusal: tuple[BaseException, str] | None = None  # the parser's error, described
 
     # -- transport events ------------------------------------------------------------------
 
@@ -557,14 +859,67 @@ class HttpConnection(RequestHandler, TrackedConnection):
         self.last_active = now
         if self.reading_since is None and not self._in_flight:
             self._start_reading(now)
-        if not self._table.charge(self, len(data)):
-            self._table.refuse_bytes(self)
+        head = self._head
+        if self._draining is not None and self._draining.is_eof():
+            self._draining = None  # the answered request's body is gone: a new request begins
+        if not head.open or self._draining is not None:
+            self._receive(data, None)
             return
-        super().data_received(data)
+        taken = head.feed(data)
+        if head.size > self._table.max_head_bytes:
+            self._refuse_head()
+        else:
+            self._receive(data, taken)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._untrack()
         super().connection_lost(exc)
+
+    def _receive(self, data: bytes, head_bytes: int | None) -> None:
+        """Charge ``data`` (its first ``head_bytes`` are the head; None: no head is being
+        read), hand it to aiohttp, and see what its parser made of it.
+
+        A stranger's bytes after the end of its head are charged once the parser has read the
+        head (in this same call, before anything else runs): a token in it makes them a token
+        holder's, so a client's first request is not refused for strangers' bytes."""
+        first = len(data) if self.trusted or head_bytes is None else head_bytes
+        if not self._table.charge(self, first):
+            return
+        queued = self._messages
+        before = len(queued)
+        super().data_received(data)
+        for index in range(before, len(queued)):
+            message = queued[index][0]
+            exc = getattr(message, "exc", None)
+            if isinstance(exc, HttpProcessingError):  # the parser refused it (aiohttp's _ErrInfo)
+                if self._refusal is None:
+                    _, needle, column = parser_error(exc)
+                    self._refusal = (exc, refusal_reason(exc, self._head.where(data, head_bytes, needle, column)))
+            else:
+                self._head.close()
+                headers = cast(Any, message).headers
+                if not self.trusted and self._authenticates(headers.get(hdrs.AUTHORIZATION)):
+                    self._table.trust(self)
+        if first < len(data) and self.transport is not None:
+            self._table.charge(self, len(data) - first)
+
+    def _refuse_head(self) -> None:
+        table = self._table
+        table.rejected(wire.ErrorCode.HEADERS_TOO_LARGE)
+        table.refusals.warning(
+            "Refused an HTTP request from %s: 431 headers_too_large (its head passed %d bytes, --max-head-bytes).",
+            self._peer(),
+            table.max_head_bytes,
+        )
+        self.shed(
+            wire.ErrorCode.HEADERS_TOO_LARGE,
+            f"the request head (request line and header fields) is larger than {table.max_head_bytes} bytes "
+            "(--max-head-bytes)",
+        )
+
+    def _peer(self) -> str:
+        peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+        return str(peer[0]) if isinstance(peer, tuple) and peer else "an unknown address"
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -580,6 +935,7 @@ class HttpConnection(RequestHandler, TrackedConnection):
     def request_started(self, payload: Any) -> None:
         self._in_flight = True
         self._payload = payload
+        self._head.close()
         if payload.is_eof():
             self.reading_since = None
 
@@ -587,10 +943,11 @@ class HttpConnection(RequestHandler, TrackedConnection):
         self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
     ) -> Any:
         if isinstance(resp, web.HTTPException) and resp.status >= 400:
-            # Raised outside the middlewares (an unknown Expect: aiohttp's 417): answer it as JSON.
+            # Raised outside the middlewares (an unknown Expect: aiohttp's 417): answer it as JSON,
+            # in our words (aiohttp's quote the request's header).
             code = classify(resp.status, None)
             self._table.rejected(code)
-            resp = json_error(code, _reason(None, resp.text or resp.reason))
+            resp = json_error(code, _STATUS_REASONS.get(resp.status, HTTPStatus(resp.status).phrase.lower()))
         self._responding = True
         try:
             return await super().finish_response(request, resp, start_time)
@@ -599,10 +956,13 @@ class HttpConnection(RequestHandler, TrackedConnection):
             self._request_finished()
 
     def _request_finished(self) -> None:
+        if self._payload is not None and not self._payload.is_eof():
+            self._draining = self._payload  # aiohttp reads the rest away (or closes): not a head
         self._in_flight = False
         self._payload = None
         self.reading_since = None
         self.last_active = self._loop.time()
+        self._head.reset()
         if self.held:
             self._table.release(self, self.held)
 
@@ -610,12 +970,13 @@ class HttpConnection(RequestHandler, TrackedConnection):
         self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
     ) -> web.StreamResponse:
         code = classify(status, exc)
-        reason = _reason(exc, message or "the request could not be read")
         self._table.rejected(code)
         if code is wire.ErrorCode.INTERNAL:  # a bug, not the client's doing: keep the traceback
             log.error("Unhandled error serving an HTTP request from %s.", request.remote, exc_info=exc)
             reason = "internal server error; the server log has details"
         else:
+            known = self._refusal
+            reason = known[1] if known is not None and known[0] is exc else refusal_reason(exc)
             self._table.refusals.warning(
                 "Refused an HTTP request from %s: %d %s (%s).",
                 request.remote,
@@ -627,6 +988,10 @@ class HttpConnection(RequestHandler, TrackedConnection):
             raise ConnectionError("the response had begun; the connection is closed instead")
         resp = json_error(code, reason)
         resp.force_close()
+        if code is not wire.ErrorCode.INTERNAL and self.transport is not None:
+            # Answered as every refusal is (HTTP/1.1, the security headers, half-close and
+            # drain); aiohttp, handed a closed connection, writes nothing of ``resp``.
+            self.shed(code, reason)
         return resp
 
     # -- closing -----------------------------------------------------------------------------
@@ -644,10 +1009,18 @@ class HttpConnection(RequestHandler, TrackedConnection):
         self.connection_lost(None)  # aiohttp lets go: the handler is cancelled, the request dropped
 
 
-def http_factory(manager: web.Server, table: ConnectionTable, **settings: Any) -> Callable[[], HttpConnection]:
+# aiohttp's own answers raised outside the middlewares, in words that quote nothing.
+_STATUS_REASONS = {417: "this server knows only Expect: 100-continue"}
+
+
+def http_factory(
+    manager: web.Server, table: ConnectionTable, authenticates: Authenticates, **settings: Any
+) -> Callable[[], HttpConnection]:
     """The protocol factory of HTTP connections served by ``manager`` (aiohttp's ``web.Server``).
 
-    ``settings`` are ``RequestHandler`` keyword arguments (limits, timeouts, logging).
+    ``authenticates`` tells a valid ``Authorization`` header (only for the table's accounting:
+    the app authenticates every request itself); ``settings`` are ``RequestHandler`` keyword
+    arguments (limits, timeouts, logging).
     """
     inner: RequestFactory = manager.request_factory
 
@@ -659,6 +1032,6 @@ def http_factory(manager: web.Server, table: ConnectionTable, **settings: Any) -
     manager.request_factory = request_factory
 
     def factory() -> HttpConnection:
-        return HttpConnection(manager, table, **settings)
+        return HttpConnection(manager, table, authenticates, **settings)
 
     return factory

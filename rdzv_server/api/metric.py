@@ -245,6 +245,16 @@ class _ConnectionCollector:
             "Bytes of partly received requests allowed (--max-buffered-bytes).",
             value=t.max_buffered_bytes,
         )
+        yield GaugeMetricFamily(
+            "rdzv_pre_auth_buffered_bytes",
+            "Of rdzv_buffered_bytes, those held by connections that have not shown a token yet.",
+            value=t.pre_auth_buffered,
+        )
+        yield GaugeMetricFamily(
+            "rdzv_pre_auth_buffered_bytes_limit",
+            "Bytes connections that have not shown a token may hold together (--max-pre-auth-bytes).",
+            value=t.max_pre_auth_bytes,
+        )
         shed = CounterMetricFamily(
             "rdzv_connections_shed", "Connections the server closed, by reason.", labels=["reason"]
         )

@@ -32,6 +32,11 @@ Rules:
   and close); a frame must arrive whole within ``read_timeout`` of its first byte (else
   ``[0, 408, request_timeout]`` and close); a connection with nothing in flight and nothing
   received for ``idle_timeout`` is closed (clients reconnect).
+- Before its hello a connection is a stranger's (:mod:`.connection`): its bytes count
+  against the pre-authentication share, it is taken a piece at a time (the preface, then
+  the frame arriving) so that only the hello is ever buffered as a stranger's and what a
+  client pipelines behind it is charged once the hello is in, and it must complete its hello
+  within ``auth_timeout`` of its first byte (else ``[0, 408, request_timeout]`` and close).
 
 This is the hot path: nothing here logs, copies or allocates per request beyond the
 decoded request, its task and its reply frame; the limits cost one stored time per read
@@ -91,6 +96,7 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
 
     protocol = "stream"
     article = "a stream"
+    must_authenticate = "hello"
 
     def __init__(self, server: StreamServer) -> None:
         self._server = server
@@ -130,6 +136,27 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
         now = self.last_active = self._loop.time()
         if not self._accepting:
             return  # closing: what the client still sends is drained, not served
+        if not self.trusted:  # before the hello: a piece at a time (see the module rules)
+            view = memoryview(data)  # (pieces without copies)
+            while self._accepting and not self.trusted and len(view) > (need := self._stranger_needs()):
+                self._receive(view[:need], now)
+                view = view[need:]
+            if view and self._accepting:
+                self._receive(view, now)
+            return
+        self._receive(data, now)
+
+    def _stranger_needs(self) -> int:
+        """Bytes that complete the preface or the frame arriving (before the hello)."""
+        buffered = len(self._buffer)
+        if not self._greeted:
+            return _PREFACE_LEN - buffered
+        if buffered < _HEADER_LEN:
+            return _HEADER_LEN - buffered
+        length: int = _read_header(self._buffer, 0)[0]
+        return max(1, _HEADER_LEN + length - buffered)
+
+    def _receive(self, data: bytes | memoryview, now: float) -> None:
         buf = self._buffer
         if not self._greeted:
             if not self._hold(len(data), now):
@@ -198,7 +225,6 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
     def _hold(self, n: int, now: float) -> bool:
         """Charge ``n`` bytes about to be buffered; False: the budget refused them (we are closed)."""
         if not self._table.charge(self, n):
-            self._table.refuse_bytes(self)
             return False
         if self.reading_since is None:
             self._start_reading(now)
@@ -216,7 +242,7 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
         """Whether reading must wait: too many requests in flight, or replies not read."""
         return self._writing_paused or len(self.in_flight) >= MAX_IN_FLIGHT
 
-    def _parse(self, data: bytes | bytearray) -> int:
+    def _parse(self, data: bytes | bytearray | memoryview) -> int:
         """Serve the whole frames at the start of ``data``; return how many bytes they took."""
         pos, end = 0, len(data)
         with memoryview(data) as view:
@@ -323,6 +349,7 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
             return
         self._grant = grant
         self._limit = self._full_limit
+        self._table.trust(self)
         self._send(tag, 200, {"access": grant.access.value})
 
     async def _serve(self, tag: int, op: str, rdzv_id: str, fields: dict[str, Any]) -> None:
