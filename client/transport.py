@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import http.client
+import io
 import itertools
 import os
 import socket
@@ -65,6 +66,9 @@ DEFAULT_CONNECTION_LIMIT = 128
 DEFAULT_READ_BUFSIZE = 64 * 1024
 # Bounds what a misbehaving peer can make us buffer; far above any sane multi_get reply.
 DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+# Bodies above this are handed to aiohttp as a file, written in pieces: aiohttp warns that a
+# larger bytes body written at once may block the event loop (its TOO_LARGE_BYTES_BODY).
+STREAMED_BODY_BYTES = 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +240,7 @@ class AiohttpTransport:
             async with session.request(
                 method,
                 endpoint.url + path,
-                data=body,
+                data=io.BytesIO(body) if body is not None and len(body) > STREAMED_BODY_BYTES else body,
                 headers=dict(headers),
                 timeout=aiohttp.ClientTimeout(total=timeout),
                 ssl=tls,
