@@ -54,3 +54,37 @@ def test_bad_flags_exit_2_naming_the_flag(argv: list[str], words: str, capsys: p
 def test_config_validates_on_construction() -> None:
     with pytest.raises(ConfigError, match="--snapshot-every"):
         ServerConfig(snapshot_every=0)
+
+
+def test_pre_authentication_limits_have_flags_environment_variables_and_sane_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = parse([])
+    assert (config.max_head_bytes, config.auth_timeout) == (32 * 1024, 10.0)
+    assert config.pre_auth_bytes() == config.max_buffered_bytes // 8  # token holders keep 7/8
+    small = parse(["--max-buffered-bytes", str(64 * 1024 * 1024), "--max-body-bytes", str(32 * 1024 * 1024)])
+    assert small.pre_auth_bytes() == 8 * 1024 * 1024  # the share follows the budget
+    monkeypatch.setenv("RDZV_MAX_HEAD_BYTES", "4096")
+    monkeypatch.setenv("RDZV_MAX_PRE_AUTH_BYTES", "65536")
+    monkeypatch.setenv("RDZV_AUTH_TIMEOUT", "3")
+    config = parse([])
+    assert (config.max_head_bytes, config.pre_auth_bytes(), config.auth_timeout) == (4096, 65536, 3.0)
+    assert parse(["--auth-timeout", "5"]).auth_timeout == 5.0
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--max-head-bytes", "100"], "--max-head-bytes"),
+        (["--max-pre-auth-bytes", "1000"], "--max-pre-auth-bytes"),  # less than one head
+        (["--max-pre-auth-bytes", str(2**40)], "--max-pre-auth-bytes"),  # more than the budget
+        (["--auth-timeout", "0"], "--auth-timeout"),
+    ],
+)
+def test_bad_pre_authentication_limits_exit_2_naming_the_flag(
+    argv: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse(argv)
+    assert exc.value.code == 2
+    assert words in capsys.readouterr().err
