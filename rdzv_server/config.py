@@ -164,10 +164,12 @@ class ServerConfig:
             raise ConfigError(f"--max-head-bytes must be at least {MIN_HEAD_BYTES} (a browser's ordinary request head)")
         if not self.max_head_bytes <= self.pre_auth_bytes() <= self.max_buffered_bytes:
             raise ConfigError(
-                f"--max-pre-auth-bytes ({self.pre_auth_bytes()}) must be at least --max-head-bytes ({self.max_head_bytes}) "
+                f"--max-pre-auth-bytes ({self.pre_auth_bytes()}) must be at least --max-head-bytes "
+                f"({self.max_head_bytes}) "
                 f"and at most --max-buffered-bytes ({self.max_buffered_bytes})"
             )
-        for name in ("max_hold", "disconnect_grace", "job_ttl", "idle_timeout", "read_timeout", "session_ttl", "auth_timeout"):
+        durations = ("max_hold", "disconnect_grace", "job_ttl", "idle_timeout", "read_timeout", "session_ttl")
+        for name in (*durations, "auth_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
         if self.snapshot_every < 1:

@@ -299,7 +299,8 @@ class ConnectionTable:
         """Charge ``n`` more bytes held by ``conn`` (see the module rules). False: they would
         pass a budget, and ``conn`` has been refused ``buffers_full`` and closed."""
         stranger = not conn.trusted
-        if stranger and self.pre_auth_buffered + n > self.max_pre_auth_bytes and not self._make_buffer_room(conn, n, True):
+        over_share = stranger and self.pre_auth_buffered + n > self.max_pre_auth_bytes
+        if over_share and not self._make_buffer_room(conn, n, True):
             self._refuse_bytes(conn, True)
             return False
         if self.buffered + n > self.max_buffered_bytes and not self._make_buffer_room(conn, n, False):
@@ -335,7 +336,8 @@ class ConnectionTable:
     def _make_buffer_room(self, conn: TrackedConnection, n: int, pre_auth: bool) -> bool:
         """Shed the largest holders (strangers only, for the pre-authentication share) while one
         holds more than ``conn`` would."""
-        holders, limit = (self._strangers, self.max_pre_auth_bytes) if pre_auth else (self._holders, self.max_buffered_bytes)
+        holders = self._strangers if pre_auth else self._holders
+        limit = self.max_pre_auth_bytes if pre_auth else self.max_buffered_bytes
         while (self.pre_auth_buffered if pre_auth else self.buffered) + n > limit:
             victim = max(holders, key=_held, default=None)
             if victim is None or victim is conn or victim.held <= conn.held + n:
@@ -366,7 +368,8 @@ class ConnectionTable:
                 "the share of the buffers for connections that have not shown a token is full "
                 f"(--max-pre-auth-bytes {self.max_pre_auth_bytes})"
             )
-        return f"the server's buffers for partly received requests are full (--max-buffered-bytes {self.max_buffered_bytes})"
+        limit = self.max_buffered_bytes
+        return f"the server's buffers for partly received requests are full (--max-buffered-bytes {limit})"
 
     def _full_message(self, pre_auth: bool) -> str:
         if pre_auth:
@@ -470,7 +473,8 @@ class TrackedConnection(abc.ABC):
         if stranger and self._auth_due is not None and now >= self._auth_due:
             self._late(
                 "auth_timeout",
-                f"it sent no {self.must_authenticate} with a valid token within %g s of its first byte (--auth-timeout)",
+                f"it sent no {self.must_authenticate} with a valid token within %g s of its first byte "
+                "(--auth-timeout)",
                 f"no {self.must_authenticate} within {table.auth_timeout:g} s of the connection's first byte "
                 "(--auth-timeout)",
             )
@@ -717,7 +721,9 @@ class RequestHead:
 
 # aiohttp's messages for llhttp's errors: "REASON:\n\n  b'THE LINE'\n  <spaces>^" (possibly
 # after "Bad status line:\n  "). REASON is llhttp's own text; the line is the request's.
-_LLHTTP = re.compile(r"(?:^|\n  )(?P<reason>[A-Za-z][A-Za-z0-9 ,'/-]{0,99}):\n\n  (?P<line>b(?P<q>['\"]).*(?P=q))\n  (?P<caret> *)\^\Z")
+_LLHTTP = re.compile(
+    r"(?:^|\n  )(?P<reason>[A-Za-z][A-Za-z0-9 ,'/-]{0,99}):\n\n  (?P<line>b(?P<q>['\"]).*(?P=q))\n  (?P<caret> *)\^\Z"
+)
 _DUPLICATE = re.compile(r"Duplicate '([A-Za-z-]+)' header found\.")
 # aiohttp's own messages that quote nothing, said in our words.
 _FIXED_REASONS = {
@@ -833,7 +839,9 @@ class HttpConnection(RequestHandler, TrackedConnection):
     protocol = "http"
     article = "an HTTP"
 
-    def __init__(self, manager: web.Server, table: ConnectionTable, authenticates: Authenticates, **settings: Any) -> None:
+    def __init__(
+        self, manager: web.Server, table: ConnectionTable, authenticates: Authenticates, **settings: Any
+    ) -> None:
         super().__init__(manager, loop=asyncio.get_running_loop(), **settings)
         self._table = table
         self._authenticates = authenticates

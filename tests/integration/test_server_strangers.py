@@ -133,20 +133,22 @@ def which_token(srv: ServerProcess, read_token: tuple[Path, str], kind: str) -> 
 
 
 GET = b"GET /v1/jobs HTTP/1.1\r\nHost: x\r\n"
+BEARER = b"Authorization: Bearer "
+Refused = tuple[str, Callable[[bytes], bytes], int, str]
 # The requests that quoted their credential (issue "Before authentication a connection gets
 # nothing"): (name, request for a token T, status, where the refusal says it struck).
-ISSUE_REQUESTS: list[tuple[str, Callable[[bytes], bytes], int, str]] = [
-    ("a bad byte in Authorization", lambda t: GET + b"Authorization: Bearer " + t + b"\x01\r\n\r\n", 400, "header Authorization"),
-    ("9000 bytes after the token", lambda t: GET + b"Authorization: Bearer " + t + b"a" * 9000 + b"\r\n\r\n", 431, "header Authorization"),
+ISSUE_REQUESTS: list[Refused] = [
+    ("a bad byte in Authorization", lambda t: GET + BEARER + t + b"\x01\r\n\r\n", 400, "header Authorization"),
+    ("9000 bytes after the token", lambda t: GET + BEARER + t + b"a" * 9000 + b"\r\n\r\n", 431, "header Authorization"),
     ("a bad char in ?token=", lambda t: b"GET /?token=" + t + b"\x01 HTTP/1.1\r\nHost: x\r\n\r\n", 400, "the request line"),
-    ("bare LF line ends", lambda t: b"GET /v1/jobs HTTP/1.1\nHost: x\nAuthorization: Bearer " + t + b"\n\n", 400, "the request line"),
-    ("PRI then Authorization", lambda t: b"PRI * HTTP/1.1\r\nAuthorization: Bearer " + t + b"\r\n\r\n", 400, "header Authorization"),
+    ("bare LF line ends", lambda t: b"GET /v1 HTTP/1.1\nHost: x\n" + BEARER + t + b"\n\n", 400, "the request line"),
+    ("PRI then Authorization", lambda t: b"PRI * HTTP/1.1\r\n" + BEARER + t + b"\r\n\r\n", 400, "header Authorization"),
 ]
-MORE_REQUESTS: list[tuple[str, Callable[[bytes], bytes], int, str]] = [
+MORE_REQUESTS: list[Refused] = [
     ("a bad byte in the cookie", lambda t: GET + b"Cookie: rdzv_token=" + t + b"\x7f\r\n\r\n", 400, "header Cookie"),
-    ("a NUL in Authorization", lambda t: GET + b"Authorization: Bearer " + t + b"\x00\r\n\r\n", 400, "header Authorization"),
-    ("bare LF after a header", lambda t: GET + b"Authorization: Bearer " + t + b"\nX: y\n\n", 400, "header Authorization"),
-    ("a long header after the token", lambda t: GET + b"Authorization: Bearer " + t + b"\r\nX-Big: " + b"b" * 9000 + b"\r\n\r\n", 431, "a header field"),
+    ("a NUL in Authorization", lambda t: GET + BEARER + t + b"\x00\r\n\r\n", 400, "header Authorization"),
+    ("bare LF after a header", lambda t: GET + BEARER + t + b"\nX: y\n\n", 400, "header Authorization"),
+    ("a long field after it", lambda t: GET + BEARER + t + b"\r\nX-Big: " + b"b" * 9000 + b"\r\n\r\n", 431, "a header"),
 ]
 
 
@@ -156,7 +158,7 @@ def test_a_refused_request_never_quotes_its_credential_in_the_answer_or_the_log(
     two_token_server: ServerProcess,
     read_token: tuple[Path, str],
     kind: str,
-    requests: list[tuple[str, Callable[[bytes], bytes], int, str]],
+    requests: list[Refused],
 ) -> None:
     srv = two_token_server
     token = which_token(srv, read_token, kind)
@@ -182,7 +184,7 @@ def test_a_refused_request_never_quotes_its_credential_in_the_answer_or_the_log(
 @pytest.mark.parametrize(
     "request_for",
     [
-        lambda t: GET + b"Authorization: Bearer " + t + b"\x01\r\n\r\n",
+        lambda t: GET + BEARER + t + b"\x01\r\n\r\n",
         lambda t: b"GET /?token=" + t + b"%\x1b HTTP/1.1\r\nHost: x\r\n\r\n",
         lambda t: b"GET /?token=" + t + b"%zz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",  # read: 401
     ],
@@ -217,10 +219,10 @@ def test_a_request_head_larger_than_max_head_bytes_is_431_headers_too_large(serv
     assert "--max-head-bytes" in body["message"] and "16384" in body["message"]
     assert_hardened(headers)
     # Just under the limit, with the token: served.
-    auth = f"Authorization: Bearer {server.token}\r\n".encode()
+    auth = BEARER + server.token.encode() + b"\r\nConnection: close\r\n"
     under = GET + auth + b"".join(b"X-Field-%d: %s\r\n" % (i, b"v" * 1000) for i in range(14)) + b"\r\n"
     assert len(under) < 16384
-    assert parse(exchange(server.port, under.replace(b"HTTP/1.1\r\n", b"HTTP/1.1\r\nConnection: close\r\n", 1)))[1] == 200
+    assert parse(exchange(server.port, under))[1] == 200
 
 
 def test_an_answer_to_a_connection_refused_at_the_door_carries_the_security_headers(

@@ -63,7 +63,8 @@ def test_a_line_split_across_reads_is_still_named() -> None:
     second = b"rer abc\x01\r\n\r\n"
     head.feed(first)
     taken = head.feed(second)
-    assert head.where(second, taken, b"rer abc\x01", 7) == f"in header Authorization, at byte {len(first) + 7} of the request"
+    where = head.where(second, taken, b"rer abc\x01", 7)
+    assert where == f"in header Authorization, at byte {len(first) + 7} of the request"
 
 
 async def test_no_parser_refusal_quotes_the_request() -> None:
