@@ -581,8 +581,10 @@ class Service:
     async def join(self, command: c.Join, rid: tuple[str, int] | None, hold: float) -> dict[str, Any]:
         try:
             result = await self.write(command, rid)
-        except SettingsConflict as exc:  # the job's timeline says why this node is not in it
-            await self.write(c.Refused(command.rdzv_id, command.node_id, command.addr, "settings_conflict", exc.message))
+        except SettingsConflict as exc:  # the job's timeline says why this node is not in it, once
+            refused = c.Refused(command.rdzv_id, command.node_id, command.addr, "settings_conflict", exc.message)
+            if not self.machine.already_refused(refused):
+                await self.write(refused)
             raise
         return await self.await_round(command.rdzv_id, command.node_id, result["round"], hold)
 

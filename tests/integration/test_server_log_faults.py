@@ -4,10 +4,13 @@
   answered ``503 log_failed``, never a 500 with a traceback, and the server stops.
 - Past ``--max-log-queue`` records waiting for the disk, new writes are refused with
   ``503 log_queue_full`` before they are applied.
+- A node whose join is refused again and again for the same reason is on the job's timeline
+  once, not once per attempt (the log does not grow under an agent retrying in a loop).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import socket
@@ -24,6 +27,7 @@ from raw_stream import FrameReader
 from server_process import ServerProcess
 
 from rdzv_client import Client, wire
+from rdzv_client.error import ConflictError
 
 
 def post_json(srv: ServerProcess, job: str, op: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -105,3 +109,28 @@ def test_writes_past_the_log_queue_bound_are_refused_503_before_they_apply(
             assert not client.check(job, [f"k{tag}"])
         # The refusal is "busy, retry": the client's own retry gets through.
         client.set(job, "after", "1")
+
+
+def test_a_node_refused_again_and_again_is_on_the_timeline_once(server: ServerProcess) -> None:
+    job = f"faults-{uuid.uuid4().hex[:8]}"
+    with Client(server.endpoint) as client:
+        client.join(job, node_id="a", addr="a.host", nproc_per_node=1, min_nodes=1, max_nodes=1, timeout=5)
+        before = client.events(job)["next_seq"]
+        for _ in range(5):  # an agent with the wrong --nnodes, restarting in a loop
+            with pytest.raises(ConflictError):
+                client.join(job, node_id="odd", addr="odd.host", nproc_per_node=1, min_nodes=1, max_nodes=8, timeout=5)
+        # The same request again, with the same request id (a client retrying it).
+        odd = {"node_id": "odd", "addr": "odd.host", "nproc_per_node": 1, "min_nodes": 1, "max_nodes": 8}
+        for _ in range(3):
+            status, body = post_json(server, job, "join", {**odd, "rid": ["retrying", 7]})
+            assert (status, body["error"]) == (409, "settings_conflict"), body
+        events = client.events(job, since=before - 1)["events"]
+        refusals = [e for e in events if e["kind"] == "join_refused"]
+        assert len(refusals) == 1, events
+        assert refusals[0]["node_id"] == "odd" and "max_nodes=8" in refusals[0]["reason"]
+        # Another node's refusal, or the same node's after other events, is news again.
+        with contextlib.suppress(ConflictError):
+            client.join(job, node_id="odd2", addr="odd2.host", nproc_per_node=1, min_nodes=1, max_nodes=8, timeout=5)
+        client.close_job(job, cause="operator")
+        events = client.events(job, since=before - 1)["events"]
+        assert [e["node_id"] for e in events if e["kind"] == "join_refused"] == ["odd", "odd2"]
