@@ -77,6 +77,9 @@ T = TypeVar("T")
 
 # Node long-polls are held between this fraction and all of their hold (see _node_hold).
 HOLD_JITTER = 0.75
+# A leader that logged nothing for this long logs a Tick (while it holds any job), so that a
+# take-over resumes the clock at most this far behind where the old leader's stood.
+TICK_EVERY_S = 1.0
 # A timer command the service refused (the log's queue full, say) is tried again this much
 # later, not at once: the deadline it serves is already due, and retrying in the same pass
 # would spin the event loop.
@@ -175,6 +178,7 @@ class Service:
         self._scheduled: dict[str, float] = {}
         self._timer_wake = asyncio.Event()
         self._timer_task: asyncio.Task[None] | None = None
+        self._ticker: asyncio.Task[None] | None = None  # a leader's (see TICK_EVERY_S)
         self._snapshotting = False
         self._stopping = False
         self._lost: dict[tuple[str, str], asyncio.TimerHandle] = {}
@@ -296,16 +300,18 @@ class Service:
         self._log = self._replicated = replicated
         self._last_append = None
         self._snapshotting = False
+        self._ticker = asyncio.create_task(self._run_ticker(), name="rdzv-tick")
         await self._serve(c.Restarted("", "leader_changed", detail))
 
     async def stop_leading(self) -> None:
         """Stop serving at once (a lost lease, a failed append, shutdown): see :meth:`_stop_serving`;
-        then wait for the timer to end."""
+        then wait for the timer and the ticker to end."""
         self._stop_serving("it stepped down")
-        if self._timer_task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._timer_task
-        self._timer_task = None
+        for task in (self._timer_task, self._ticker):
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._timer_task = self._ticker = None
 
     def _stop_serving(self, reason: str) -> None:
         """A leader stops in one step, nothing awaited (so no request is served in between):
@@ -318,8 +324,9 @@ class Service:
         for handle in self._lost.values():
             handle.cancel()
         self._lost.clear()
-        if self._timer_task is not None:
-            self._timer_task.cancel()
+        for task in (self._timer_task, self._ticker):
+            if task is not None:
+                task.cancel()
         replicated, self._replicated = self._replicated, None
         if replicated is not None:
             replicated.abandon(reason)  # fails its pending appends now: their callers answer not_leader
@@ -355,6 +362,8 @@ class Service:
         self.waiters.fail_all(ShuttingDown("the server is shutting down; retry shortly"))
         for handle in self._lost.values():
             handle.cancel()
+        if self._ticker is not None:
+            self._ticker.cancel()
 
     async def close(self) -> None:
         """After in-flight requests drained: stop the timer, flush and close the log."""
@@ -693,6 +702,21 @@ class Service:
         result = await self._apply_timer_command(c.Expire(rdzv_id, (node_id,), "dead", Cause.CONNECTION_CLOSED.value))
         if result is not None and result.get("expired"):
             self.on_detected(Cause.CONNECTION_CLOSED.value, self.now() - lost_at)
+
+    # -- a leader's clock ----------------------------------------------------------------------
+
+    async def _run_ticker(self) -> None:
+        """While leading: log a Tick whenever nothing was logged for TICK_EVERY_S and a job
+        exists, so the clock a new leader resumes from is at most that far behind (the
+        clock orders every deadline and the timelines: idle time must not stretch them)."""
+        while True:  # cancelled at a step-down or shutdown
+            await asyncio.sleep(TICK_EVERY_S)
+            if not self.ready or not self.machine.jobs or self.now() - self.machine.clock < TICK_EVERY_S:
+                continue
+            try:
+                await self.write(c.Tick(""))
+            except RdzvError as exc:  # not the leader any more, the log busy: the next tick will do
+                log.debug("A tick was not logged: %s", exc)
 
     # -- timer ------------------------------------------------------------------------------
 

@@ -299,6 +299,9 @@ class StateMachine:
             job.timeline.add(now, Kind.JOIN_REFUSED, Cause(cmd.why), job.round, cmd.node_id, cmd.addr, reason=cmd.detail)
         return Outcome({})
 
+    def _tick(self, cmd: c.Tick, now: float) -> Outcome:
+        return Outcome({})  # apply() moves the clock: that is all a tick does
+
     def _restarted(self, cmd: c.Restarted, now: float) -> Outcome:
         for entry in self.jobs.values():
             detail = {"reason": cmd.detail} if cmd.detail else {}
@@ -553,4 +556,5 @@ _HANDLERS: dict[type[c.Command], Callable[[StateMachine, Any, float], Outcome]] 
     c.Collect: StateMachine._collect,
     c.Refused: StateMachine._refused,
     c.Restarted: StateMachine._restarted,
+    c.Tick: StateMachine._tick,
 }

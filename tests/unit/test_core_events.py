@@ -198,3 +198,16 @@ def test_a_refusal_already_on_the_timeline_since_its_last_other_event_is_not_new
     run.join("b", 3.0)  # something else happened since: a refusal is news again
     assert not run.sm.already_refused(odd)
     assert not run.sm.already_refused(c.Refused("no-such-job", "odd", "odd.host", "settings_conflict", ""))
+
+
+def test_a_tick_moves_only_the_clock_and_replays_the_same() -> None:
+    run = Log()
+    run.join("a", 0.0)
+    before = run.sm.to_snapshot()
+    run.apply(c.Tick(""), 7.5)
+    after = run.sm.to_snapshot()
+    assert after["clock"] == 7.5 and {**after, "clock": before["clock"]} == before
+    replica = StateMachine(max_value_bytes=1024, job_ttl=1000.0)
+    for record in run.records:
+        replica.replay(record)
+    assert replica.to_snapshot() == after
