@@ -20,7 +20,7 @@ The tree::
     ├── UnauthorizedError           the server wants credentials this client did not send (401)
     ├── NotFoundError               no such job, node or route (404)
     ├── ConflictError               the request contradicts stored state (409)
-    ├── LimitError                  a server limit refused the request; nothing changed (429, 413)
+    ├── LimitError                  a server limit refused the request; nothing changed (429, 413; 503 log_queue_full)
     └── ServerError                 the server failed, or answered something malformed (5xx)
         └── NotLeaderError          a follower replica answered; .leader is the leader's URL (503)
 """
@@ -92,10 +92,10 @@ class ConflictError(RdzvError):
 
 
 class LimitError(RdzvError):
-    """A server limit (connections, buffered bytes, jobs, keys, sessions) refused the request.
+    """A server limit (connections, buffered bytes, jobs, keys, sessions, the log's queue) refused the request.
 
-    Nothing changed on the server. Connection and buffer limits are transient (the client
-    retries them within its budget); the others need the operator to raise the limit or the
+    Nothing changed on the server. Connection, buffer and log-queue limits are transient (the
+    client retries them within its budget); the others need the operator to raise the limit or the
     caller to store less.
     """
 
@@ -153,6 +153,9 @@ ERROR_CLASSES: dict[ErrorCode, type[RdzvError]] = {
     ErrorCode.JOB_STORE_FULL: LimitError,
     ErrorCode.TOO_MANY_SESSIONS: LimitError,
     ErrorCode.SESSION_FULL: LimitError,
+    ErrorCode.RECORD_TOO_LARGE: BadRequestError,
+    ErrorCode.LOG_QUEUE_FULL: LimitError,
+    ErrorCode.LOG_FAILED: ServerError,
 }
 
 

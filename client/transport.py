@@ -29,6 +29,8 @@ Rules:
   one. Resending is safe: a write's rid makes it apply once.
 - A transport given a token presents it on every exchange: ``Authorization: Bearer`` over
   HTTP, a hello frame pipelined right after the preface on each new stream connection.
+  Redirects are never followed (``http.client`` does not; aiohttp is told not to): the token
+  goes only to the endpoints the client was given, and a 3xx is answered as an error.
 - A stream error frame with tag 0 answers the connection rather than one request (the
   server refused it: ``too_many_connections``, ``buffers_full``, ``request_timeout``); with
   one request in flight per connection it is that request's answer, and the connection,
@@ -244,6 +246,9 @@ class AiohttpTransport:
                 headers=dict(headers),
                 timeout=aiohttp.ClientTimeout(total=timeout),
                 ssl=tls,
+                # A redirect would carry the token to a URL the answer chose: credentials go only
+                # to the endpoints this client was given (a 3xx is an answer like any other).
+                allow_redirects=False,
             ) as resp:
                 data = await self._read(resp)
                 return http_answer(resp.status, resp.content_type, data, self._max_response_bytes)

@@ -98,6 +98,15 @@ class ErrorCode(str, enum.Enum):
     JOB_STORE_FULL = "job_store_full"
     TOO_MANY_SESSIONS = "too_many_sessions"
     SESSION_FULL = "session_full"
+    # The write's log record is larger than the log takes (with --etcd, etcd's request
+    # limit); refused before it was applied: nothing changed.
+    RECORD_TOO_LARGE = "record_too_large"
+    # The log has as many records waiting to be written as it may hold (--max-log-queue,
+    # --max-log-queue-bytes); nothing changed: retry shortly.
+    LOG_QUEUE_FULL = "log_queue_full"
+    # The server's own log failed a write (a full or failing disk): it acknowledges
+    # nothing more and stops; retry once it is back (or at another replica).
+    LOG_FAILED = "log_failed"
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -132,6 +141,9 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.JOB_STORE_FULL: 413,
     ErrorCode.TOO_MANY_SESSIONS: 429,
     ErrorCode.SESSION_FULL: 429,
+    ErrorCode.RECORD_TOO_LARGE: 413,
+    ErrorCode.LOG_QUEUE_FULL: 503,
+    ErrorCode.LOG_FAILED: 503,
 }
 
 

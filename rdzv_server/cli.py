@@ -10,6 +10,8 @@ from pathlib import Path
 
 from .config import (
     DEFAULT_ETCD_SNAPSHOT_EVERY,
+    ETCD_MAX_BODY_BYTES,
+    ETCD_MAX_VALUE_BYTES,
     FSYNC_POLICIES,
     LOG_FORMATS,
     LOG_LEVELS,
@@ -48,8 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", choices=LOG_LEVELS, default=_env("log_level", _DEFAULTS.log_level))
     p.add_argument("--log-format", choices=LOG_FORMATS, default=_env("log_format", _DEFAULTS.log_format),
                    help="text for people, json for log pipelines: one object per line (default %(default)s)")
-    p.add_argument("--max-value-bytes", type=int, default=_env("max_value_bytes", _DEFAULTS.max_value_bytes))
-    p.add_argument("--max-body-bytes", type=int, default=_env("max_body_bytes", _DEFAULTS.max_body_bytes))
+    p.add_argument("--max-value-bytes", type=int, default=_env("max_value_bytes", _DEFAULTS.max_value_bytes),
+                   help=f"largest value (default %(default)s; with --etcd at most {ETCD_MAX_VALUE_BYTES})")
+    p.add_argument("--max-body-bytes", type=int, default=_env("max_body_bytes", _DEFAULTS.max_body_bytes),
+                   help=f"largest request body (default %(default)s; with --etcd at most {ETCD_MAX_BODY_BYTES})")
     p.add_argument("--max-hold", type=float, default=_env("max_hold", _DEFAULTS.max_hold), help="longest a long-poll is held, s")
     p.add_argument("--disconnect-grace", type=float, default=_env("disconnect_grace", _DEFAULTS.disconnect_grace), help="s a node may take to reconnect its watch before it is dead")
     p.add_argument("--job-ttl", type=float, default=_env("job_ttl", _DEFAULTS.job_ttl), help="s a closed or idle job is kept")
@@ -115,6 +119,8 @@ _LIMITS: tuple[tuple[str, type, str], ...] = (
     ("max_session_writes", int, "unacknowledged writes one client may have at once"),
     ("max_session_bytes", int, "bytes of write results kept for retries, over all clients"),
     ("session_ttl", float, "s a client's exactly-once session outlives its last write"),
+    ("max_log_queue", int, "log records waiting to be written (to disk or etcd); past it writes get 503"),
+    ("max_log_queue_bytes", int, "bytes of log records waiting to be written"),
 )
 
 

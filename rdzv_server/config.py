@@ -13,7 +13,7 @@ from pathlib import Path
 from rdzv_client.wire import default_token_file
 
 from .core.machine import DEFAULT_SESSION_TTL, Limits
-from .storage import default_data_dir
+from .storage import DEFAULT_MAX_QUEUED_BYTES, DEFAULT_MAX_QUEUED_RECORDS, default_data_dir
 
 # 29400 is torchrun's default rendezvous port: `--rdzv-endpoint=HOST` alone reaches us.
 DEFAULT_PORT = 29400
@@ -76,6 +76,13 @@ DEFAULT_ETCD_LEASE_TTL = 5
 DEFAULT_ETCD_PREFIX = "/rdzv"
 # The smallest --max-head-bytes: an ordinary browser request (with a few cookies) fits.
 MIN_HEAD_BYTES = 1024
+# With --etcd every write's record is one etcd request, and etcd refuses requests over
+# 1.5 MiB: a value is capped at 1 MiB and a body at 1.5 MiB, so that nothing a client sends
+# is far beyond what etcd takes. Each write's record is then checked against the log's own
+# limit (storage.etcd_log.MAX_RECORD_BYTES) before it is applied: a multi_set or compare_set
+# of large values is refused with 413 record_too_large, having changed nothing.
+ETCD_MAX_VALUE_BYTES = 1024 * 1024
+ETCD_MAX_BODY_BYTES = 1536 * 1024
 FSYNC_POLICIES = ("always", "batch", "never")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")  # json: one object per line, for log pipelines (logformat.py)
@@ -125,6 +132,8 @@ class ServerConfig:
     max_session_writes: int = DEFAULT_MAX_SESSION_WRITES
     max_session_bytes: int = DEFAULT_MAX_SESSION_BYTES
     session_ttl: float = DEFAULT_SESSION_TTL
+    max_log_queue: int = DEFAULT_MAX_QUEUED_RECORDS  # records waiting to be written (local or etcd)
+    max_log_queue_bytes: int = DEFAULT_MAX_QUEUED_BYTES
     # -- replicas (README "High availability") --
     etcd: tuple[str, ...] = ()  # etcd client URLs: run as one replica of a cluster over etcd
     etcd_prefix: str = DEFAULT_ETCD_PREFIX  # one prefix per cluster
@@ -137,6 +146,9 @@ class ServerConfig:
     replica_id: str | None = None  # default: the host name and port
 
     def __post_init__(self) -> None:
+        if self.etcd:  # what etcd takes (see ETCD_MAX_VALUE_BYTES); the server logs it at start
+            object.__setattr__(self, "max_value_bytes", min(self.max_value_bytes, ETCD_MAX_VALUE_BYTES))
+            object.__setattr__(self, "max_body_bytes", min(self.max_body_bytes, ETCD_MAX_BODY_BYTES))
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be 0..65535, got {self.port}")
         if self.fsync not in FSYNC_POLICIES:
@@ -157,7 +169,10 @@ class ServerConfig:
             raise ConfigError("--max-session-bytes must be at least --max-value-bytes")
         if self.max_job_bytes < self.max_value_bytes:
             raise ConfigError("--max-job-bytes must be at least --max-value-bytes")
-        for name in ("max_connections", "max_jobs", "max_keys_per_job", "max_sessions", "max_session_writes"):
+        for name in (
+            "max_connections", "max_jobs", "max_keys_per_job", "max_sessions", "max_session_writes", "max_log_queue",
+            "max_log_queue_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         if self.max_head_bytes < MIN_HEAD_BYTES:

@@ -56,7 +56,7 @@ from .storage.etcd_client import (
     prefix_end,
     read_credentials,
 )
-from .storage.etcd_log import EtcdLog, log_head, recover, snapshot_index, tail
+from .storage.etcd_log import MAX_RECORD_BYTES, EtcdLog, log_head, recover, snapshot_index, tail
 
 if TYPE_CHECKING:
     from .service import Service
@@ -71,6 +71,17 @@ CATCH_UP_TIMEOUT_S = 30.0
 PUBLISH_EVERY_S = 5.0
 # The leader-name watch reopens after a break this long later.
 LEADER_WATCH_PAUSE_S = 0.5
+# One append (its etcd txn, retries across members included) may take this fraction of the
+# lease TTL before the log fails and the leader steps down: well inside the lease, so a
+# single writer stuck on an etcd that does not answer never holds every queued write for
+# longer than a take-over would take.
+APPEND_TIMEOUT_LEASE_FRACTION = 0.5
+# ... but never less than this: etcd's own leader election takes about a second.
+MIN_APPEND_TIMEOUT_S = 1.0
+# A lease a resign could not revoke is tried again this often, this many times (each try
+# itself waits for etcd's answer up to the client's request timeout).
+STALE_LEASE_RETRY_S = 0.2
+STALE_LEASE_ATTEMPTS = 100
 
 
 def default_url(config: ServerConfig, port: int) -> str:
@@ -108,6 +119,14 @@ async def start_replication(service: Service) -> Replication:
         "Replica %s (%s) joins the cluster under %s in etcd at %s.", replica_id, url, config.etcd_prefix,
         ", ".join(config.etcd),
     )
+    log.info(
+        "With --etcd a value is at most %d bytes, a request body %d bytes and a write's log record %d bytes "
+        "(etcd refuses requests over 1.5 MiB): larger --max-value-bytes and --max-body-bytes are capped, and a "
+        "write whose record is larger is refused with 413 record_too_large before it is applied.",
+        config.max_value_bytes,
+        config.max_body_bytes,
+        MAX_RECORD_BYTES,
+    )
     await replication.start()
     return replication
 
@@ -134,6 +153,7 @@ class Replication:
         self._stepped_down = asyncio.Event()
         self._published: dict[str, Any] | None = None
         self._closing = False
+        self._revoking: set[asyncio.Task[None]] = set()  # old leases still to revoke (see _revoke_later)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -158,6 +178,10 @@ class Replication:
             self._runner.cancel()
             with contextlib.suppress(BaseException):  # cancelled, or what start() already reported
                 await self._runner
+        for task in list(self._revoking):
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
         await self.client.close()
 
     def step_down(self, reason: str) -> None:
@@ -218,9 +242,32 @@ class Replication:
             await service.stop_leading()
             if was_leading:
                 log.warning("Replica %s no longer leads.", self.id)
-            with contextlib.suppress(Exception):
+            lease_id = election.lease_id
+            try:
                 await asyncio.wait_for(election.resign(), self._config.etcd_lease_ttl)
+            except Exception:  # noqa: BLE001 - etcd unreachable: revoke it once etcd answers again
+                if lease_id:
+                    self._revoke_later(lease_id)
             self.election = None
+
+    def _revoke_later(self, lease_id: int) -> None:
+        """Keep trying to revoke a lease this replica could not (etcd had no quorum), until etcd
+        takes it or the lease is gone. Its election key is older than every key of a later term:
+        left to expire, it would hold off every candidate for a whole TTL after etcd is back,
+        where a revoke lets the next leader take over as soon as etcd commits again."""
+
+        async def revoke() -> None:
+            for _ in range(STALE_LEASE_ATTEMPTS):  # bounded: the lease expires by itself anyway
+                try:
+                    await self.client.lease_revoke(lease_id)
+                    return
+                except EtcdError as exc:
+                    log.debug("Replica %s could not revoke its old lease %x yet: %s", self.id, lease_id, exc)
+                await asyncio.sleep(STALE_LEASE_RETRY_S)
+
+        task = asyncio.get_running_loop().create_task(revoke(), name=f"rdzv-revoke {lease_id:x}")
+        self._revoking.add(task)
+        task.add_done_callback(self._revoking.discard)
 
     async def _campaign(self, election: Election, follower: asyncio.Task[None]) -> LeaderKey:
         """Wait until elected; a failing tail (a gap, a compacted history) ends the term."""
@@ -254,7 +301,16 @@ class Replication:
         if self.applied_index != head:  # the old leader's fence failed before we read the head
             raise EtcdError(f"the tail applied record {self.applied_index}, past the head {head} read after the election")
         cut = await snapshot_index(self.client, self.prefix)
-        replicated = EtcdLog(self.client, self.prefix, fence, last_index=head, snapshot_index=cut)
+        replicated = EtcdLog(
+            self.client,
+            self.prefix,
+            fence,
+            last_index=head,
+            snapshot_index=cut,
+            append_timeout_s=max(MIN_APPEND_TIMEOUT_S, self._config.etcd_lease_ttl * APPEND_TIMEOUT_LEASE_FRACTION),
+            max_queued_records=self._config.max_log_queue,
+            max_queued_bytes=self._config.max_log_queue_bytes,
+        )
         self.leader = {"id": self.id, "url": self.url}
         await self._service.lead(replicated, f"replica {self.id} took over as leader")
         self._set_role("leader")  # serving: /readyz says so only now
@@ -263,7 +319,16 @@ class Replication:
         lost = asyncio.ensure_future(election.lost.wait())
         stepped = asyncio.ensure_future(self._stepped_down.wait())
         try:
-            await asyncio.wait({lost, stepped}, return_when=asyncio.FIRST_COMPLETED)
+            # Bounded by the lease: the estimate of when it surely lives is checked again
+            # whenever it runs out (a renewal moves it on), and leading ends once it has run
+            # out, whether or not a request comes to notice it, so that nothing waits on a
+            # leader that may have been replaced.
+            while not (lost.done() or stepped.done()):
+                remaining = election.valid_until - loop.time()
+                if remaining <= 0 and not election.lease_valid():
+                    self.step_down("its election lease may have expired (no renewal confirmed within its TTL)")
+                    break
+                await asyncio.wait({lost, stepped}, timeout=max(remaining, 0.01), return_when=asyncio.FIRST_COMPLETED)
         finally:
             lost.cancel()
             stepped.cancel()

@@ -39,13 +39,34 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .config import ServerConfig
 from .core import command as c
-from .core.error import NotLeader, NotReady, RdzvError, SettingsConflict, ShuttingDown
+from .core.error import (
+    LogFailed,
+    LogQueueFull,
+    NotLeader,
+    NotReady,
+    RdzvError,
+    RecordTooLarge,
+    SettingsConflict,
+    ShuttingDown,
+)
 from .core.event import Cause, JobEvent
 from .core.machine import Outcome, StateMachine, events_topic, key_topic, round_topic, watch_topic
 from .core.rendezvous import Departure, Job, departure_cause
 from .core.store import KeyValueStore
 from .replication import start_replication
-from .storage import FileLog, FsyncPolicy, Log, LogClosedError, LogFailedError, MemoryLog, Recovered, StorageError
+from .storage import (
+    FileLog,
+    FsyncPolicy,
+    Log,
+    LogClosedError,
+    LogFailedError,
+    LogQueueFullError,
+    MemoryLog,
+    RecordTooLargeError,
+    Recovered,
+    ReplicatedLog,
+    StorageError,
+)
 
 if TYPE_CHECKING:
     from .replication import Replication
@@ -56,6 +77,13 @@ T = TypeVar("T")
 
 # Node long-polls are held between this fraction and all of their hold (see _node_hold).
 HOLD_JITTER = 0.75
+# A leader that logged nothing for this long logs a Tick (while it holds any job), so that a
+# take-over resumes the clock at most this far behind where the old leader's stood.
+TICK_EVERY_S = 1.0
+# A timer command the service refused (the log's queue full, say) is tried again this much
+# later, not at once: the deadline it serves is already due, and retrying in the same pass
+# would spin the event loop.
+TIMER_RETRY_S = 0.5
 
 
 class Waiters:
@@ -142,6 +170,7 @@ class Service:
         self.recovered_records = 0
         self.recovery_seconds = 0.0
         self._log: Log = MemoryLog()
+        self._replicated: ReplicatedLog | None = None  # the log while this replica leads
         self._last_append: asyncio.Future[None] | None = None
         self._clock_base = 0.0
         self._mono_base = time.monotonic()
@@ -149,6 +178,7 @@ class Service:
         self._scheduled: dict[str, float] = {}
         self._timer_wake = asyncio.Event()
         self._timer_task: asyncio.Task[None] | None = None
+        self._ticker: asyncio.Task[None] | None = None  # a leader's (see TICK_EVERY_S)
         self._snapshotting = False
         self._stopping = False
         self._lost: dict[tuple[str, str], asyncio.TimerHandle] = {}
@@ -212,6 +242,8 @@ class Service:
                         data_dir,
                         FsyncPolicy(self.config.fsync),
                         truncate_corrupt=self.config.truncate_corrupt_log,
+                        max_queued_records=self.config.max_log_queue,
+                        max_queued_bytes=self.config.max_log_queue_bytes,
                     )
                 except (StorageError, OSError) as exc:
                     raise SystemExit(f"rdzv-server: error: cannot recover {data_dir}: {exc}") from exc
@@ -263,31 +295,43 @@ class Service:
         self.machine = machine
         self.recovered = True
 
-    async def lead(self, replicated: Log, detail: str) -> None:
+    async def lead(self, replicated: ReplicatedLog, detail: str) -> None:
         """Serve as the leader over ``replicated``, the log the follower's machine has caught up to."""
-        self._log = replicated
+        self._log = self._replicated = replicated
         self._last_append = None
         self._snapshotting = False
+        self._ticker = asyncio.create_task(self._run_ticker(), name="rdzv-tick")
         await self._serve(c.Restarted("", "leader_changed", detail))
 
     async def stop_leading(self) -> None:
-        """Stop serving at once (a lost lease, a failed append, shutdown): park nothing, time
-        nothing, and drop the log; what is in memory may hold uncommitted commands, so the
-        replication rebuilds the machine from etcd before anything is served again."""
+        """Stop serving at once (a lost lease, a failed append, shutdown): see :meth:`_stop_serving`;
+        then wait for the timer and the ticker to end."""
+        self._stop_serving("it stepped down")
+        for task in (self._timer_task, self._ticker):
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._timer_task = self._ticker = None
+
+    def _stop_serving(self, reason: str) -> None:
+        """A leader stops in one step, nothing awaited (so no request is served in between):
+        refuse operations, answer every parked long-poll and every pending append (hence
+        every write and read waiting on one) with ``not_leader``, time nothing, drop the log.
+        What is in memory may hold commands the log never took, so the replication rebuilds
+        the machine from etcd before anything is served again. Idempotent."""
         self.ready = False
         self.waiters.fail_all(self._not_leader())
         for handle in self._lost.values():
             handle.cancel()
         self._lost.clear()
-        if self._timer_task is not None:
-            self._timer_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._timer_task
-            self._timer_task = None
-        replicated, self._log = self._log, MemoryLog()
+        for task in (self._timer_task, self._ticker):
+            if task is not None:
+                task.cancel()
+        replicated, self._replicated = self._replicated, None
+        if replicated is not None:
+            replicated.abandon(reason)  # fails its pending appends now: their callers answer not_leader
+        self._log = MemoryLog()
         self._last_append = None
-        with contextlib.suppress(Exception):  # its outcome no longer matters: it is fenced
-            await asyncio.wait_for(replicated.close(), 1.0)
 
     def log_index(self) -> int:
         """The index of the last record appended to the log (0 without one that counts)."""
@@ -318,6 +362,8 @@ class Service:
         self.waiters.fail_all(ShuttingDown("the server is shutting down; retry shortly"))
         for handle in self._lost.values():
             handle.cancel()
+        if self._ticker is not None:
+            self._ticker.cancel()
 
     async def close(self) -> None:
         """After in-flight requests drained: stop the timer, flush and close the log."""
@@ -349,6 +395,7 @@ class Service:
         replication = self.replication
         if replication is not None and not (self.ready and replication.lease_valid()):
             if replication.role == "leader":  # paused past its lease, or it is running out
+                self._stop_serving("its election lease may have expired")
                 replication.step_down("its election lease may have expired")
             raise self._not_leader()
         if not self.ready:
@@ -364,23 +411,40 @@ class Service:
         """
         self._check_ready()
         now = self.now()
+        # The record depends only on the command, the time and the rid, so the log can refuse
+        # it before it is applied: a refused write changes nothing and costs no leadership.
+        record = {"cmd": command.to_record(), "now": now, "rid": list(rid) if rid else None}
+        self._admit(command, record)
         outcome: Outcome = self.machine.apply(command, now, rid)
         if outcome.replayed:
             await self._sync()  # its effects came with the first application
             return outcome.result
-        record = {"cmd": command.to_record(), "now": now, "rid": list(rid) if rid else None}
+        log_ = self._log
         try:
-            fut = self._log.append(record)
+            fut = log_.append(record)
         except Exception as exc:
             self._log_failed(exc)
             raise
         self._last_append = fut
         if fut.done():
-            self._durable(command.rdzv_id, outcome, fut)
+            self._durable(log_, command.rdzv_id, outcome, fut)
         else:
-            fut.add_done_callback(functools.partial(self._durable, command.rdzv_id, outcome))
+            fut.add_done_callback(functools.partial(self._durable, log_, command.rdzv_id, outcome))
         await self._committed(fut)
         return outcome.result
+
+    def _admit(self, command: c.Command, record: dict[str, Any]) -> None:
+        """Refuse, before anything is applied, a record the log cannot take or should not queue now."""
+        try:
+            self._log.check(record)
+        except RecordTooLargeError as exc:
+            raise RecordTooLarge(
+                f"job {command.rdzv_id}: this {command.op} would log a record of {exc.size} bytes, but the log takes "
+                f"at most {exc.limit} (with --etcd, etcd's request limit): nothing was applied; store less per "
+                "request (smaller values, or several multi_set calls)"
+            ) from exc
+        except LogQueueFullError as exc:
+            raise LogQueueFull(f"{exc} Nothing was applied: retry shortly.") from exc
 
     async def _committed(self, fut: asyncio.Future[None]) -> None:
         """Wait for ``fut`` (an append); a replica's failed append answers ``not_leader``: the
@@ -390,22 +454,28 @@ class Service:
             await asyncio.shield(fut)
         except LogFailedError as exc:
             if self.replication is None:
-                raise
+                raise LogFailed(
+                    "the server's log failed to write this change (see the server's log: a full or failing disk?), "
+                    "so it acknowledges nothing more and stops; retry once it is restarted"
+                ) from exc
             raise self._not_leader() from exc
 
     def _log_failed(self, exc: BaseException) -> None:
-        """The log refused or lost an append: a replica steps down, the one server stops."""
+        """The log refused or lost an append. Memory now holds a change the log does not, so
+        no request may be answered from it any more: a replica stops serving in this very
+        step (and its term ends: it rebuilds from etcd), the one server stops for good."""
         if self.replication is not None:
+            self._stop_serving(f"an append was not committed: {exc}")
             self.replication.step_down(f"an append was not committed: {exc}")
         else:
             self._fatal(exc)
 
-    def _durable(self, rdzv_id: str, outcome: Outcome, fut: asyncio.Future[None]) -> None:
-        """A record's append finished: on success the command's effects, else a fatal stop."""
+    def _durable(self, log_: Log, rdzv_id: str, outcome: Outcome, fut: asyncio.Future[None]) -> None:
+        """A record's append to ``log_`` finished: on success the command's effects, else a stop."""
         failure = fut.exception() if not fut.cancelled() else asyncio.CancelledError("log append cancelled")
         if failure is not None:
-            # Memory now holds a change the log does not: serving on would break durability.
-            self._log_failed(failure)
+            if log_ is self._log:  # (a log already dropped at a step-down was dealt with then)
+                self._log_failed(failure)
             return
         self.waiters.wake(outcome.wakes)
         self._schedule(rdzv_id)
@@ -427,8 +497,10 @@ class Service:
         return task
 
     async def _sync(self) -> None:
+        """Return once every record appended so far is durable; raise as :meth:`_committed`
+        does if the last one failed (even long ago: what it carried is in memory only)."""
         fut = self._last_append
-        if fut is not None and not fut.done():
+        if fut is not None:
             await self._committed(fut)
 
     def _maybe_snapshot(self) -> None:
@@ -518,8 +590,10 @@ class Service:
     async def join(self, command: c.Join, rid: tuple[str, int] | None, hold: float) -> dict[str, Any]:
         try:
             result = await self.write(command, rid)
-        except SettingsConflict as exc:  # the job's timeline says why this node is not in it
-            await self.write(c.Refused(command.rdzv_id, command.node_id, command.addr, "settings_conflict", exc.message))
+        except SettingsConflict as exc:  # the job's timeline says why this node is not in it, once
+            refused = c.Refused(command.rdzv_id, command.node_id, command.addr, "settings_conflict", exc.message)
+            if not self.machine.already_refused(refused):
+                await self.write(refused)
             raise
         return await self.await_round(command.rdzv_id, command.node_id, result["round"], hold)
 
@@ -626,15 +700,32 @@ class Service:
             extra={"job": rdzv_id, "node": node_id, "cause": Cause.CONNECTION_CLOSED.value},
         )
         result = await self._apply_timer_command(c.Expire(rdzv_id, (node_id,), "dead", Cause.CONNECTION_CLOSED.value))
-        if result.get("expired"):
+        if result is not None and result.get("expired"):
             self.on_detected(Cause.CONNECTION_CLOSED.value, self.now() - lost_at)
+
+    # -- a leader's clock ----------------------------------------------------------------------
+
+    async def _run_ticker(self) -> None:
+        """While leading: log a Tick whenever nothing was logged for TICK_EVERY_S and a job
+        exists, so the clock a new leader resumes from is at most that far behind (the
+        clock orders every deadline and the timelines: idle time must not stretch them)."""
+        while True:  # cancelled at a step-down or shutdown
+            await asyncio.sleep(TICK_EVERY_S)
+            if not self.ready or not self.machine.jobs or self.now() - self.machine.clock < TICK_EVERY_S:
+                continue
+            try:
+                await self.write(c.Tick(""))
+            except RdzvError as exc:  # not the leader any more, the log busy: the next tick will do
+                log.debug("A tick was not logged: %s", exc)
 
     # -- timer ------------------------------------------------------------------------------
 
     def _schedule(self, rdzv_id: str) -> None:
         deadline = self.machine.deadline(rdzv_id)
-        if deadline is None:
-            return
+        if deadline is not None:
+            self._schedule_at(rdzv_id, deadline)
+
+    def _schedule_at(self, rdzv_id: str, deadline: float) -> None:
         current = self._scheduled.get(rdzv_id)
         if current is not None and current <= deadline:
             return  # an earlier wake-up is pending; it reschedules when it fires
@@ -662,16 +753,24 @@ class Service:
                 if self._scheduled.get(rdzv_id) != deadline:
                     continue  # superseded by an earlier one that already ran
                 del self._scheduled[rdzv_id]
+                applied = False
                 try:
                     for command in self.machine.due(rdzv_id, now):
                         beats = self._last_beats(command)
                         result = await self._apply_timer_command(command)
+                        if result is None:
+                            break
                         if beats and result.get("expired"):
                             for beat in beats:  # a silent host died at most this long before
                                 self.on_detected(Cause.HEARTBEAT_EXPIRED.value, now - beat)
+                    else:
+                        applied = True
                 except Exception:  # a bug for one job must not stop every job's deadlines
                     log.exception("The timer failed on job %s; its other deadlines still run.", rdzv_id)
-                self._schedule(rdzv_id)
+                if applied:
+                    self._schedule(rdzv_id)
+                else:  # the deadline is still due: look again a little later, not in this pass
+                    self._schedule_at(rdzv_id, now + TIMER_RETRY_S)
 
     def _last_beats(self, command: c.Command) -> list[float]:
         """The last heartbeats of the nodes a heartbeat expiry is about to mark dead."""
@@ -681,16 +780,16 @@ class Service:
         beats = entry.job.heartbeats
         return [beats[n] for n in command.node_ids if n in beats]
 
-    async def _apply_timer_command(self, command: c.Command) -> dict[str, Any]:
-        """Apply what the timer decided; its failure is logged (the result is then empty)."""
+    async def _apply_timer_command(self, command: c.Command) -> dict[str, Any] | None:
+        """Apply what the timer decided; its failure is logged (the result is then None)."""
         try:
             result = await self.write(command)
         except RdzvError as exc:
             log.warning("Timer command %s for job %s failed: %s", command.op, command.rdzv_id, exc)
-            return {}
+            return None
         except Exception:
             log.exception("Timer command %s for job %s crashed", command.op, command.rdzv_id)
-            return {}
+            return None
         if isinstance(command, c.Expire):
             cause = departure_cause(Departure(command.why), Cause(command.cause) if command.cause else None).value
             for node_id in command.node_ids:  # one line per node: an operator filters by node

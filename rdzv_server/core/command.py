@@ -161,11 +161,24 @@ class Restarted(Command):
     detail: str = ""
 
 
+@dataclass(frozen=True)
+class Tick(Command):
+    """The leader: its clock has reached the record's ``now`` (``rdzv_id`` is ``""``).
+
+    It changes nothing but the clock's high-water mark. A replica leading while no command
+    is logged writes one now and then, so that a replica taking over resumes the clock from
+    about when the old leader died, not from its last command: idle time before a take-over
+    does not stretch running deadlines.
+    """
+
+    op: ClassVar[str] = "tick"
+
+
 COMMANDS: dict[str, type[Command]] = {
     c.op: c
     for c in (
         Set, Add, CompareSet, Append, MultiSet, DeleteKey, Create, Join, Leave, Close, LastCall, Expire, Collect,
-        Refused, Restarted,
+        Refused, Restarted, Tick,
     )
 }
 

@@ -96,6 +96,30 @@ class SessionFull(RdzvError):
     status = 429
 
 
+class RecordTooLarge(RdzvError):
+    """The write's log record is larger than the log takes (raised by the service before it
+    applies the command, so nothing changed)."""
+
+    code = "record_too_large"
+    status = 413
+
+
+class LogQueueFull(RdzvError):
+    """The log's queue of records waiting to be written is at its bound (raised by the
+    service before it applies the command): busy, retry shortly."""
+
+    code = "log_queue_full"
+    status = 503
+
+
+class LogFailed(RdzvError):
+    """The server's own log failed a write: it acknowledges nothing more and stops (raised
+    by the service; a replica answers ``not_leader`` instead, and another replica leads)."""
+
+    code = "log_failed"
+    status = 503
+
+
 class Forbidden(RdzvError):
     """The caller's token does not cover this request (a read-only token, another job)."""
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,6 +123,10 @@ class Timeline:
         self._events.append(event)
         self.next_seq += 1
         return event
+
+    def newest_first(self) -> Iterator[JobEvent]:
+        """The events kept, newest first (a reader stops where it has seen enough)."""
+        return reversed(self._events)
 
     def since(self, seq: int, limit: int | None = None) -> list[JobEvent]:
         """The events after ``seq`` (0: all kept), oldest first, at most ``limit``."""

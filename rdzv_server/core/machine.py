@@ -299,6 +299,9 @@ class StateMachine:
             job.timeline.add(now, Kind.JOIN_REFUSED, Cause(cmd.why), job.round, cmd.node_id, cmd.addr, reason=cmd.detail)
         return Outcome({})
 
+    def _tick(self, cmd: c.Tick, now: float) -> Outcome:
+        return Outcome({})  # apply() moves the clock: that is all a tick does
+
     def _restarted(self, cmd: c.Restarted, now: float) -> Outcome:
         for entry in self.jobs.values():
             detail = {"reason": cmd.detail} if cmd.detail else {}
@@ -478,6 +481,26 @@ class StateMachine:
         job.heartbeat(node_id, now)
         return job
 
+    def already_refused(self, cmd: c.Refused) -> bool:
+        """Whether the job's timeline already says ``cmd``: the same refusal (node, address,
+        cause and reason) since the job's last event of any other kind.
+
+        A node refused again and again (its client retrying, an agent restarting in a loop)
+        is then recorded once, not once per attempt: a misconfigured agent cannot grow the
+        log or push the job's other events out of its timeline. A read: changes nothing.
+        Bounded by the timeline's capacity.
+        """
+        entry = self.jobs.get(cmd.rdzv_id)
+        if entry is None:
+            return False
+        for event in entry.job.timeline.newest_first():
+            if event.kind is not Kind.JOIN_REFUSED:
+                return False
+            same = (event.node_id, event.addr, event.cause.value, event.detail.get("reason", ""))
+            if same == (cmd.node_id, cmd.addr, cmd.why, cmd.detail):
+                return True
+        return False
+
     def watch_view(self, rdzv_id: str, round_: int) -> dict[str, Any]:
         job = self._entry(rdzv_id).job
         return {
@@ -533,4 +556,5 @@ _HANDLERS: dict[type[c.Command], Callable[[StateMachine, Any, float], Outcome]] 
     c.Collect: StateMachine._collect,
     c.Refused: StateMachine._refused,
     c.Restarted: StateMachine._restarted,
+    c.Tick: StateMachine._tick,
 }

@@ -21,15 +21,29 @@ from .error import (
     LogClosedError,
     LogCorruptError,
     LogFailedError,
+    LogQueueFullError,
+    RecordTooLargeError,
     SnapshotBuildError,
     StorageError,
 )
 from .file_log import DEFAULT_BATCH_WINDOW_S, FileLog
-from .log import DEFAULT_SNAPSHOT_EVERY, FsyncPolicy, Log, Recovered, Replica, ReplicaFactory
+from .log import (
+    DEFAULT_MAX_QUEUED_BYTES,
+    DEFAULT_MAX_QUEUED_RECORDS,
+    DEFAULT_SNAPSHOT_EVERY,
+    FsyncPolicy,
+    Log,
+    Recovered,
+    ReplicatedLog,
+    Replica,
+    ReplicaFactory,
+)
 from .memory_log import MemoryLog
 
 __all__ = [
     "DEFAULT_BATCH_WINDOW_S",
+    "DEFAULT_MAX_QUEUED_BYTES",
+    "DEFAULT_MAX_QUEUED_RECORDS",
     "DEFAULT_SNAPSHOT_EVERY",
     "DataDirLockedError",
     "FileLog",
@@ -38,8 +52,11 @@ __all__ = [
     "LogClosedError",
     "LogCorruptError",
     "LogFailedError",
+    "LogQueueFullError",
     "MemoryLog",
+    "RecordTooLargeError",
     "Recovered",
+    "ReplicatedLog",
     "Replica",
     "ReplicaFactory",
     "SnapshotBuildError",

@@ -51,6 +51,24 @@ class SnapshotBuildError(StorageError):
     """
 
 
+class RecordTooLargeError(StorageError):
+    """A record is larger than this log takes (etcd refuses a request over its
+    ``--max-request-bytes``). Raised by :meth:`~.log.Log.check` before anything is queued,
+    so that the service refuses the command before it applies it; the log stays usable.
+    ``size`` and ``limit`` are the record's encoded size and the log's limit, in bytes."""
+
+    def __init__(self, message: str, size: int, limit: int) -> None:
+        super().__init__(message)
+        self.size = size
+        self.limit = limit
+
+
+class LogQueueFullError(StorageError):
+    """The log's queue of records waiting to be written is at its bound (a slow disk, an
+    etcd that does not answer). Raised by :meth:`~.log.Log.check`; nothing was queued and
+    the log stays usable: the caller answers "busy, retry" instead of growing the queue."""
+
+
 class LogClosedError(StorageError):
     """An append or snapshot was asked of a log that is closing or closed (a caller bug)."""
 

@@ -118,7 +118,14 @@ import msgpack
 
 from .compaction import receive_job
 from .election import LeaderKey
-from .error import LogClosedError, LogFailedError, SnapshotBuildError, StorageError
+from .error import (
+    LogClosedError,
+    LogFailedError,
+    LogQueueFullError,
+    RecordTooLargeError,
+    SnapshotBuildError,
+    StorageError,
+)
 from .etcd_client import (
     Compare,
     DeleteRange,
@@ -131,7 +138,7 @@ from .etcd_client import (
     Put,
     prefix_end,
 )
-from .log import Recovered, ReplicaFactory
+from .log import DEFAULT_MAX_QUEUED_BYTES, DEFAULT_MAX_QUEUED_RECORDS, Recovered, ReplicaFactory
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +148,18 @@ MAX_RECORDS_PER_TXN = 127
 # values in base64 (4/3 larger), which aiohttp warns about past 1 MiB of request body:
 # 512 KiB of records stays well under both. A single larger record still goes alone.
 MAX_TXN_BYTES = 512 * 1024
+# The largest record the log takes: etcd's default --max-request-bytes (1.5 MiB, counted on
+# the txn as etcd decodes it, before any base64) less 64 KiB for what a txn of one record
+# adds (the keys under the prefix, the fence and log-head compares, the log-head put and the
+# reads of a failed compare: under 1 KiB measured with a short prefix). Larger records are
+# refused by :meth:`EtcdLog.check` before they are applied: etcd would refuse their txn, and
+# a refused txn fails the log (nothing after it can be acknowledged in order).
+MAX_RECORD_BYTES = 1536 * 1024 - 64 * 1024
+# One txn (every retry across etcd's members included) may take this long before the log
+# fails, unless the leader gives another bound (its lease): the client's own retries
+# (several passes over every member, 5 s each) could otherwise hold the single writer, and
+# every record queued behind it, for most of a minute.
+DEFAULT_APPEND_TIMEOUT_S = 5.0
 # One snapshot part per txn, under the same limits as a batch of records; the time etcd
 # takes per part grows with its size, so smaller parts cost next to nothing more.
 SNAPSHOT_PART_BYTES = 512 * 1024
@@ -593,7 +612,19 @@ class EtcdLog:
     client stays the caller's to close.
     """
 
-    def __init__(self, client: EtcdClient, prefix: str, fence: LeaderKey, *, last_index: int, snapshot_index: int):
+    def __init__(
+        self,
+        client: EtcdClient,
+        prefix: str,
+        fence: LeaderKey,
+        *,
+        last_index: int,
+        snapshot_index: int,
+        append_timeout_s: float = DEFAULT_APPEND_TIMEOUT_S,
+        max_queued_records: int = DEFAULT_MAX_QUEUED_RECORDS,
+        max_queued_bytes: int = DEFAULT_MAX_QUEUED_BYTES,
+        max_record_bytes: int = MAX_RECORD_BYTES,
+    ):
         """The log continuing after ``last_index``, for the leader holding ``fence``.
 
         Supported for a follower that becomes leader without reading everything again:
@@ -602,8 +633,19 @@ class EtcdLog:
         :func:`snapshot_index` (it only sets :attr:`records_since_snapshot`; each snapshot
         reads what etcd holds). A stale ``last_index`` overwrites nothing: the first append
         fails with :class:`EtcdLogHeadMismatchError`.
+
+        ``append_timeout_s`` bounds one txn of records, retries included (past it the log
+        fails); ``max_queued_records`` and ``max_queued_bytes`` bound the records waiting
+        for the writer and ``max_record_bytes`` one record (:meth:`check` refuses past them).
         """
         self._client = client
+        self._append_timeout_s = append_timeout_s
+        self._max_queued_records = max_queued_records
+        self._max_queued_bytes = max_queued_bytes
+        self.max_record_bytes = max_record_bytes
+        self._queued_bytes = 0  # of self._pending
+        self._inflight: list[_Pending] = []  # the batch whose txn is under way
+        self._checked: tuple[dict[str, Any], bytes] | None = None  # the record check() encoded last
         self._prefix = prefix
         self._keys = EtcdLogKeys(prefix)
         self._fence = fence
@@ -640,6 +682,30 @@ class EtcdLog:
         """Records appended since the last snapshot's cut (or since the recovered snapshot)."""
         return self._last_index - self._cut_index
 
+    def check(self, record: dict[str, Any]) -> None:
+        """Refuse a record etcd would not take and a queue at its bound; see :meth:`.log.Log.check`.
+
+        Raises :class:`~.error.RecordTooLargeError` for a record over
+        :attr:`max_record_bytes` encoded, :class:`~.error.LogQueueFullError` while the
+        queue is at its bound, and what msgpack raises. The encoding is kept for the
+        :meth:`append` of this very record that follows (encoded once, not twice).
+        """
+        if len(self._pending) >= self._max_queued_records or self._queued_bytes >= self._max_queued_bytes:
+            raise LogQueueFullError(
+                f"The etcd log under {self._prefix!r} has {len(self._pending)} records ({self._queued_bytes} bytes) "
+                f"waiting for etcd, its bound ({self._max_queued_records} records, {self._max_queued_bytes} bytes)."
+            )
+        payload: bytes = msgpack.packb(record, use_bin_type=True)
+        if len(payload) > self.max_record_bytes:
+            raise RecordTooLargeError(
+                f"The record is {len(payload)} bytes; the etcd log under {self._prefix!r} takes at most "
+                f"{self.max_record_bytes} bytes per record (etcd refuses requests over its --max-request-bytes, "
+                "1.5 MiB by default).",
+                len(payload),
+                self.max_record_bytes,
+            )
+        self._checked = (record, payload)
+
     def append(self, record: dict[str, Any]) -> asyncio.Future[None]:
         """Queue ``record`` as the next index; the future resolves once etcd committed it.
 
@@ -655,9 +721,13 @@ class EtcdLog:
         if self._failure is not None:
             future.set_exception(self._failure)
             return future
-        payload: bytes = msgpack.packb(record, use_bin_type=True)
+        checked, self._checked = self._checked, None
+        payload: bytes = checked[1] if checked is not None and checked[0] is record else msgpack.packb(
+            record, use_bin_type=True
+        )
         self._last_index += 1
         self._pending.append(_Pending(self._last_index, payload, future))
+        self._queued_bytes += len(payload)
         self._latest = future
         self._wake_writer()
         return future
@@ -891,6 +961,7 @@ class EtcdLog:
             size += len(item.payload)
             count += 1
         batch, self._pending = self._pending[:count], self._pending[count:]
+        self._queued_bytes -= size
         return batch
 
     async def _run_writer(self) -> None:
@@ -902,8 +973,9 @@ class EtcdLog:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            batch = self._take_batch()
+            batch = self._inflight = self._take_batch()
             error = await self._write_batch(batch)
+            self._inflight = []
             if error is not None:
                 self._fail(error, batch)
                 return
@@ -921,11 +993,14 @@ class EtcdLog:
         # On a failed compare, read what decides why: the fence, log-head, and the batch's keys.
         diagnose = [Get(self._fence.key), Get(keys.head), Get(keys.record(first), keys.record(last + 1))]
         try:
-            result = await self._client.txn([self._fence.fence(), head], ops, diagnose)
-        except EtcdError as exc:
+            result = await asyncio.wait_for(
+                self._client.txn([self._fence.fence(), head], ops, diagnose), self._append_timeout_s
+            )
+        except (EtcdError, asyncio.TimeoutError) as exc:
+            why = str(exc) if isinstance(exc, EtcdError) else f"no answer within {self._append_timeout_s:g} s"
             error = LogFailedError(
                 f"etcd did not commit records {first}..{last} under {self._prefix!r} "
-                f"({exc}); nothing is acknowledged any more."
+                f"({why}); nothing is acknowledged any more."
             )
             error.__cause__ = exc
             return error
@@ -962,10 +1037,35 @@ class EtcdLog:
         assert self._failure is not None
         return self._failure
 
+    def abandon(self, reason: str) -> None:
+        """Stop at once; see :meth:`.log.ReplicatedLog.abandon`.
+
+        The writer is cancelled mid-txn: a leader that steps down can no longer commit
+        under its fence (or no longer knows whether it can), and its callers must hear so
+        now, not when etcd or the client's retries give up. A txn already sent may still
+        commit; the callers' retries at the next leader carry their request ids, so such a
+        write applies once either way.
+        """
+        self._closing = True
+        if self._failure is None:
+            self._fail(
+                NotLeaderError(
+                    f"Replica {self._fence.name} stopped writing the etcd log under {self._prefix!r}: {reason}."
+                ),
+                self._inflight,
+            )
+        self._inflight = []
+        for task in (self._writer, self._snapshot_task):
+            if task is not None and not task.done():
+                task.cancel()
+        if self._builder is not None:
+            self._builder.stop()
+
     def _fail(self, error: LogFailedError, batch: list[_Pending]) -> None:
         self._failure = error
         waiting = batch + self._pending
         self._pending = []
+        self._queued_bytes = 0
         logger.error("%s %d pending records are not acknowledged.", error, len(waiting))
         for item in waiting:
             if not item.future.done():

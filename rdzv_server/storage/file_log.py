@@ -62,8 +62,8 @@ from typing import Any
 
 from .compaction import BuildJob, SnapshotBuilder
 from .data_dir import DataDirLock, fsync_directory
-from .error import LogClosedError, LogFailedError, SnapshotBuildError
-from .log import FsyncPolicy, Recovered, ReplicaFactory
+from .error import LogClosedError, LogFailedError, LogQueueFullError, SnapshotBuildError
+from .log import DEFAULT_MAX_QUEUED_BYTES, DEFAULT_MAX_QUEUED_RECORDS, FsyncPolicy, Recovered, ReplicaFactory
 from .recovery import recover
 from .segment import encode_frame, segment_name
 from .snapshot import install_snapshot, parse_snapshot_name, snapshot_name, temp_path
@@ -143,9 +143,14 @@ class FileLog:
         segment_firsts: list[int],
         last_index: int,
         snapshot_index: int | None,
+        max_queued_records: int,
+        max_queued_bytes: int,
     ) -> None:
         """Use :meth:`open`; this only wires the pieces that ``open`` has prepared."""
         self._data_dir = data_dir
+        self._max_queued_records = max_queued_records
+        self._max_queued_bytes = max_queued_bytes
+        self._queued_bytes = 0  # of self._frames
         self._policy = policy
         self._fsync = fsync_fn
         self._batch_window_s = batch_window_s
@@ -178,6 +183,8 @@ class FileLog:
         fsync_fn: Callable[[int], None] = os.fsync,
         batch_window_s: float = DEFAULT_BATCH_WINDOW_S,
         truncate_corrupt: bool = False,
+        max_queued_records: int = DEFAULT_MAX_QUEUED_RECORDS,
+        max_queued_bytes: int = DEFAULT_MAX_QUEUED_BYTES,
     ) -> tuple[FileLog, Recovered]:
         """Lock and recover ``data_dir`` (creating it if needed); return the log and history.
 
@@ -185,7 +192,9 @@ class FileLog:
         seam for tests; a snapshot builder process fsyncs its file with ``os.fsync``);
         ``batch_window_s`` is the least time between the starts of two writes under
         :attr:`FsyncPolicy.BATCH`; ``truncate_corrupt`` keeps the records before damage
-        instead of refusing (``--truncate-corrupt-log``, see :mod:`.recovery`).
+        instead of refusing (``--truncate-corrupt-log``, see :mod:`.recovery`);
+        ``max_queued_records`` and ``max_queued_bytes`` bound the records waiting for the
+        writer (:meth:`check` refuses past them).
 
         Synchronous: it blocks until recovery is done, which is what the server must do
         before it reports ready. Raises :class:`~.error.DataDirLockedError` if another
@@ -215,6 +224,8 @@ class FileLog:
             segment_firsts=segment_firsts,
             last_index=outcome.recovered.last_index,
             snapshot_index=outcome.snapshot_index,
+            max_queued_records=max_queued_records,
+            max_queued_bytes=max_queued_bytes,
         )
         return log, outcome.recovered
 
@@ -222,6 +233,15 @@ class FileLog:
     def records_since_snapshot(self) -> int:
         """Records appended since the last snapshot's cut (or since the recovered snapshot)."""
         return self._last_index - self._cut_index
+
+    def check(self, record: dict[str, Any]) -> None:
+        """Refuse (:class:`~.error.LogQueueFullError`) while the queue is at its bound; see
+        :meth:`.log.Log.check`. A local log takes a record of any size: no size check."""
+        if len(self._frames) >= self._max_queued_records or self._queued_bytes >= self._max_queued_bytes:
+            raise LogQueueFullError(
+                f"The log in {self._data_dir} has {len(self._frames)} records ({self._queued_bytes} bytes) waiting "
+                f"for the disk, its bound ({self._max_queued_records} records, {self._max_queued_bytes} bytes)."
+            )
 
     def append(self, record: dict[str, Any]) -> asyncio.Future[None]:
         """Queue ``record`` as the next index; see :meth:`.log.Log.append` for what it raises."""
@@ -236,6 +256,7 @@ class FileLog:
         frame = encode_frame(record)
         self._last_index += 1
         self._frames.append(frame)
+        self._queued_bytes += len(frame)
         self._futures.append(future)
         self._wake_writer()
         return future
@@ -388,6 +409,7 @@ class FileLog:
             next_start = loop.time() + window
             frames, futures, rotations = self._frames, self._futures, self._rotations
             self._frames, self._futures, self._rotations = [], [], []
+            self._queued_bytes = 0
             try:
                 await loop.run_in_executor(self._executor, self._write, frames, rotations, sync)
             # OSError in practice; whatever it is, those records must not be acknowledged.
@@ -434,6 +456,7 @@ class FileLog:
         waiting = futures + self._futures
         waiting += [rotation.done for rotation in rotations + self._rotations]
         self._frames, self._futures, self._rotations = [], [], []
+        self._queued_bytes = 0
         for future in waiting:
             if not future.done():
                 future.set_exception(self._failed_error())

@@ -10,6 +10,9 @@ machine; storage keeps them opaquely and gives them back in the order they were 
 Tuples come back as lists, as msgpack has only one sequence type.
 
 Contract every implementation keeps:
+- ``check(record)`` refuses, changing nothing, what ``append`` could not take or should
+  not queue now (too large for the log, the queue at its bound); the service checks
+  before it applies, so a refused record never touches the state.
 - Records get consecutive indices 1, 2, 3, ... in ``append`` order; that order is the
   order on disk and the order of recovery.
 - The future ``append`` returns resolves only once the record is durable under the fsync
@@ -36,6 +39,12 @@ from typing import Any, Protocol
 # Bounds replay at start to about 0.15 s (100k small records, measured) while keeping
 # snapshots, which rewrite the whole state, rare enough to cost next to nothing.
 DEFAULT_SNAPSHOT_EVERY = 100_000
+# Records a log may hold queued (appended, not yet handed to its writer) before it refuses
+# more: etcd itself refuses past 5,000 pending proposals; twice that is about 80 etcd txns
+# or one large local write, a fraction of a second of backlog when the log keeps up.
+DEFAULT_MAX_QUEUED_RECORDS = 10_000
+# Bytes of such records: a few maximal values, so a stalled log cannot take the memory.
+DEFAULT_MAX_QUEUED_BYTES = 64 * 1024 * 1024
 
 
 class FsyncPolicy(str, enum.Enum):
@@ -95,6 +104,17 @@ ReplicaFactory = Callable[[], Replica]
 class Log(Protocol):
     """The durable log the service appends every applied operation to."""
 
+    def check(self, record: dict[str, Any]) -> None:
+        """Whether the log can take ``record`` now; changes nothing.
+
+        The service calls it *before* applying the command ``record`` carries, so that a
+        record the log cannot take is refused with nothing applied. Raises
+        :class:`~.error.RecordTooLargeError` when the record is larger than the log takes,
+        :class:`~.error.LogQueueFullError` when the records queued for writing are at the
+        log's bound, and what :meth:`append` raises for a record msgpack cannot encode.
+        """
+        ...
+
     def append(self, record: dict[str, Any]) -> asyncio.Future[None]:
         """Queue ``record`` as the next index; the future resolves once it is durable.
 
@@ -127,4 +147,23 @@ class Log(Protocol):
 
     async def close(self) -> None:
         """Write and fsync everything pending, then release files and the directory lock."""
+        ...
+
+
+class ReplicatedLog(Log, Protocol):
+    """The log a replica leads with (:class:`~.etcd_log.EtcdLog`): a :class:`Log` whose
+    leader can lose the right to write at any moment.
+
+    What a step-down needs of it beyond :class:`Log`: to stop *now*, not after flushing.
+    Whatever is pending can no longer be committed under this leader's fence, and a caller
+    left waiting on it would hang until its own timeout.
+    """
+
+    def abandon(self, reason: str) -> None:
+        """Stop at once, writing nothing more: fail every pending append (the one in flight
+        included) with :class:`~.error.LogFailedError` naming ``reason``, refuse later ones
+        (:class:`~.error.LogClosedError`), and stop a snapshot under way. Synchronous and
+        idempotent; :meth:`close` afterwards returns at once. An append whose transaction
+        was already sent may still have committed: its caller is told only that it is not
+        acknowledged."""
         ...

@@ -34,6 +34,9 @@ class MemoryLog:
         """Records appended since the last :meth:`snapshot` call."""
         return self._last_index - self._cut_index
 
+    def check(self, record: dict[str, Any]) -> None:
+        """Nothing to refuse: there is no queue, and no size limit but memory's."""
+
     def append(self, record: dict[str, Any]) -> asyncio.Future[None]:
         """Return an already-resolved future.
 

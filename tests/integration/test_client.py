@@ -20,6 +20,7 @@ from rdzv_client import (
     JobClosedError,
     NotFoundError,
     RdzvConnectionError,
+    RdzvError,
     RdzvTimeoutError,
     WatchResult,
     wire,
@@ -329,3 +330,59 @@ def test_a_closed_job_with_live_nodes_refuses_joins(client: Client) -> None:
     assert client.watch(job, "n0", round=0).closed is True
     with pytest.raises(JobClosedError):
         client.join(job, node_id="n1", addr="h", nproc_per_node=1, min_nodes=1, max_nodes=1, timeout=5)
+
+
+@pytest.fixture
+async def redirecting() -> AsyncIterator[tuple[str, list[dict[str, str]]]]:
+    """A server on loopback that answers every request with a 307 to a second one, which
+    records the headers of whatever reaches it: ``(first endpoint, what the second saw)``."""
+    from aiohttp import web
+
+    seen: list[dict[str, str]] = []
+
+    async def record(request: web.Request) -> web.Response:
+        seen.append(dict(request.headers))
+        return web.json_response({"jobs": []})
+
+    second = web.Application()
+    second.router.add_route("*", "/{tail:.*}", record)
+    second_runner = web.AppRunner(second)
+    await second_runner.setup()
+    second_site = web.TCPSite(second_runner, "127.0.0.1", 0)
+    await second_site.start()
+    second_port = second_runner.addresses[0][1]
+
+    async def redirect(request: web.Request) -> web.Response:
+        raise web.HTTPTemporaryRedirect(f"http://127.0.0.1:{second_port}{request.path_qs}")
+
+    first = web.Application()
+    first.router.add_route("*", "/{tail:.*}", redirect)
+    first_runner = web.AppRunner(first)
+    await first_runner.setup()
+    first_site = web.TCPSite(first_runner, "127.0.0.1", 0)
+    await first_site.start()
+    try:
+        yield f"127.0.0.1:{first_runner.addresses[0][1]}", seen
+    finally:
+        await first_runner.cleanup()
+        await second_runner.cleanup()
+
+
+async def test_the_clients_follow_no_redirect_so_the_token_stays_with_the_endpoints_given(
+    redirecting: tuple[str, list[dict[str, str]]],
+) -> None:
+    endpoint, seen = redirecting
+    async with AsyncClient(endpoint, token="s3cret-token", retry_budget=0) as aclient:
+        with pytest.raises(RdzvError) as write:
+            await aclient.set("job", "k", "v")
+        with pytest.raises(RdzvError) as page:
+            await aclient.jobs()
+    sync = Client(endpoint, token="s3cret-token", retry_budget=0)
+    try:
+        with pytest.raises(RdzvError) as sync_page:
+            await asyncio.to_thread(sync.jobs)
+    finally:
+        sync.close()
+    for raised in (write.value, page.value, sync_page.value):  # the 3xx is the answer
+        assert isinstance(raised, RdzvError) and "HTTP 307" in str(raised), raised
+    assert seen == [], f"a redirect carried the request (and its token) to another server: {seen}"

@@ -16,6 +16,7 @@ from rdzv_server.api.operation import run_operation
 from rdzv_server.config import ServerConfig
 from rdzv_server.core import command as c
 from rdzv_server.service import Service
+from rdzv_server.storage import LogQueueFullError
 
 JOB = "job"
 
@@ -101,5 +102,39 @@ async def test_an_events_poll_parks_until_the_job_has_something_new(tmp_path: Pa
         news = await asyncio.wait_for(waiting, 5.0)
         assert [(e["kind"], e["cause"], e["node_id"]) for e in news["events"]] == [("node_joined", "candidate", "b")]
         assert (await svc.events(JOB, news["next_seq"] - 1, hold=0.0, limit=100))["events"] == []
+    finally:
+        await svc.close()
+
+
+async def test_a_timer_command_the_log_refuses_is_tried_again_later_without_spinning(tmp_path: Path) -> None:
+    """A due deadline whose command the log refuses (its queue full, say) is looked at again
+    a little later: retrying it in the same pass would hold the event loop for as long as the
+    log refuses, so no request, and no step-down, could be served meanwhile."""
+    svc = await started(tmp_path)
+    try:
+        await svc.write(join("a", min_nodes=1, max_nodes=2, last_call=0.2))
+        loop = asyncio.get_running_loop()
+        busy_until = loop.time() + 1.2
+        refusals = 0
+        check = svc._log.check
+
+        def busy(record: dict[str, object]) -> None:  # the log's queue, full for 1.2 s
+            nonlocal refusals
+            if loop.time() < busy_until:
+                refusals += 1
+                raise LogQueueFullError("busy")
+            check(record)
+
+        svc._log.check = busy  # type: ignore[method-assign]
+        gaps = []
+        for _ in range(300):  # bounded: the round forms once the log takes the last call
+            started_at = loop.time()
+            await asyncio.sleep(0.01)
+            gaps.append(loop.time() - started_at)
+            if svc.machine.job(JOB).state.value == "complete":
+                break
+        assert svc.machine.job(JOB).state.value == "complete"
+        assert 1 <= refusals <= 10, refusals  # one try per TIMER_RETRY_S, not one per loop pass
+        assert max(gaps) < 0.5, max(gaps)  # the loop kept running meanwhile
     finally:
         await svc.close()

@@ -88,3 +88,21 @@ def test_bad_pre_authentication_limits_exit_2_naming_the_flag(
         parse(argv)
     assert exc.value.code == 2
     assert words in capsys.readouterr().err
+def test_with_etcd_the_value_and_body_limits_are_capped_to_what_etcd_takes() -> None:
+    from rdzv_server.config import ETCD_MAX_BODY_BYTES, ETCD_MAX_VALUE_BYTES
+    from rdzv_server.storage.etcd_log import MAX_RECORD_BYTES
+
+    capped = parse(["--etcd", "http://e1:2379", "--max-value-bytes", str(16 << 20), "--max-body-bytes", str(64 << 20)])
+    assert (capped.max_value_bytes, capped.max_body_bytes) == (ETCD_MAX_VALUE_BYTES, ETCD_MAX_BODY_BYTES)
+    assert ETCD_MAX_VALUE_BYTES < MAX_RECORD_BYTES < ETCD_MAX_BODY_BYTES <= 1536 * 1024  # etcd's default limit
+    smaller = parse(["--etcd", "http://e1:2379", "--max-value-bytes", "1000", "--max-body-bytes", "5000"])
+    assert (smaller.max_value_bytes, smaller.max_body_bytes) == (1000, 5000)
+    alone = parse([])
+    assert (alone.max_value_bytes, alone.max_body_bytes) == (16 << 20, 64 << 20)
+
+
+def test_the_log_queue_bounds_are_flags() -> None:
+    config = parse(["--max-log-queue", "7", "--max-log-queue-bytes", "4096"])
+    assert (config.max_log_queue, config.max_log_queue_bytes) == (7, 4096)
+    with pytest.raises(ConfigError, match="--max-log-queue"):
+        ServerConfig(max_log_queue=0)

@@ -181,3 +181,33 @@ def test_who_closed_a_job_a_refused_join_and_a_restart_are_on_the_timeline() -> 
     ]
     assert log.sm.job(JOB).timeline.since(0)[-3].detail == {"reason": "asks for max_nodes=8"}
     assert "b" not in log.sm.job(JOB).nodes  # a refusal changes nothing else
+
+
+def test_a_refusal_already_on_the_timeline_since_its_last_other_event_is_not_news() -> None:
+    run = Log()
+    run.join("a", 0.0)
+    odd = c.Refused(JOB, "odd", "odd.host", Cause.SETTINGS_CONFLICT.value, "max_nodes=8 differs")
+    assert not run.sm.already_refused(odd)
+    run.apply(odd, 1.0)
+    assert run.sm.already_refused(odd)
+    other = c.Refused(JOB, "other", "other.host", Cause.SETTINGS_CONFLICT.value, "max_nodes=9 differs")
+    assert not run.sm.already_refused(other)
+    run.apply(other, 2.0)
+    assert run.sm.already_refused(odd) and run.sm.already_refused(other)  # refusals in a row: each known
+    assert not run.sm.already_refused(c.Refused(JOB, "odd", "odd.host", Cause.SETTINGS_CONFLICT.value, "new reason"))
+    run.join("b", 3.0)  # something else happened since: a refusal is news again
+    assert not run.sm.already_refused(odd)
+    assert not run.sm.already_refused(c.Refused("no-such-job", "odd", "odd.host", "settings_conflict", ""))
+
+
+def test_a_tick_moves_only_the_clock_and_replays_the_same() -> None:
+    run = Log()
+    run.join("a", 0.0)
+    before = run.sm.to_snapshot()
+    run.apply(c.Tick(""), 7.5)
+    after = run.sm.to_snapshot()
+    assert after["clock"] == 7.5 and {**after, "clock": before["clock"]} == before
+    replica = StateMachine(max_value_bytes=1024, job_ttl=1000.0)
+    for record in run.records:
+        replica.replay(record)
+    assert replica.to_snapshot() == after

@@ -916,6 +916,8 @@ def test_public_names_are_exactly_the_storage_api() -> None:
     assert sorted(storage.__all__) == sorted(
         [
             "DEFAULT_BATCH_WINDOW_S",
+            "DEFAULT_MAX_QUEUED_BYTES",
+            "DEFAULT_MAX_QUEUED_RECORDS",
             "DEFAULT_SNAPSHOT_EVERY",
             "DataDirLockedError",
             "FileLog",
@@ -924,8 +926,11 @@ def test_public_names_are_exactly_the_storage_api() -> None:
             "LogClosedError",
             "LogCorruptError",
             "LogFailedError",
+            "LogQueueFullError",
             "MemoryLog",
+            "RecordTooLargeError",
             "Recovered",
+            "ReplicatedLog",
             "Replica",
             "ReplicaFactory",
             "SnapshotBuildError",
