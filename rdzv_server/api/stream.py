@@ -55,7 +55,7 @@ import sys
 from collections.abc import Coroutine, Generator
 from typing import Any, cast
 
-from rdzv_client import wire
+from rdzv_client import frame, wire
 
 from ..service import Service
 from .auth import Grant, TokenTable
@@ -77,8 +77,8 @@ MAX_IN_FLIGHT = 1024
 
 _PREFACE = wire.STREAM_PREFACE
 _PREFACE_LEN = len(_PREFACE)
-_HEADER_LEN = wire.FRAME_HEADER.size
-_read_header = wire.FRAME_HEADER.unpack_from
+_HEADER_LEN = frame.HEADER_LEN
+_frame_end = frame.frame_end
 _MAX_TAG = 2**63
 _EAGER_TASKS = sys.version_info >= (3, 12)
 _SHAPE = "a request frame is [tag: int 0..2**63-1, op: str, rdzv_id: str, fields: map]"
@@ -148,13 +148,9 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
 
     def _stranger_needs(self) -> int:
         """Bytes that complete the preface or the frame arriving (before the hello)."""
-        buffered = len(self._buffer)
         if not self._greeted:
-            return _PREFACE_LEN - buffered
-        if buffered < _HEADER_LEN:
-            return _HEADER_LEN - buffered
-        length: int = _read_header(self._buffer, 0)[0]
-        return max(1, _HEADER_LEN + length - buffered)
+            return _PREFACE_LEN - len(self._buffer)
+        return max(1, frame.missing(self._buffer))
 
     def _receive(self, data: bytes | memoryview, now: float) -> None:
         buf = self._buffer
@@ -244,20 +240,16 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
 
     def _parse(self, data: bytes | bytearray | memoryview) -> int:
         """Serve the whole frames at the start of ``data``; return how many bytes they took."""
-        pos, end = 0, len(data)
+        pos = 0
         with memoryview(data) as view:
-            while end - pos >= _HEADER_LEN and self._accepting and not self._held():
-                (length,) = _read_header(data, pos)
-                if length > self._limit:
+            while self._accepting and not self._held():
+                try:
+                    stop = _frame_end(data, pos, self._limit)
+                except frame.FrameTooLarge as exc:
                     self._table.rejected(wire.ErrorCode.BODY_TOO_LARGE)
-                    self._fail(
-                        413,
-                        wire.ErrorCode.BODY_TOO_LARGE,
-                        f"frame of {length} bytes exceeds the limit of {self._limit}",
-                    )
-                    return end
-                stop = pos + _HEADER_LEN + length
-                if stop > end:
+                    self._fail(413, wire.ErrorCode.BODY_TOO_LARGE, str(exc))
+                    return len(data)
+                if stop is None:
                     break
                 self._request(view[pos + _HEADER_LEN : stop])
                 pos = stop
