@@ -17,7 +17,8 @@ Rules:
   (``wire.HELLO_OP``); an operation before it, or a wrong token, is answered with a tag-0
   ``401 unauthorized`` frame and the connection is closed. The hello's grant then covers
   every request on the connection (a read-only token gets ``403 forbidden`` for writes).
-- Every valid request runs as its own task; replies are written in completion order.
+- Every valid request runs as its own task; replies are written in completion order. The
+  replies of the requests one read brings that answer at once go out in one write.
 - The connection closing (EOF or reset) cancels every request in flight, as aiohttp's
   ``handler_cancellation`` does for HTTP: a node's dropped watch is how the service
   notices fast that it died.
@@ -116,6 +117,7 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
         self._replying = True  # replies are written (False after a fatal error)
         self._writing_paused = False
         self._reading_paused = False
+        self._replies: list[bytes] | None = None  # while a read's frames are served: their replies
         self.in_flight: set[asyncio.Task[None]] = set()
         self.closed: asyncio.Future[None] = self._loop.create_future()
 
@@ -240,6 +242,15 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
 
     def _parse(self, data: bytes | bytearray | memoryview) -> int:
         """Serve the whole frames at the start of ``data``; return how many bytes they took."""
+        if self._replies is not None:  # (never expected: nothing serves frames while a read is served)
+            return self._parse_frames(data)
+        self._replies = []
+        try:
+            return self._parse_frames(data)
+        finally:
+            self._flush_replies()
+
+    def _parse_frames(self, data: bytes | bytearray | memoryview) -> int:
         pos = 0
         with memoryview(data) as view:
             while self._accepting and not self._held():
@@ -360,7 +371,16 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
 
     def _send(self, tag: int, status: int, body: dict[str, Any]) -> None:
         if self._replying and self._transport is not None:
-            self._transport.write(wire.frame([tag, status, body]))
+            if self._replies is not None:
+                self._replies.append(wire.frame([tag, status, body]))
+            else:
+                self._transport.write(wire.frame([tag, status, body]))
+
+    def _flush_replies(self) -> None:
+        """Write the replies held back while a read's frames were served, in one write."""
+        replies, self._replies = self._replies, None
+        if replies and self._replying and self._transport is not None:
+            self._transport.write(replies[0] if len(replies) == 1 else b"".join(replies))
 
     # -- closing ---------------------------------------------------------------------------
 
@@ -369,6 +389,7 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
         transport = self._transport
         if transport is None or not self._replying:
             return
+        self._flush_replies()  # the answers before the failure go first
         self.connection_lost(None)  # cancels what runs, frees the buffer, counts the connection out
         Closing(self._table, code, message, wire.frame([0, status, wire.error_body(code, message)])).adopt(transport)
 
