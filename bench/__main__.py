@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ha-sizes", type=_csv(int, least=1), default=None, help="ha: formation sizes N (default 8,64; quick 8)")
     p.add_argument("--ha-ttls", type=_csv(int, least=2), default=None, help="ha: replica lease TTLs, s, >= 2 (default 2,5; quick 2)")
     p.add_argument("--ha-repeats", type=_count(1, 100), default=None, help="ha: leader kills per TTL (default 5; quick 3)")
+    p.add_argument("--store-ops", type=_count(10, 1_000_000), default=None, help="store: latency samples per operation (default 2000; quick 100)")
     p.add_argument("--timeout", type=float, default=None, help="s per formation / re-rendezvous phase (default 120; quick 30)")
     p.add_argument("--out", type=Path, default=Path("bench/out"), help="output directory (default %(default)s)")
     p.add_argument("-v", "--verbose", action="store_true", help="progress on stderr too")
@@ -105,7 +106,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         rerdzv_sizes=tuple(args.rerdzv_sizes or (QUICK_RERDZV_SIZES if quick else FULL_RERDZV_SIZES)),
         timeout=args.timeout or (QUICK_TIMEOUT if quick else FULL_TIMEOUT),
         out_dir=args.out,
-        store_ops=100 if quick else 2000,
+        store_ops=args.store_ops or (100 if quick else 2000),
         throughput_seconds=0.5 if quick else 3.0,
         throughput_clients=(1, 8, 64),
         server_jobs=10 if quick else 100,
@@ -194,8 +195,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     target.judge(rows)
     meta.update(seconds=time.monotonic() - started, load_after=load_average())
     report.write_json(plan.out_dir / "results.json", rows, raw, meta)
-    pictures = report.plots(plan.out_dir, rows, raw)
     print(report.table(rows))
+    try:
+        pictures = report.plots(plan.out_dir, rows, raw)
+    except ImportError as exc:  # matplotlib comes with bench/setup.sh; the table and JSON do not need it
+        pictures = []
+        print(f"\nno plots ({exc}; bash bench/setup.sh installs matplotlib)")
     print(f"\nwrote {plan.out_dir / 'results.json'}, " + ", ".join(str(p) for p in pictures))
     print(f"took {meta['seconds']:.0f} s (load average {meta['load_before']:.1f} -> {meta['load_after']:.1f})")
     return 0

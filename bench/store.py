@@ -6,8 +6,12 @@ as torchrun would) and uses the store in the ``RendezvousInfo`` it got:
 - latency: ``set``, ``get``, ``add``, ``compare_set`` and ``multi_get`` (8 keys), each
   ``plan.store_ops`` times in a row from one client after a short warm-up; p50 and p99.
   An operation the backend's store lacks is reported as unsupported.
+- server CPU per operation: the CPU time the store's server process (every thread of it)
+  spent over those timed calls, divided by their number (Linux' per-thread schedstat, in
+  ns: clock-tick CPU times are too coarse for a few thousand calls).
 - throughput: 1, 8 and 64 concurrent clients, each with its own store object onto the
-  same job's key space, alternating ``set`` and ``get`` for ``plan.throughput_seconds``
+  same job's key space, alternating ``set`` and ``get`` (``throughput``) and then doing
+  ``add`` on a key of its own (``add throughput``), for ``plan.throughput_seconds``
   from a common start; clients are spread over up to 8 spawned processes (so the
   clients' GIL is not what is measured) with threads beyond that. rdzv-server clients in
   one process share one client connection pool, as handlers in one process do.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection
+import os
 import statistics
 import threading
 import time
@@ -46,6 +51,8 @@ VALUE = b"v" * 64
 MULTI_KEYS = [f"lat/{i}" for i in range(8)]
 #: How long one throughput step may take beyond its duration (opening stores, start-up).
 STEP_SLACK = 60.0
+#: What the clients of a throughput step do: its row's metric -> the mix's name.
+MIXES = {"throughput": "set/get", "add throughput": "add"}
 
 
 def measure(backends: list[Backend], plan: Plan) -> tuple[list[Row], dict[str, object]]:
@@ -58,7 +65,7 @@ def measure(backends: list[Backend], plan: Plan) -> tuple[list[Row], dict[str, o
         try:
             reference.start(plan.log_dir)
             spec = reference.store_spec()
-            rows += _measure_store(TCPSTORE, spec.open(), spec, pool, plan, raw)
+            rows += _measure_store(TCPSTORE, spec.open(), spec, pool, plan, raw, reference.pid)
         except (Unavailable, Timeout) as exc:
             rows.append(Row.failed("store", TCPSTORE, "set p50", 1, "µs", "error", str(exc)))
         finally:
@@ -81,7 +88,8 @@ def _backend(backend: Backend, pool: ClientPool, plan: Plan, raw: dict[str, obje
         spec = backend.node_spec(f"store-{uuid.uuid4().hex[:8]}", 1, 1, backend.base_conf())
         handler = spec.handler()
         info = handler.next_rendezvous()
-        return _measure_store(backend.label, info.store, backend.store_spec(spec, info), pool, plan, raw)
+        store_spec = backend.store_spec(spec, info)
+        return _measure_store(backend.label, info.store, store_spec, pool, plan, raw, backend.service_pid())
     except Exception as exc:  # a backend's failure is a row, not the end of the run
         log.exception("store measurement of %s failed", backend.label)
         return [Row.failed("store", backend.label, "set p50", 1, "µs", "error", repr(exc))]
@@ -92,32 +100,60 @@ def _backend(backend: Backend, pool: ClientPool, plan: Plan, raw: dict[str, obje
 
 
 def _measure_store(
-    label: str, store: Store, spec: StoreSpec, pool: ClientPool, plan: Plan, raw: dict[str, object]
+    label: str,
+    store: Store,
+    spec: StoreSpec,
+    pool: ClientPool,
+    plan: Plan,
+    raw: dict[str, object],
+    server_pid: int | None = None,
 ) -> list[Row]:
     rows: list[Row] = []
-    samples = latency(store, plan.store_ops)
+    cpu: dict[str, float] = {}
+    samples = latency(store, plan.store_ops, server_pid, cpu)
     for op, values in samples.items():
         if isinstance(values, str):
             rows.append(Row.failed("store", label, f"{op} p50", 1, "µs", "unsupported", values))
             continue
         rows.append(Row("store", label, f"{op} p50", 1, percentile(values, 50), "µs"))
         rows.append(Row("store", label, f"{op} p99", 1, percentile(values, 99), "µs"))
+        if op in cpu:
+            rows.append(Row("store", label, f"{op} server CPU", 1, cpu[op], "µs"))
     raw[f"{label}/latency_us"] = {op: v if isinstance(v, str) else _summary(v) for op, v in samples.items()}
-    for clients in plan.throughput_clients:
-        try:
-            ops_per_s = pool.throughput(spec, clients, plan.throughput_seconds)
-        except (Timeout, RuntimeError) as exc:
-            status = "timeout" if isinstance(exc, Timeout) else "error"
-            rows.append(Row.failed("store", label, "throughput", clients, "ops/s", status, str(exc)))
-            continue
-        rows.append(Row("store", label, "throughput", clients, ops_per_s, "ops/s"))
-        raw[f"{label}/throughput/{clients}"] = {"ops_per_s": ops_per_s, "load": load_average()}
-        log.info("store %s throughput with %d clients: %.0f ops/s", label, clients, ops_per_s)
+    raw[f"{label}/server_cpu_us_per_op"] = cpu
+    for metric, mix in MIXES.items():
+        for clients in plan.throughput_clients:
+            try:
+                ops_per_s = pool.throughput(spec, clients, plan.throughput_seconds, mix)
+            except (Timeout, RuntimeError) as exc:
+                status = "timeout" if isinstance(exc, Timeout) else "error"
+                rows.append(Row.failed("store", label, metric, clients, "ops/s", status, str(exc)))
+                continue
+            rows.append(Row("store", label, metric, clients, ops_per_s, "ops/s"))
+            raw[f"{label}/{metric}/{clients}"] = {"ops_per_s": ops_per_s, "load": load_average()}
+            log.info("store %s %s with %d clients: %.0f ops/s", label, metric, clients, ops_per_s)
     return rows
 
 
-def latency(store: Store, count: int) -> dict[str, list[float] | str]:
-    """Per operation: ``count`` latencies in µs, or why the store cannot do it."""
+def server_cpu_ns(pid: int | None) -> int | None:
+    """CPU time of process ``pid``, every thread, in ns (Linux' schedstat); None where unknown."""
+    if pid is None:
+        return None
+    total = 0
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/schedstat", encoding="ascii") as f:
+                total += int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None  # not Linux, or a thread ended between listing and reading: no figure
+    return total
+
+
+def latency(
+    store: Store, count: int, server_pid: int | None = None, cpu: dict[str, float] | None = None
+) -> dict[str, list[float] | str]:
+    """Per operation: ``count`` latencies in µs, or why the store cannot do it; ``cpu`` gets
+    the server's CPU µs per call of each operation (where ``server_pid``'s can be read)."""
     for key in MULTI_KEYS:
         store.set(key, VALUE)
     store.set("lat/cas", "0")
@@ -138,10 +174,14 @@ def latency(store: Store, count: int) -> dict[str, list[float] | str]:
             out[op] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
             continue
         values = []
+        cpu_before = server_cpu_ns(server_pid)
         for i in range(WARMUP, WARMUP + count):
             t = time.perf_counter_ns()
             call(i)
             values.append((time.perf_counter_ns() - t) / 1000.0)
+        cpu_after = server_cpu_ns(server_pid)
+        if cpu is not None and cpu_before is not None and cpu_after is not None:
+            cpu[op] = (cpu_after - cpu_before) / 1000.0 / count
         out[op] = values
     return out
 
@@ -177,8 +217,9 @@ class ClientPool:
             self._procs.append(proc)
         gather(self._pipes, timeout, "store client processes to start")
 
-    def throughput(self, spec: StoreSpec, clients: int, seconds: float) -> float:
-        """Total ops/s of ``clients`` concurrent clients over ``seconds``; raises Timeout or RuntimeError."""
+    def throughput(self, spec: StoreSpec, clients: int, seconds: float, mix: str = "set/get") -> float:
+        """Total ops/s of ``clients`` concurrent clients doing ``mix`` (:data:`MIXES`) over
+        ``seconds``; raises Timeout or RuntimeError."""
         used = self._pipes[: min(clients, self.processes)]
         per = [clients // len(used) + (1 if i < clients % len(used) else 0) for i in range(len(used))]
         for pipe, threads in zip(used, per):
@@ -186,7 +227,7 @@ class ClientPool:
         gather(used, STEP_SLACK, f"{clients} store clients to connect")
         start_at = time.monotonic() + 0.2
         for pipe in used:
-            pipe.send(("run", start_at, seconds))
+            pipe.send(("run", start_at, seconds, mix))
         counts = gather(used, seconds + STEP_SLACK, f"{clients} store clients to finish")
         return sum(int(c) for c in counts) / seconds
 
@@ -197,7 +238,7 @@ class ClientPool:
 
 
 def _client_worker(pipe: multiprocessing.connection.Connection) -> None:
-    """A pool process: ``open`` N stores, then ``run`` a set/get mix from a common start."""
+    """A pool process: ``open`` N stores, then ``run`` a mix (:data:`MIXES`) from a common start."""
     logging.basicConfig(level=logging.ERROR)
     import torch.distributed.elastic.rendezvous.registry  # noqa: F401  (before rdzv_client.torchrun)
 
@@ -217,13 +258,13 @@ def _client_worker(pipe: multiprocessing.connection.Connection) -> None:
                     store.set(f"tput/{i}", VALUE)
                 pipe.send(("ok", None))
             elif command == "run":
-                start_at, seconds = args
-                pipe.send(("ok", _run_mix(stores, start_at, seconds)))
+                start_at, seconds, mix = args
+                pipe.send(("ok", _run_mix(stores, start_at, seconds, mix)))
         except Exception as exc:  # noqa: BLE001 (sent to the parent)
             pipe.send(("error", f"{command}: {exc!r}"))
 
 
-def _run_mix(stores: list[Store], start_at: float, seconds: float) -> int:
+def _run_mix(stores: list[Store], start_at: float, seconds: float, mix: str) -> int:
     counts = [0] * len(stores)
     errors: list[BaseException] = []
 
@@ -231,10 +272,16 @@ def _run_mix(stores: list[Store], start_at: float, seconds: float) -> int:
         key = f"tput/{i}"
         time.sleep(max(0.0, start_at - time.monotonic()))
         end = start_at + seconds
+        counter = f"{key}/count"
+        call: Callable[[int], object]
+        if mix == "add":
+            call = lambda n: store.add(counter, 1)  # noqa: E731
+        else:
+            call = lambda n: store.set(key, b"%08d" % n + VALUE) if n % 2 == 0 else store.get(key)  # noqa: E731
         n = 0
         try:
             while time.monotonic() < end:
-                store.set(key, b"%08d" % n + VALUE) if n % 2 == 0 else store.get(key)
+                call(n)
                 n += 1
         except Exception as exc:  # noqa: BLE001
             errors.append(exc)

@@ -55,9 +55,20 @@ def _within_tcpstore(factor: float) -> Callable[[Row, list[Row]], bool]:
     return judge
 
 
-def _throughput_half(row: Row, rows: list[Row]) -> bool:
+def _throughput_of_tcpstore(share: float) -> Callable[[Row, list[Row]], bool]:
+    def judge(row: Row, rows: list[Row]) -> bool:
+        ref = _find(rows, TCPSTORE, row.metric, row.n)
+        return row.value is not None and ref is not None and ref.value is not None and row.value >= share * ref.value
+
+    return judge
+
+
+def tcpstore_ratio(row: Row, rows: list[Row]) -> float | None:
+    """``row``'s value over TCPStore's for the same metric and N (None without both)."""
     ref = _find(rows, TCPSTORE, row.metric, row.n)
-    return row.value is not None and ref is not None and ref.value is not None and row.value >= 0.5 * ref.value
+    if row.measurement != "store" or row.value is None or ref is None or not ref.value:
+        return None
+    return row.value / ref.value
 
 
 def _at_most(limit: float) -> Callable[[Row, list[Row]], bool]:
@@ -93,6 +104,21 @@ TARGETS = (
         _at_most(5.0),
     ),
     Target(
+        "<= 1.5x TCPStore's",
+        lambda r: r.measurement == "store" and r.backend == "rdzv-server" and r.metric == "add p50",
+        _within_tcpstore(1.5),
+    ),
+    Target(
+        "<= 30 µs",
+        lambda r: r.measurement == "store" and r.backend == "rdzv-server" and r.metric == "add server CPU",
+        _at_most(30.0),
+    ),
+    Target(
+        ">= 0.35x TCPStore's",
+        lambda r: r.measurement == "store" and r.backend == "rdzv-server" and r.metric == "add throughput" and r.n == 8,
+        _throughput_of_tcpstore(0.35),
+    ),
+    Target(
         "p50 <= 2x TCPStore's",
         lambda r: r.measurement == "store" and r.backend in RDZV and r.metric.endswith(" p50"),
         _within_tcpstore(2.0),
@@ -100,7 +126,7 @@ TARGETS = (
     Target(
         ">= 1/2 TCPStore's",
         lambda r: r.measurement == "store" and r.backend in RDZV and r.metric == "throughput" and r.n == 8,
-        _throughput_half,
+        _throughput_of_tcpstore(0.5),
     ),
     Target(
         "<= 1 s",
@@ -140,6 +166,7 @@ def judge(rows: list[Row]) -> None:
     for row in rows:
         for target in TARGETS:
             if target.applies(row) and row.status != "unavailable":
-                row.target = target.text
+                ratio = tcpstore_ratio(row, rows) if "TCPStore" in target.text else None
+                row.target = target.text if ratio is None else f"{target.text} ({ratio:.2f}x)"
                 row.passed = row.status == "ok" and target.judge(row, rows)
                 break

@@ -7,11 +7,16 @@ wire contract in :mod:`rdzv_client.wire`.
 What it must not know: torch. Importing this package never imports torch; the torch
 ``Store`` and the torchrun handler live in their own module, imported only by torch's
 entry point.
+
+The clients are imported on first use (PEP 562): the server imports this package's wire
+part (:mod:`rdzv_client.wire`, which runs this file first) and must not load the client's
+transport, aiohttp's client side or its policy with it.
 """
 
 from __future__ import annotations
 
-from .client import AsyncClient, Client, WatchResult
+from typing import TYPE_CHECKING, Any
+
 from .error import (
     BadRequestError,
     ConflictError,
@@ -27,6 +32,12 @@ from .error import (
     UnauthorizedError,
 )
 from .wire import Assignment
+
+if TYPE_CHECKING:
+    from .client import AsyncClient, Client, WatchResult
+
+# Names served by __getattr__, from the module that defines them.
+_LAZY = {"AsyncClient": "client", "Client": "client", "WatchResult": "client"}
 
 __all__ = [
     "Assignment",
@@ -46,3 +57,18 @@ __all__ = [
     "UnauthorizedError",
     "WatchResult",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # once imported, an ordinary attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -53,7 +53,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from . import wire
+from . import frame, wire
 from .error import ClientClosedError, RdzvConnectionError, ServerError
 from .tls import client_context, is_tls_misconfiguration, tls_failure
 
@@ -361,11 +361,10 @@ class SocketTransport:
                 sock.sendall(wire.STREAM_PREFACE + greeting + payload)
             else:
                 sock.sendall(wire.STREAM_PREFACE + payload)
-            reply, early = self._read_frame(sock, allow_more=bool(hello))
-            message = self._decode(reply)
+            replies = frame.FrameDecoder(self._max_response_bytes)
+            message = self._decode(self._read_frame(sock, replies, allow_more=bool(hello)))
             if hello and message[0] == hello and message[1] == 200:  # welcomed: the request's answer is next
-                reply, _ = self._read_frame(sock, early)
-                message = self._decode(reply)
+                message = self._decode(self._read_frame(sock, replies))
             ok = message[0] == tag  # tag 0: the server refused the connection and closes it
         except (OSError, EOFError) as exc:
             self._raise_if_closed(exc)
@@ -390,32 +389,26 @@ class SocketTransport:
             raise ServerError(f"the server sent a reply frame of the wrong shape: {message!r:.200}")
         return message
 
-    def _read_frame(self, sock: socket.socket, data: bytes = b"", *, allow_more: bool = False) -> tuple[bytes, bytes]:
-        """One frame's payload, and the bytes read past it (only the hello's answer may have
-        some: the request's answer, pipelined behind it; anything else is a protocol error)."""
-        size = wire.FRAME_HEADER.size
-        while len(data) < size:
-            chunk = sock.recv(DEFAULT_READ_BUFSIZE)
+    def _read_frame(self, sock: socket.socket, replies: frame.FrameDecoder, *, allow_more: bool = False) -> bytes:
+        """The next frame's payload off ``sock``, through ``replies`` (this exchange's decoder).
+        Only the hello's answer may have bytes behind it (the request's answer, pipelined);
+        any other reply with bytes after it is a protocol error."""
+        while True:
+            try:
+                payload = replies.next_payload()
+            except frame.FrameTooLarge as exc:
+                raise ServerError(f"the server's reply of {exc.length} bytes exceeds the client's limit") from exc
+            if payload is not None:
+                break
+            # The header in one read if it can; then exactly the rest of the frame, no more.
+            want = DEFAULT_READ_BUFSIZE if replies.buffered < frame.HEADER_LEN else min(replies.missing(), 1 << 20)
+            chunk = sock.recv(want)
             if not chunk:
                 raise EOFError("the server closed the connection mid-reply")
-            data += chunk
-        (length,) = wire.FRAME_HEADER.unpack_from(data)
-        if length > self._max_response_bytes:
-            raise ServerError(f"the server's reply of {length} bytes exceeds the client's limit")
-        need = size + length
-        if len(data) < need:
-            parts = [data]
-            have = len(data)
-            while have < need:
-                chunk = sock.recv(min(need - have, 1 << 20))
-                if not chunk:
-                    raise EOFError("the server closed the connection mid-reply")
-                parts.append(chunk)
-                have += len(chunk)
-            data = b"".join(parts)
-        if len(data) != need and not allow_more:
+            replies.feed(chunk)
+        if replies.buffered and not allow_more:
             raise ServerError("the server sent bytes after its reply, with no request outstanding")
-        return data[size:need], data[need:]
+        return payload
 
     def _checkout(self, endpoint: Endpoint, timeout: float, fresh: bool) -> tuple[socket.socket, bool]:
         with self._lock:

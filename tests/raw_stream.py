@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import struct
 from typing import Any
 
-import msgpack
+from rdzv_client import frame
 
 # A raw test socket waits this long for the server before it gives up.
 PATIENCE = 15.0
+# What a test reads: anything the server could send (the server bounds itself; tests check that).
+READ_LIMIT = 1 << 30
 
 
 def read_until_eof(sock: socket.socket, timeout: float = PATIENCE) -> bytes:
@@ -25,11 +26,11 @@ def read_until_eof(sock: socket.socket, timeout: float = PATIENCE) -> bytes:
 
 def stream_frames(data: bytes) -> list[list[Any]]:
     """The whole frames in ``data``, decoded."""
+    decoder = frame.FrameDecoder(READ_LIMIT)
+    decoder.feed(data)
     frames = []
-    while len(data) >= 4:
-        (n,) = struct.unpack(">I", data[:4])
-        frames.append(msgpack.unpackb(data[4 : 4 + n], raw=False))
-        data = data[4 + n :]
+    while (message := decoder.next_frame()) is not None:
+        frames.append(message)
     return frames
 
 
@@ -38,19 +39,16 @@ class FrameReader:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self._buf = b""
+        self._frames = frame.FrameDecoder(READ_LIMIT)
 
     def recv(self) -> list[Any]:
         """The next reply frame; ConnectionError once the server has closed (or reset) the socket."""
-        while len(self._buf) < 4 or len(self._buf) < 4 + struct.unpack(">I", self._buf[:4])[0]:
+        while (reply := self._frames.next_frame()) is None:
             try:
                 chunk = self.sock.recv(1 << 16)
             except ConnectionResetError:
                 chunk = b""
             if not chunk:
                 raise ConnectionError("the server closed the stream")
-            self._buf += chunk
-        (n,) = struct.unpack(">I", self._buf[:4])
-        reply: list[Any] = msgpack.unpackb(self._buf[4 : 4 + n], raw=False)
-        self._buf = self._buf[4 + n :]
-        return reply
+            self._frames.feed(chunk)
+        return reply  # type: ignore[no-any-return]

@@ -46,6 +46,11 @@ class TCPStoreService:
             self._service.kill()
             self._service = None
 
+    @property
+    def pid(self) -> int | None:
+        """The server process's pid (for its CPU time); None before start."""
+        return self._service.pid if self._service is not None else None
+
     def store_spec(self) -> StoreSpec:
         return StoreSpec(__name__, self.endpoint)
 

@@ -17,7 +17,8 @@ Rules:
   (``wire.HELLO_OP``); an operation before it, or a wrong token, is answered with a tag-0
   ``401 unauthorized`` frame and the connection is closed. The hello's grant then covers
   every request on the connection (a read-only token gets ``403 forbidden`` for writes).
-- Every valid request runs as its own task; replies are written in completion order.
+- Every valid request runs as its own task; replies are written in completion order. The
+  replies of the requests one read brings that answer at once go out in one write.
 - The connection closing (EOF or reset) cancels every request in flight, as aiohttp's
   ``handler_cancellation`` does for HTTP: a node's dropped watch is how the service
   notices fast that it died.
@@ -55,7 +56,7 @@ import sys
 from collections.abc import Coroutine, Generator
 from typing import Any, cast
 
-from rdzv_client import wire
+from rdzv_client import frame, wire
 
 from ..service import Service
 from .auth import Grant, TokenTable
@@ -77,8 +78,8 @@ MAX_IN_FLIGHT = 1024
 
 _PREFACE = wire.STREAM_PREFACE
 _PREFACE_LEN = len(_PREFACE)
-_HEADER_LEN = wire.FRAME_HEADER.size
-_read_header = wire.FRAME_HEADER.unpack_from
+_HEADER_LEN = frame.HEADER_LEN
+_frame_end = frame.frame_end
 _MAX_TAG = 2**63
 _EAGER_TASKS = sys.version_info >= (3, 12)
 _SHAPE = "a request frame is [tag: int 0..2**63-1, op: str, rdzv_id: str, fields: map]"
@@ -116,6 +117,7 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
         self._replying = True  # replies are written (False after a fatal error)
         self._writing_paused = False
         self._reading_paused = False
+        self._replies: list[bytes] | None = None  # while a read's frames are served: their replies
         self.in_flight: set[asyncio.Task[None]] = set()
         self.closed: asyncio.Future[None] = self._loop.create_future()
 
@@ -148,13 +150,9 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
 
     def _stranger_needs(self) -> int:
         """Bytes that complete the preface or the frame arriving (before the hello)."""
-        buffered = len(self._buffer)
         if not self._greeted:
-            return _PREFACE_LEN - buffered
-        if buffered < _HEADER_LEN:
-            return _HEADER_LEN - buffered
-        length: int = _read_header(self._buffer, 0)[0]
-        return max(1, _HEADER_LEN + length - buffered)
+            return _PREFACE_LEN - len(self._buffer)
+        return max(1, frame.missing(self._buffer))
 
     def _receive(self, data: bytes | memoryview, now: float) -> None:
         buf = self._buffer
@@ -244,20 +242,25 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
 
     def _parse(self, data: bytes | bytearray | memoryview) -> int:
         """Serve the whole frames at the start of ``data``; return how many bytes they took."""
-        pos, end = 0, len(data)
+        if self._replies is not None:  # (never expected: nothing serves frames while a read is served)
+            return self._parse_frames(data)
+        self._replies = []
+        try:
+            return self._parse_frames(data)
+        finally:
+            self._flush_replies()
+
+    def _parse_frames(self, data: bytes | bytearray | memoryview) -> int:
+        pos = 0
         with memoryview(data) as view:
-            while end - pos >= _HEADER_LEN and self._accepting and not self._held():
-                (length,) = _read_header(data, pos)
-                if length > self._limit:
+            while self._accepting and not self._held():
+                try:
+                    stop = _frame_end(data, pos, self._limit)
+                except frame.FrameTooLarge as exc:
                     self._table.rejected(wire.ErrorCode.BODY_TOO_LARGE)
-                    self._fail(
-                        413,
-                        wire.ErrorCode.BODY_TOO_LARGE,
-                        f"frame of {length} bytes exceeds the limit of {self._limit}",
-                    )
-                    return end
-                stop = pos + _HEADER_LEN + length
-                if stop > end:
+                    self._fail(413, wire.ErrorCode.BODY_TOO_LARGE, str(exc))
+                    return len(data)
+                if stop is None:
                     break
                 self._request(view[pos + _HEADER_LEN : stop])
                 pos = stop
@@ -368,7 +371,16 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
 
     def _send(self, tag: int, status: int, body: dict[str, Any]) -> None:
         if self._replying and self._transport is not None:
-            self._transport.write(wire.frame([tag, status, body]))
+            if self._replies is not None:
+                self._replies.append(wire.frame([tag, status, body]))
+            else:
+                self._transport.write(wire.frame([tag, status, body]))
+
+    def _flush_replies(self) -> None:
+        """Write the replies held back while a read's frames were served, in one write."""
+        replies, self._replies = self._replies, None
+        if replies and self._replying and self._transport is not None:
+            self._transport.write(replies[0] if len(replies) == 1 else b"".join(replies))
 
     # -- closing ---------------------------------------------------------------------------
 
@@ -377,6 +389,7 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
         transport = self._transport
         if transport is None or not self._replying:
             return
+        self._flush_replies()  # the answers before the failure go first
         self.connection_lost(None)  # cancels what runs, frees the buffer, counts the connection out
         Closing(self._table, code, message, wire.frame([0, status, wire.error_body(code, message)])).adopt(transport)
 

@@ -17,6 +17,7 @@ import urllib.request
 import uuid
 from typing import Any
 
+from raw_stream import FrameReader
 from server_process import ServerProcess
 
 from rdzv_client import AsyncClient, Client, wire
@@ -37,9 +38,7 @@ def open_watch(srv: ServerProcess, job: str, node: str, round_: int) -> socket.s
     hello = wire.frame([1, wire.HELLO_OP, "", {"token": srv.token}])
     watch = wire.frame([2, "watch", job, {"node_id": node, "round": round_, "known": 0, "hold": 20.0}])
     sock.sendall(wire.STREAM_PREFACE + hello + watch)
-    header = sock.recv(4, socket.MSG_WAITALL)
-    (length,) = struct.unpack(">I", header)
-    assert wire.unpack(sock.recv(length, socket.MSG_WAITALL), 1 << 20)[:2] == [1, 200]
+    assert FrameReader(sock).recv()[:2] == [1, 200]  # the hello's answer; the watch's is not sent yet
     return sock
 
 

@@ -34,6 +34,7 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from raw_stream import FrameReader
 from server_process import ServerProcess
 
 from rdzv_client import wire
@@ -229,24 +230,14 @@ class Stream:
     def __init__(self, srv: ServerProcess) -> None:
         self.sock = socket.create_connection(("127.0.0.1", srv.port), timeout=TIMEOUT)
         self.sock.sendall(PREFACE + wire.frame([1, wire.HELLO_OP, "", {"token": srv.token}]))
-        self._buf = b""
+        self._frames = FrameReader(self.sock)
         assert self.recv() == [1, 200, {"access": "write"}]
 
     def send_payload(self, payload: bytes) -> None:
         self.sock.sendall(struct.pack(">I", len(payload)) + payload)
 
-    def _read(self, n: int) -> bytes:
-        while len(self._buf) < n:
-            chunk = self.sock.recv(65536)
-            if not chunk:
-                raise ConnectionError("the server closed the stream")
-            self._buf += chunk
-        out, self._buf = self._buf[:n], self._buf[n:]
-        return out
-
     def recv(self) -> Any:
-        (length,) = struct.unpack(">I", self._read(4))
-        return msgpack.unpackb(self._read(length), raw=False)
+        return self._frames.recv()
 
     def close(self) -> None:
         self.sock.close()

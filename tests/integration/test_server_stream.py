@@ -29,9 +29,10 @@ from typing import Any
 import msgpack
 import psutil
 import pytest
+from raw_stream import READ_LIMIT
 from server_process import ServerProcess
 
-from rdzv_client import wire
+from rdzv_client import frame, wire
 from rdzv_server.api.stream import MAX_IN_FLIGHT
 
 PREFACE = b"\x00RDZV1\r\n"
@@ -80,7 +81,7 @@ class Stream:
     ) -> None:
         self.sock = socket.create_connection((host, port), timeout=timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._buf = bytearray()
+        self._frames = frame.FrameDecoder(READ_LIMIT)
         self._next_tag = 1
         if preface:
             self.sock.sendall(preface)
@@ -97,19 +98,13 @@ class Stream:
     def send(self, tag: int, op: str, rdzv_id: str, fields: dict[str, Any]) -> None:
         self.sock.sendall(encode_frame([tag, op, rdzv_id, fields]))
 
-    def _read(self, n: int) -> bytes:
-        while len(self._buf) < n:
+    def recv(self) -> Reply:
+        while (message := self._frames.next_frame()) is None:
             chunk = self.sock.recv(1 << 20)
             if not chunk:
-                raise ConnectionError(f"the server closed the connection ({len(self._buf)} of {n} bytes read)")
-            self._buf += chunk
-        out = bytes(self._buf[:n])
-        del self._buf[:n]
-        return out
-
-    def recv(self) -> Reply:
-        (length,) = struct.unpack(">I", self._read(4))
-        tag, status, body = msgpack.unpackb(self._read(length), raw=False)
+                raise ConnectionError(f"the server closed the connection ({self._frames.buffered} bytes of a frame read)")
+            self._frames.feed(chunk)
+        tag, status, body = message
         return Reply(tag, status, body)
 
     def call(self, op: str, rdzv_id: str, **fields: Any) -> Reply:
@@ -129,7 +124,7 @@ class Stream:
         """True if no byte arrives within ``seconds`` (the request is parked, not answered)."""
         self.sock.settimeout(seconds)
         try:
-            return not self._buf and not self.sock.recv(1, socket.MSG_PEEK)  # b"": closed, not parked
+            return not self._frames.buffered and not self.sock.recv(1, socket.MSG_PEEK)  # b"": closed, not parked
         except TimeoutError:
             return True
         finally:
@@ -137,7 +132,7 @@ class Stream:
 
     def at_eof(self) -> bool:
         """True once the server has closed its side (after any frames still unread)."""
-        return not self._buf and self.sock.recv(1) == b""
+        return not self._frames.buffered and self.sock.recv(1) == b""
 
     def reset(self) -> None:
         """Close abruptly with a reset, as the kernel does for a killed process with unread data."""

@@ -22,7 +22,7 @@ import msgpack
 import pytest
 from aiohttp import web
 
-from rdzv_client import ctl, wire
+from rdzv_client import ctl, frame, wire
 from rdzv_client.client import ELECTION_MAX_PAUSE, MAX_LEADER_REDIRECTS, AsyncClient, Client, backoff_delay
 from rdzv_client.error import NotLeaderError, RdzvConnectionError, error_from_body
 
@@ -92,9 +92,14 @@ class Replica:
     async def serve_stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             await reader.readexactly(len(wire.STREAM_PREFACE))
+            requests = frame.FrameDecoder(1 << 20)
             while True:
-                (size,) = wire.FRAME_HEADER.unpack(await reader.readexactly(wire.FRAME_HEADER.size))
-                tag, op, _, fields = msgpack.unpackb(await reader.readexactly(size))
+                while (request := requests.next_frame()) is None:
+                    data = await reader.read(1 << 16)
+                    if not data:
+                        return
+                    requests.feed(data)
+                tag, op, _, fields = request
                 status, body = (200, {}) if op == wire.HELLO_OP else self.answer(op, fields)
                 writer.write(wire.frame([tag, status, body]))
                 await writer.drain()

@@ -7,6 +7,8 @@ import ast
 import importlib
 import inspect
 import pkgutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,6 +70,19 @@ def forbidden(name: str) -> str | None:
         if name == root or name.startswith(root + "."):
             return root
     return None
+
+
+def test_the_server_imports_only_the_wire_part_of_the_client() -> None:
+    """DESIGN.md: the server shares the wire format with the client, never its transport or
+    policy; and the server never imports torch. A fresh interpreter, so nothing else loaded them."""
+    code = (
+        "import sys, rdzv_server.cli, rdzv_server.server\n"
+        "loaded = [m for m in ('rdzv_client.client', 'rdzv_client.transport', 'rdzv_client.torchrun', 'torch')"
+        " if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+        "assert 'rdzv_client.wire' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_core_has_modules_to_check() -> None:
