@@ -94,7 +94,7 @@ job() {
   srv=$!
   port=""
   for _ in $(seq 300); do
-    port=$(sed -n 's|^rdzv-server listening on http://127.0.0.1:\([0-9]*\).*|\1|p' "$dir/server.out" | head -n 1)
+    port=$(sed -n 's|^rdzv-server listening on http://127.0.0.1:\([0-9]*\).*|\1|p' "$dir/server.out" 2>/dev/null | head -n 1)
     [ -n "$port" ] && break
     kill -0 "$srv" 2>/dev/null || break
     sleep 0.1
