@@ -6,7 +6,10 @@ What it owns:
   (barrier, synchronize) and ``init_process_group(store=...)`` call;
 - :class:`RdzvServerHandler`, the torchrun ``RendezvousHandler`` of the backend
   ``rdzv-server``, made by :func:`create_handler` (the ``torchrun.handlers`` entry point
-  is the torch-free ``plugin.register``, which calls it).
+  is the torch-free ``plugin.register``, which calls it);
+- :func:`register_backend` and :func:`run_torchrun`, for torch 2.4 and 2.5, which never read
+  entry points: ``rdzv-torchrun`` (:mod:`rdzv_client.launcher`) registers the backend, then
+  runs torchrun's own ``main``.
 
 How a torchrun agent uses the handler (TORCH-NOTES.md): ``next_rendezvous()`` joins,
 offering a free port, and long-polls for the round; the assignment names node rank 0's
@@ -60,6 +63,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousParameters,
     RendezvousStoreInfo,
     RendezvousTimeoutError,
+    rendezvous_handler_registry,
 )
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
@@ -366,9 +370,9 @@ class RdzvServerHandler(RendezvousHandler):
         store = RdzvStore(self._client, self._run_id, round=a.round, timeout=self._store_timeout)
         if a.master_port:
             bootstrap = RendezvousStoreInfo(a.master_addr, a.master_port)
-        else:  # a server that does not hand out the port: exchange it through the store, as torch does
+        else:  # a server (or node rank 0) that does not hand out the port: exchange it through the store
             try:
-                bootstrap = RendezvousStoreInfo.build(a.node_rank, store, local_addr=self._addr)
+                bootstrap = _exchange_master_address(a.node_rank, store, self._addr, port)
             except (RdzvError, dist.DistStoreError) as exc:
                 raise _torch_error(exc, f"node {self._node_id} could not exchange the master address") from exc
         log.info(
@@ -496,6 +500,25 @@ class RdzvServerHandler(RendezvousHandler):
             self._closed = seen.closed
 
 
+def _exchange_master_address(node_rank: int, store: Store, addr: str, port: int) -> RendezvousStoreInfo:
+    """MASTER_ADDR / MASTER_PORT through the round's store: node rank 0 publishes its own addr
+    and offered ``port``, every node reads them back.
+
+    What torch's ``RendezvousStoreInfo.build`` does, under the same keys (so a node of an older
+    client that calls it reads what this one writes, and the other way round), without calling
+    it: its signature changed (torch 2.4's is ``build(rank, store)``, which publishes
+    ``socket.getfqdn()`` whatever ``--local-addr`` says; 2.6's takes ``local_addr``), and its
+    own port pick would leave unused the port this node already holds. Raises what the store's
+    ``set`` / ``get`` raise (``RdzvError``, ``DistStoreError`` on a timeout).
+    """
+    if node_rank == 0:
+        store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, addr)
+        store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(port))
+    master_addr = store.get(RendezvousStoreInfo.MASTER_ADDR_KEY).decode()
+    master_port = int(store.get(RendezvousStoreInfo.MASTER_PORT_KEY).decode())
+    return RendezvousStoreInfo(master_addr, master_port)
+
+
 def _endpoint(params: RendezvousParameters) -> str:
     if not params.endpoint:
         raise ValueError("--rdzv-endpoint is required for --rdzv-backend=rdzv-server (HOST[:PORT] of rdzv-server)")
@@ -581,3 +604,33 @@ def create_handler(params: RendezvousParameters) -> RdzvServerHandler:
     retry_budget = float(params.get("close_timeout", DEFAULT_CLOSE_TIMEOUT))
     client = _shared_client(_endpoint(params), retry_budget, client_options(params))
     return RdzvServerHandler(params, int(nproc), client=client)
+
+
+def register_backend() -> bool:
+    """Register the ``rdzv-server`` backend in torch's rendezvous registry unless it is there.
+
+    torch 2.6 and later register it by themselves from the ``torchrun.handlers`` entry point
+    while they import ``torch.distributed.elastic.rendezvous``, which this module's import has
+    done; torch 2.4 and 2.5 never read entry points, and their torchrun fails with "The
+    rendezvous backend 'rdzv-server' is not registered". Returns True when the registered
+    creator is :func:`create_handler` (this call's, or an earlier one's), False when torch
+    registered the entry point's creator (it is kept: registering another one would raise).
+    """
+    try:
+        rendezvous_handler_registry.register(BACKEND, create_handler)
+    except ValueError:  # "already registered with" another creator: the entry point's
+        return False
+    return True
+
+
+def run_torchrun(argv: Sequence[str] | None = None) -> None:
+    """torchrun with the backend registered first: ``rdzv-torchrun ARGS`` is ``torchrun ARGS``
+    on every torch (``argv`` None: the process's own arguments, as torchrun reads them).
+
+    Raises what torchrun's ``main`` raises (``ChildFailedError`` when workers failed; its
+    ``@record`` writes the error file first).
+    """
+    register_backend()
+    from torch.distributed import run  # torchrun's own module; imported only to launch
+
+    run.main(None if argv is None else list(argv))

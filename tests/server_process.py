@@ -95,13 +95,17 @@ class ServerProcess:
         """``http://127.0.0.1:PORT``, or ``https://`` for a TLS server: also a client endpoint."""
         return f"{self.scheme}://127.0.0.1:{self.port}"
 
-    def start(self) -> None:
+    def command(self) -> list[str]:
+        """The server's command line (``self.port`` is 0 until the first start picked one)."""
         cmd = [sys.executable, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(self.port)]
         if self.etcd is not None:
             cmd += ["--etcd", ",".join(self.etcd)]
         else:
             cmd += ["--memory"] if self.data_dir is None else ["--data-dir", str(self.data_dir)]
-        cmd += list(self.args)
+        return cmd + list(self.args)
+
+    def start(self) -> None:
+        cmd = self.command()
         env = {k: v for k, v in os.environ.items() if not k.startswith("RDZV_")}
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)

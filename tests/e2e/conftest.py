@@ -1,8 +1,9 @@
 """End-to-end fixtures: real ``torchrun`` agents ("nodes") against the real server.
 
-A :class:`Node` is one ``torchrun`` process started with ``start_new_session=True`` on
-127.0.0.1, with its own RESULT_DIR / NODE_NAME, its output in a file under the test's
-tmp dir, and a bounded :meth:`Node.wait`. :meth:`Node.kill` SIGKILLs the whole node:
+A :class:`Node` is one ``torchrun`` process (``rdzv-torchrun`` on a torch that reads no
+entry points: tests/torch_feature.py) started with ``start_new_session=True`` on 127.0.0.1,
+with its own RESULT_DIR / NODE_NAME, its output in a file under the test's tmp dir, and a
+bounded :meth:`Node.wait`. :meth:`Node.kill` SIGKILLs the whole node:
 the agent's process group AND its workers. (torch 2.13 starts every worker of a script
 entrypoint in a session of its own — ``SubprocessHandler`` passes
 ``start_new_session=True`` — so killing the agent's group alone would leave the workers
@@ -25,7 +26,6 @@ import os
 import signal
 import ssl
 import subprocess
-import sys
 import time
 import urllib.parse
 import uuid
@@ -36,6 +36,7 @@ from typing import Any
 import psutil
 import pytest
 from server_process import ServerProcess, TLSFiles
+from torch_feature import torchrun_command
 
 TRAIN = Path(__file__).with_name("train.py")
 TOKEN_ENV = "E2E_NODE_TOKEN"
@@ -201,12 +202,10 @@ class Cluster:
     ) -> Node:
         """Start one torchrun node running train.py against ``server`` (at ``endpoint``, by
         default ``server.endpoint``)."""
-        if server not in self.servers:
-            self.servers.append(server)
         workdir = self.tmp_path / "nodes" / name
         rdzv_conf = {**DEFAULT_CONF, **(conf or {})}
         cmd = [
-            sys.executable, "-m", "torch.distributed.run",
+            *torchrun_command(),  # plain torchrun, or rdzv-torchrun where torch reads no entry points
             "--rdzv-backend=rdzv-server",
             f"--rdzv-endpoint={endpoint or server.endpoint}",
             f"--rdzv-id={rdzv_id}",
@@ -220,17 +219,23 @@ class Cluster:
             *args,
             str(TRAIN),
         ]
+        node_env = {
+            "LOGLEVEL": "INFO",  # torch's agent logs (rendezvous results, restarts) with timestamps
+            "RESULT_DIR": str(workdir / "results"),
+            "NODE_NAME": name,
+            **(env or {}),
+        }
+        return self.launch(name, server, cmd, node_env)
+
+    def launch(self, name: str, server: Any, cmd: list[str], env: Mapping[str, str] | None = None) -> Node:
+        """Start one node running ``cmd`` (a whole torchrun command line) against ``server``:
+        this process's environment without RDZV_* / TORCHELASTIC_*, plus ``env``."""
+        if server not in self.servers:
+            self.servers.append(server)
         node_env = {k: v for k, v in os.environ.items() if not k.startswith(("RDZV_", "TORCHELASTIC_"))}
-        node_env.update(
-            OMP_NUM_THREADS="1",
-            LOGLEVEL="INFO",  # torch's agent logs (rendezvous results, restarts) with timestamps
-            PYTHONUNBUFFERED="1",
-            RESULT_DIR=str(workdir / "results"),
-            NODE_NAME=name,
-            **{TOKEN_ENV: self.token},
-        )
+        node_env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{TOKEN_ENV: self.token})
         node_env.update(env or {})
-        node = Node(name, cmd, node_env, workdir)
+        node = Node(name, cmd, node_env, self.tmp_path / "nodes" / name)
         self.nodes.append(node)
         return node.start()
 

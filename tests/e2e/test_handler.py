@@ -32,11 +32,12 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousGracefulExitError,
     RendezvousInfo,
     RendezvousParameters,
+    RendezvousStoreInfo,
 )
 
 from rdzv_client import Client
 from rdzv_client.error import NotFoundError
-from rdzv_client.torchrun import RdzvServerHandler
+from rdzv_client.torchrun import RdzvServerHandler, RdzvStore, _exchange_master_address
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -142,7 +143,9 @@ def test_shutdown_after_a_graceful_exit_turns_torch_2_13s_none_run_result_into_e
     member, spare = nodes.handler(job, 1), nodes.handler(job, 1)
     member.next_rendezvous()
     waiting = Waiting(spare)
-    wait_until(lambda: spare.offered_port is not None, 30, "the spare's join")
+    # On the server's standby list, not merely a port picked: a join that reached the server
+    # after the close would be refused as closed, not ended gracefully.
+    wait_until(lambda: [e["node_id"] for e in nodes.client.job(job)["standby"]] == [spare.node_id], 30, "a spare")
     member.shutdown()
     with pytest.raises(RendezvousGracefulExitError):
         waiting.result()
@@ -235,3 +238,35 @@ def test_a_workers_tcpstore_binds_the_offered_port_even_while_it_is_reserved(
     assert info.bootstrap_store_info is not None and info.bootstrap_store_info.master_port == port
     assert store.get("key") == b"value"
     del store
+
+
+def test_without_an_offered_port_the_master_address_goes_through_the_rounds_store_under_torchs_keys(
+    nodes: Nodes,
+) -> None:
+    """Node rank 0 of an older client offers no port: the others read MASTER_ADDR / MASTER_PORT
+    from the round's store, where torch's ``RendezvousStoreInfo.build`` writes them; a node rank 0
+    of ours that must publish them (a server that hands out no port) writes its own addr and
+    offered port under the same keys. No call of ``build``, whose signature differs on torch 2.4."""
+    job = f"noport-{uuid.uuid4().hex[:8]}"
+    joined: list[Any] = []
+    older = threading.Thread(target=lambda: joined.append(nodes.client.join(
+        job, node_id="older-node", addr="127.0.0.1", nproc_per_node=1, min_nodes=2, max_nodes=2,
+        last_call_timeout=1.0, join_timeout=60.0, heartbeat_ttl=2.0, timeout=30.0,
+    )), daemon=True)
+    older.start()
+    wait_until(lambda: joining(nodes.client, job), 30, "the older node's join")
+    waiting = Waiting(nodes.handler(job, 2))
+    older.join(30)
+    assert joined and (joined[0].node_rank, joined[0].master_port) == (0, 0)
+    store = RdzvStore(nodes.client, job, round=joined[0].round)
+    store.set("MASTER_ADDR", "127.0.0.1")  # what torch's build does on node rank 0
+    store.set("MASTER_PORT", "29555")
+    info = waiting.result()
+    assert info.rank == 1
+    assert info.bootstrap_store_info is not None
+    assert (info.bootstrap_store_info.master_addr, info.bootstrap_store_info.master_port) == ("127.0.0.1", 29555)
+
+    publishing = RdzvStore(nodes.client, job, round=joined[0].round + 1000)
+    assert _exchange_master_address(0, publishing, "127.0.0.1", 29556) == RendezvousStoreInfo("127.0.0.1", 29556)
+    assert publishing.get("MASTER_ADDR") == b"127.0.0.1" and publishing.get("MASTER_PORT") == b"29556"
+    assert _exchange_master_address(1, publishing, "elsewhere", 1) == RendezvousStoreInfo("127.0.0.1", 29556)

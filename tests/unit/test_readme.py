@@ -55,3 +55,18 @@ def test_the_high_availability_command_lines_parse_and_agree() -> None:
     assert (advertised.host, advertised.port) in listed, "a follower names the leader by an endpoint the agents have"
     args = ctl_parser().parse_args(shlex.split(rdzvctl)[1:])
     assert args.command == "cluster" and parse_endpoints(args.endpoint) == parse_endpoints(endpoint)
+
+
+def test_pyproject_and_readme_agree_on_the_torch_floor_and_readme_shows_it_passed() -> None:
+    """The floor is one number: every torch requirement in pyproject, README's "torch versions"
+    sentence, and the compat table's floor row (bench/torch-compat.sh ran on it)."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    floors = set(re.findall(r'"torch>=([0-9.]+)"', pyproject))
+    assert len(floors) == 1, f"pyproject states several torch floors: {floors}"
+    floor = floors.pop()
+    section = (ROOT / "README.md").read_text().split("## torch versions", 1)[1].split("\n## ", 1)[0]
+    assert f"**torch {floor} or later**" in section
+    row = re.search(rf"^\| {re.escape(floor)}\.\d+ \(the floor\) \| (.*)$", section, re.MULTILINE)
+    assert row is not None, f"README's compat table has no row for the floor, torch {floor}"
+    assert "failed" not in row.group(1) and "rdzv-torchrun` ok" in row.group(1), row.group(0)
+    assert "bench/torch-compat.sh" in section
