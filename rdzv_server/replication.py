@@ -20,8 +20,9 @@ A term, start to end (:meth:`Replication._term`):
    replicated log at that index and hand it to the service, which resets heartbeats (each
    node gets a full TTL of grace: no node is declared dead because the leader changed),
    schedules every deadline and serves.
-4. Step down when the lease is lost (keepalives failed for a TTL), when an append is not
-   committed (the fence failed, or etcd failed), or on shutdown: the service stops serving
+4. Step down when the lease is lost (etcd says so, or no keepalive was answered for a while
+   past the lease estimate: :mod:`.storage.election`), when an append is not committed (the
+   fence failed, or etcd failed), or on shutdown: the service stops serving
    at once, its memory (which may hold applied but uncommitted commands) is dropped, and a
    new term starts from step 1.
 
