@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ha-sizes", type=_csv(int, least=1), default=None, help="ha: formation sizes N (default 8,64; quick 8)")
     p.add_argument("--ha-ttls", type=_csv(int, least=2), default=None, help="ha: replica lease TTLs, s, >= 2 (default 2,5; quick 2)")
     p.add_argument("--ha-repeats", type=_count(1, 100), default=None, help="ha: leader kills per TTL (default 5; quick 3)")
+    p.add_argument(
+        "--ha-etcd-election-ms", type=_count(100, 50_000), default=0,
+        help="ha: etcd's --election-timeout in ms, heartbeat a tenth of it (default: etcd's own, 1000)",
+    )
     p.add_argument("--timeout", type=float, default=None, help="s per formation / re-rendezvous phase (default 120; quick 30)")
     p.add_argument("--out", type=Path, default=Path("bench/out"), help="output directory (default %(default)s)")
     p.add_argument("-v", "--verbose", action="store_true", help="progress on stderr too")
@@ -117,6 +121,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         ha_ttls=tuple(args.ha_ttls or (QUICK_HA_TTLS if quick else FULL_HA_TTLS)),
         ha_repeats=args.ha_repeats or (QUICK_HA_REPEATS if quick else FULL_HA_REPEATS),
         ha_ops=QUICK_HA_OPS if quick else FULL_HA_OPS,
+        ha_etcd_election_ms=args.ha_etcd_election_ms,
     )
 
 

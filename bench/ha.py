@@ -118,7 +118,7 @@ def measure(plan: Plan) -> tuple[list[Row], dict[str, Any]]:
     parts: dict[str, list[Row]] = {"throughput": [], "formation": [], "take-over": [], "etcd faults": [], "round trip": []}
     raw: dict[str, Any] = {"throughput": {}, "formation": {}, "take-over": {}, "etcd faults": {}, "round trip": {}}
     with contextlib.ExitStack() as cleanup:
-        etcd = EtcdCluster(ETCD_MEMBERS)
+        etcd = EtcdCluster(ETCD_MEMBERS, election_ms=plan.ha_etcd_election_ms)
         etcd_problem: tuple[str, str] | None = None  # (status, why) when etcd did not start
         started = time.monotonic()
         try:
@@ -501,7 +501,7 @@ def _etcd_faults_failed(plan: Plan, status: str, detail: str) -> list[Row]:
 
 def _etcd_faults_rows(plan: Plan, raw: dict[str, Any]) -> list[Row]:
     """Fresh etcd and replicas at the default lease; every fault of the module docstring."""
-    etcd = EtcdCluster(ETCD_MEMBERS)
+    etcd = EtcdCluster(ETCD_MEMBERS, election_ms=plan.ha_etcd_election_ms)
     backend = ReplicatedBackend([], size=REPLICAS, lease_ttl=FAULTS_LEASE_TTL)
     try:
         try:

@@ -59,8 +59,10 @@ def _get_json(url: str, timeout: float = 1.0) -> dict[str, object] | None:
 class EtcdCluster:
     """``size`` etcd members on 127.0.0.1; :attr:`client_urls` is what ``--etcd`` takes."""
 
-    def __init__(self, size: int = 3) -> None:
+    def __init__(self, size: int = 3, *, election_ms: int = 0) -> None:
+        """``election_ms``: etcd's ``--election-timeout`` (its heartbeat a tenth of it); 0 for etcd's default."""
         self.size = size
+        self.election_ms = election_ms
         self.client_urls: list[str] = []
         self._members: list[Service] = []
         self._paused: set[int] = set()
@@ -101,6 +103,8 @@ class EtcdCluster:
                     "--initial-cluster-token", token,
                     "--log-level", "warn",
                 ]  # fmt: skip
+                if self.election_ms:
+                    argv += ["--election-timeout", str(self.election_ms), "--heartbeat-interval", str(self.election_ms // 10)]
                 member = Service(f"etcd-m{i}", argv, log_dir / f"etcd-m{i}.log")
                 self._members.append(member)
                 member.start()  # no wait here: no member is healthy before a quorum runs

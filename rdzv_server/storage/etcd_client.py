@@ -98,14 +98,17 @@ logger = logging.getLogger(__name__)
 # caller notice a dead cluster well within a lease TTL's order of magnitude.
 DEFAULT_REQUEST_TIMEOUT_S = 5.0
 # One member gets this long before the next is tried: far above a loaded member's answer
-# (milliseconds; a 512 KiB txn tens of them) and well under etcd's election, so a request
-# stuck on a member that lost its leader moves on before the new leader is even elected.
-DEFAULT_ATTEMPT_TIMEOUT_S = 0.5
+# (milliseconds; a 512 KiB txn tens of them) and well under etcd's election (1-2 s by
+# default). A try sent to a follower that has not yet noticed its leader died is answered
+# only after etcd's own 7 s, so the write lands with the first try after etcd's election:
+# this deadline is how late it can be (with --election-timeout 500, writes resumed 0.6-1.3 s
+# after the leader's SIGKILL with 0.25 s, 1.1-1.6 s with 0.5 s).
+DEFAULT_ATTEMPT_TIMEOUT_S = 0.25
 # A pass over every member in which none answered in time gives each try of the next pass
-# this much longer (0.5, 0.75, 1.1 s...): a cluster slow everywhere still answers.
+# this much longer (0.25, 0.375, 0.56 s...): a cluster slow everywhere still answers.
 ATTEMPT_TIMEOUT_GROWTH = 1.5
 # Between passes over every endpoint, when none answered: short against etcd's election,
-# long enough not to spin on members that all say "no leader".
+# long enough not to spin on members that all say "no leader" (at most 10 passes a second).
 DEFAULT_RETRY_PAUSE_S = 0.1
 # gRPC metadata, sent through the gateway as a header, that makes etcd refuse a request (and
 # cancel a watch) when the member has no leader rather than hold it (rpctypes.MetadataRequireLeaderKey).
