@@ -3,7 +3,7 @@
     python -m bench                 # everything (10-25 minutes on 2 cores)
     python -m bench --quick         # every measurement, small (about 3 minutes)
     python -m bench --only formation,store --backends rdzv-server,c10d --sizes 8,64,256
-    python -m bench --only ha --quick   # replicas over etcd vs the single server (< ~1 minute)
+    python -m bench --only ha --quick   # replicas over etcd vs the single server, and etcd faults (~1 minute)
 
 Measurements (one module each): ``formation`` (bench.formation), ``store``
 (bench.store), ``rerdzv`` (bench.rerdzv), ``server`` (bench.server_cost), ``ha``
@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ha-ttls", type=_csv(int, least=2), default=None, help="ha: replica lease TTLs, s, >= 2 (default 2,5; quick 2)")
     p.add_argument("--ha-repeats", type=_count(1, 100), default=None, help="ha: leader kills per TTL (default 5; quick 3)")
     p.add_argument("--store-ops", type=_count(10, 1_000_000), default=None, help="store: latency samples per operation (default 2000; quick 100)")
+    p.add_argument(
+        "--ha-etcd-election-ms", type=_count(100, 50_000), default=0,
+        help="ha: etcd's --election-timeout in ms, heartbeat a tenth of it (default: etcd's own, 1000)",
+    )
     p.add_argument("--timeout", type=float, default=None, help="s per formation / re-rendezvous phase (default 120; quick 30)")
     p.add_argument("--out", type=Path, default=Path("bench/out"), help="output directory (default %(default)s)")
     p.add_argument("-v", "--verbose", action="store_true", help="progress on stderr too")
@@ -118,6 +122,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         ha_ttls=tuple(args.ha_ttls or (QUICK_HA_TTLS if quick else FULL_HA_TTLS)),
         ha_repeats=args.ha_repeats or (QUICK_HA_REPEATS if quick else FULL_HA_REPEATS),
         ha_ops=QUICK_HA_OPS if quick else FULL_HA_OPS,
+        ha_etcd_election_ms=args.ha_etcd_election_ms,
     )
 
 

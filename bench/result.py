@@ -64,6 +64,7 @@ class Plan:
     ha_ttls: tuple[int, ...]  # replica lease TTLs, s, each with its own take-overs (bench.ha)
     ha_repeats: int  # leader kills per TTL
     ha_ops: int  # round-trip samples per operation
+    ha_etcd_election_ms: int = 0  # etcd's --election-timeout (heartbeat a tenth of it); 0: etcd's default
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -20,8 +20,9 @@ A term, start to end (:meth:`Replication._term`):
    replicated log at that index and hand it to the service, which resets heartbeats (each
    node gets a full TTL of grace: no node is declared dead because the leader changed),
    schedules every deadline and serves.
-4. Step down when the lease is lost (keepalives failed for a TTL), when an append is not
-   committed (the fence failed, or etcd failed), or on shutdown: the service stops serving
+4. Step down when the lease is lost (etcd says so, or no keepalive was answered for a while
+   past the lease estimate: :mod:`.storage.election`), when an append is not committed (the
+   fence failed, or etcd failed), or on shutdown: the service stops serving
    at once, its memory (which may hold applied but uncommitted commands) is dropped, and a
    new term starts from step 1.
 
@@ -76,8 +77,10 @@ LEADER_WATCH_PAUSE_S = 0.5
 # single writer stuck on an etcd that does not answer never holds every queued write for
 # longer than a take-over would take.
 APPEND_TIMEOUT_LEASE_FRACTION = 0.5
-# ... but never less than this: etcd's own leader election takes about a second.
-MIN_APPEND_TIMEOUT_S = 1.0
+# ... but never less than this: etcd's own leader election (its leader member lost) takes
+# 1-2.5 s at etcd's default --election-timeout, and an append must outlast it, or losing one
+# etcd member would cost the leadership (bench --only ha: writes paused at most 1.6 s).
+MIN_APPEND_TIMEOUT_S = 3.0
 # A lease a resign could not revoke is tried again this often, this many times (each try
 # itself waits for etcd's answer up to the client's request timeout).
 STALE_LEASE_RETRY_S = 0.2
@@ -319,16 +322,11 @@ class Replication:
         lost = asyncio.ensure_future(election.lost.wait())
         stepped = asyncio.ensure_future(self._stepped_down.wait())
         try:
-            # Bounded by the lease: the estimate of when it surely lives is checked again
-            # whenever it runs out (a renewal moves it on), and leading ends once it has run
-            # out, whether or not a request comes to notice it, so that nothing waits on a
-            # leader that may have been replaced.
-            while not (lost.done() or stepped.done()):
-                remaining = election.valid_until - loop.time()
-                if remaining <= 0 and not election.lease_valid():
-                    self.step_down("its election lease may have expired (no renewal confirmed within its TTL)")
-                    break
-                await asyncio.wait({lost, stepped}, timeout=max(remaining, 0.01), return_when=asyncio.FIRST_COMPLETED)
+            # Leading ends when etcd says the lease is gone, or when no keepalive was answered
+            # for LEASE_LOSS_GRACE_S past the estimate (election.py sets ``lost`` either way).
+            # While the estimate has lapsed the service answers nothing (``lease_valid``), and
+            # appends in flight fail within their timeout, so nothing waits on this leader.
+            await asyncio.wait({lost, stepped}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             lost.cancel()
             stepped.cancel()

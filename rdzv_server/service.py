@@ -394,9 +394,9 @@ class Service:
             raise ShuttingDown("the server is shutting down; retry shortly")
         replication = self.replication
         if replication is not None and not (self.ready and replication.lease_valid()):
-            if replication.role == "leader":  # paused past its lease, or it is running out
-                self._stop_serving("its election lease may have expired")
-                replication.step_down("its election lease may have expired")
+            # A leader whose lease estimate ran out (paused past it, or etcd electing a new
+            # leader) answers nothing, but does not step down: etcd's answer to its keepalive
+            # decides, and a lease etcd kept makes it serve again at once (election.py).
             raise self._not_leader()
         if not self.ready:
             raise NotReady("the server is still recovering its log; retry shortly")

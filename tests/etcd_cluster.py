@@ -14,6 +14,11 @@ certificate (:class:`server_process.TLSFiles`; ``client_cert_auth=True`` also re
 client certificate signed by that CA); peers still talk plain http on loopback.
 ``extra_args`` go to every member (``("--auth-token-ttl", "1")``), and
 :meth:`EtcdCluster.enable_auth` turns on etcd's user/password authentication.
+
+Faults: :meth:`EtcdCluster.kill` (a crash), :meth:`EtcdCluster.pause` and
+:meth:`EtcdCluster.resume` (a member gone silent: its connections stay open and nothing
+answers); :meth:`EtcdCluster.leader` says which member is etcd's leader, to kill that one or
+to spare it.
 """
 
 from __future__ import annotations
@@ -189,6 +194,43 @@ class EtcdCluster:
             return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
         except OSError as exc:
             return f"(no log: {exc})"
+
+    def leader(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> int:
+        """The index of etcd's leader, once every running member names the same one (bounded)."""
+        context = self._ssl_context()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            named: set[str] = set()
+            ids: dict[str, int] = {}
+            for i, url in enumerate(self.client_urls):
+                process = self.processes[i]
+                if process is None or process.poll() is not None:
+                    continue
+                request = urllib.request.Request(url + "/v3/maintenance/status", data=b"{}", method="POST")
+                with (
+                    contextlib.suppress(OSError, urllib.error.URLError, ValueError),
+                    urllib.request.urlopen(request, timeout=1, context=context) as answer,
+                ):
+                    status = json.loads(answer.read())
+                    named.add(str(status.get("leader")))
+                    ids[str(status["header"]["member_id"])] = i
+            if len(named) == 1 and next(iter(named)) in ids:
+                return ids[next(iter(named))]
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the etcd members did not agree on a leader in time (they name {named})")
+            time.sleep(0.05)
+
+    def pause(self, i: int) -> None:
+        """SIGSTOP member ``i``: it goes silent, its connections stay open (a hung host)."""
+        process = self.processes[i]
+        if process is not None and process.poll() is None:
+            os.kill(process.pid, signal.SIGSTOP)
+
+    def resume(self, i: int) -> None:
+        """SIGCONT member ``i`` after :meth:`pause`."""
+        process = self.processes[i]
+        if process is not None and process.poll() is None:
+            os.kill(process.pid, signal.SIGCONT)
 
     def kill(self, i: int) -> None:
         """SIGKILL member ``i`` and reap it (a crash, not a shutdown)."""

@@ -2,7 +2,8 @@
 
 What it owns: :class:`EtcdCluster` (``size`` real etcd members on free 127.0.0.1 ports, data
 in a temporary folder under the bench's work dir, so on the same disk as the durable
-server's log) and :class:`ReplicatedBackend`, the ``rdzv-server`` backend whose endpoint
+server's log; which member is etcd's leader, SIGKILL, SIGSTOP/SIGCONT and restart of one)
+and :class:`ReplicatedBackend`, the ``rdzv-server`` backend whose endpoint
 lists every replica (``127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3``, as torchrun's
 ``--rdzv-endpoint`` would), with what the take-over measurement needs: which replica leads
 (each replica's ``/readyz``), SIGKILL of one, and its restart on the same port.
@@ -22,6 +23,7 @@ import functools
 import json
 import os
 import shutil
+import signal
 import tempfile
 import time
 import urllib.error
@@ -57,10 +59,14 @@ def _get_json(url: str, timeout: float = 1.0) -> dict[str, object] | None:
 class EtcdCluster:
     """``size`` etcd members on 127.0.0.1; :attr:`client_urls` is what ``--etcd`` takes."""
 
-    def __init__(self, size: int = 3) -> None:
+    def __init__(self, size: int = 3, *, election_ms: int = 0) -> None:
+        """``election_ms``: etcd's ``--election-timeout`` (its heartbeat a tenth of it); 0 for etcd's default."""
         self.size = size
+        self.election_ms = election_ms
         self.client_urls: list[str] = []
         self._members: list[Service] = []
+        self._paused: set[int] = set()
+        self._log_dir = Path(".")
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
 
     def start(self, work_dir: Path, log_dir: Path, timeout: float = ETCD_START_TIMEOUT) -> None:
@@ -74,6 +80,7 @@ class EtcdCluster:
         if binary is None:
             raise Unavailable("etcd is not installed (run bench/setup.sh: apt-get install etcd-server)")
         work_dir.mkdir(parents=True, exist_ok=True)
+        self._log_dir = log_dir
         self._tmp = tempfile.TemporaryDirectory(prefix="etcd3-bench-", dir=work_dir)
         client_ports = [free_port() for _ in range(self.size)]
         peer_ports = [free_port() for _ in range(self.size)]
@@ -96,6 +103,8 @@ class EtcdCluster:
                     "--initial-cluster-token", token,
                     "--log-level", "warn",
                 ]  # fmt: skip
+                if self.election_ms:
+                    argv += ["--election-timeout", str(self.election_ms), "--heartbeat-interval", str(self.election_ms // 10)]
                 member = Service(f"etcd-m{i}", argv, log_dir / f"etcd-m{i}.log")
                 self._members.append(member)
                 member.start()  # no wait here: no member is healthy before a quorum runs
@@ -106,14 +115,81 @@ class EtcdCluster:
             self.stop()
             raise
 
+    def leader(self, timeout: float = ETCD_START_TIMEOUT) -> int:
+        """The index of etcd's leader, once every running member names the same one (bounded)."""
+        found: list[int] = []
+
+        def agreed() -> bool:
+            named: set[str] = set()
+            ids: dict[str, int] = {}
+            for i, url in enumerate(self.client_urls):
+                member = self._members[i]
+                if i in self._paused or member.proc is None or member.proc.poll() is not None:
+                    continue
+                status = _post_json(url + "/v3/maintenance/status")
+                if status is None:
+                    return False
+                named.add(str(status.get("leader")))
+                ids[str(dict(status.get("header") or {}).get("member_id"))] = i
+            leader = next(iter(named)) if len(named) == 1 else None
+            found[:] = [ids[leader]] if leader in ids else []
+            return bool(found)
+
+        wait_until(agreed, timeout, "the etcd members to agree on a leader")
+        return found[0]
+
+    def kill(self, i: int) -> float:
+        """SIGKILL member ``i`` (a crash); return ``time.monotonic()`` right after the signal."""
+        proc = self._members[i].proc
+        assert proc is not None, f"etcd member m{i} was not started"
+        proc.kill()
+        killed = time.monotonic()
+        self._members[i].kill()  # reaps it
+        return killed
+
+    def pause(self, i: int) -> float:
+        """SIGSTOP member ``i`` (a hung host: its connections stay open); return when."""
+        os.kill(self._members[i].pid, signal.SIGSTOP)
+        self._paused.add(i)
+        return time.monotonic()
+
+    def resume(self, i: int) -> float:
+        """SIGCONT member ``i`` after :meth:`pause` (nothing if it is not paused); return when."""
+        if i in self._paused:
+            os.kill(self._members[i].pid, signal.SIGCONT)
+            self._paused.discard(i)
+        return time.monotonic()
+
+    def restart(self, i: int, timeout: float = ETCD_START_TIMEOUT) -> None:
+        """Start member ``i`` again on its data (after :meth:`kill`) and wait until it is
+        healthy and the members agree on a leader. Raises :class:`bench.process.Timeout`."""
+        old = self._members[i]
+        member = self._members[i] = Service(old.name, old.argv, old.log_path)
+        member.start()
+        url = self.client_urls[i] + "/health"
+        wait_until(functools.partial(_member_healthy, member, url), timeout, f"etcd member m{i} to be healthy again")
+        self.leader(timeout)
+
     def stop(self) -> None:
         """Stop every member and delete the data (idempotent)."""
+        for i in list(self._paused):  # a stopped process cannot take SIGTERM
+            self.resume(i)
         for member in self._members:
             member.stop()
         self._members = []
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+
+def _post_json(url: str, timeout: float = 1.0) -> dict[str, object] | None:
+    """etcd's JSON answer to an empty POST at ``url``, or None when it does not answer."""
+    request = urllib.request.Request(url, data=b"{}", method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            return dict(json.loads(answer.read()))
+    except (OSError, ValueError):
+        return None
 
 
 def _member_healthy(member: Service, url: str) -> bool:

@@ -243,8 +243,9 @@ async def readyz(request: web.Request) -> web.Response:
     # A candidate between terms (etcd unreachable, a lost lease) has no state it keeps current.
     following = svc.replication is not None and svc.recovered and not svc.stopping and svc.role == "follower"
     if svc.role == "leader" and svc.replication is not None and not svc.replication.lease_valid():
-        # Paused past its lease, say: another replica may lead by now.
-        message = "this replica's election lease may have expired: it steps down"
+        # Paused past its lease, say, or etcd electing its own leader: another replica may lead
+        # by now, unless etcd confirms the lease at the next keepalive.
+        message = "this replica's election lease may have expired: it serves nothing until etcd confirms it"
         return encode(request, wire.error_body(wire.ErrorCode.NOT_READY, message), status=503)
     if not (svc.ready or following):
         why = "recovering the log" if svc.replication is None else "this replica neither leads nor follows (etcd?)"

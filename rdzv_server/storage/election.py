@@ -12,10 +12,17 @@ How it works (the recipe of etcd's own ``concurrency.Election``):
   increasing create revision; the live key with the smallest one is the leader.
 - A candidate that is not the oldest watches the key just older than its own and checks
   again when that key goes away (its holder resigned, or its lease expired), so a takeover
-  happens within the old lease's TTL of the old leader's last keepalive.
-- The keepalive loop renews the lease every third of the TTL. If etcd says the lease is
-  gone, or no renewal succeeded for a whole TTL, this replica stops calling itself leader
-  (:attr:`Election.lost` is set) and never leads again under that campaign.
+  happens within the old lease's TTL of the old leader's last keepalive. A watch that breaks
+  (its etcd member died or went silent) is opened again, on another member, and the check
+  repeated: losing an etcd member does not end a campaign.
+- The keepalive loop renews the lease every third of the TTL, and at once again (the client
+  moving from member to member) when a renewal fails. etcd's answers decide whether the
+  lease is alive: when etcd says it is gone, this replica stops calling itself leader
+  (:attr:`Election.lost` is set) and never leads again under that campaign. When etcd does
+  not answer, the lease may still be alive (a new etcd leader extends every lease by its
+  election), so the loop keeps asking for :data:`LEASE_LOSS_GRACE_S` past the estimate
+  below before it gives the lease up. Meanwhile :meth:`Election.lease_valid` is false (the
+  replica serves nothing), and true again as soon as a renewal is confirmed.
 
 Invariants:
 - Leading is decided by etcd, not by this process's belief. :attr:`Election.is_leader` is
@@ -35,13 +42,37 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
-from .etcd_client import Compare, EtcdClient, EtcdError, Get, KeyValue, Put, prefix_end
+from .etcd_client import (
+    GRPC_NOT_FOUND,
+    Compare,
+    EtcdClient,
+    EtcdError,
+    EtcdRequestError,
+    EtcdUnavailableError,
+    EtcdWatchCompactedError,
+    Get,
+    KeyValue,
+    Put,
+    prefix_end,
+)
 
 logger = logging.getLogger(__name__)
 
 # A dead leader is replaced within about this long; a GC pause or a slow etcd shorter than
 # it does not cost a replica its leadership.
 DEFAULT_LEASE_TTL_S = 5
+# How long past the lease estimate (see Election.valid_until) keepalives go on, unanswered,
+# before the lease is given up: etcd's own election takes one to two election timeouts (1 s
+# by default) and its new leader extends every lease, so a renewal confirmed within this
+# keeps the leadership; a lease etcd did expire is refused at the first answer anyway.
+LEASE_LOSS_GRACE_S = 3.0
+# A candidate's watch that breaks is opened again this many times in a row (each open tries
+# every member), this far apart, before the campaign fails (as the log's tail does).
+WATCH_REOPENS = 20
+WATCH_REOPEN_PAUSE_S = 0.5
+# After a renewal that failed, the next one goes after this short pause (the client has
+# already spent its request deadline trying every member, unless etcd refused outright).
+KEEPALIVE_RETRY_PAUSE_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -80,9 +111,9 @@ class Election:
         self._keepalive: asyncio.Task[None] | None = None
         self.lost = asyncio.Event()
         # Until when (the loop's monotonic clock) etcd cannot have expired the lease: the
-        # send time of the last renewal etcd confirmed, plus the TTL. etcd counts the TTL
-        # from when it received the renewal, so this errs early. A process that was paused
-        # (SIGSTOP, a long GC) sees it passed the moment it runs again.
+        # send time of the last renewal etcd confirmed, plus the TTL it answered. etcd counts
+        # the TTL from when it received the renewal, so this errs early. A process that was
+        # paused (SIGSTOP, a long GC) sees it passed the moment it runs again.
         self.valid_until = 0.0
 
     @property
@@ -154,18 +185,28 @@ class Election:
     async def _wait_until_oldest(self) -> LeaderKey:
         assert self._own is not None
         own = self._own
+        broken = 0  # watches broken in a row, without a range read in between
         # Bounded by the caller's timeout (or the lease's loss); each pass waits for one
-        # older candidate to go, and there are finitely many older ones.
+        # older candidate to go, there are finitely many older ones, and a broken watch is
+        # reopened at most WATCH_REOPENS times in a row.
         while True:
-            older = await self._client.range(
-                self._dir, prefix_end(self._dir), sort_by_create=True
-            )
+            older = await self._client.range(self._dir, prefix_end(self._dir), sort_by_create=True)
             ahead = [kv for kv in older.kvs if kv.create_revision < own.create_revision]
             if not any(kv.key == own.key for kv in older.kvs):
                 raise ElectionLostError(f"Replica {self.name}'s election key is gone (its lease expired).")
             if not ahead:
                 return LeaderKey(own.key, own.create_revision, self.name)
-            await self._wait_deleted(ahead[-1].key, older.revision + 1)
+            try:
+                await self._wait_deleted(ahead[-1].key, older.revision + 1)
+                broken = 0
+            except (EtcdUnavailableError, EtcdWatchCompactedError) as exc:
+                # Its member died or went silent (or the history moved on): the range above,
+                # read again, says whether the key ahead is gone meanwhile.
+                broken += 1
+                if broken > WATCH_REOPENS:
+                    raise
+                logger.warning("Replica %s's election watch broke (%s); watching again.", self.name, exc)
+                await asyncio.sleep(WATCH_REOPEN_PAUSE_S)
 
     async def _wait_deleted(self, key: bytes, start_revision: int) -> None:
         async for batch in self._client.watch(key, start_revision=start_revision):
@@ -174,20 +215,36 @@ class Election:
 
     async def _keep_alive(self) -> None:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.ttl_s
+        pause = self.ttl_s / 3
         try:
-            while loop.time() < deadline:
-                await asyncio.sleep(self.ttl_s / 3)
-                sent = loop.time()
+            while True:  # until etcd says the lease is gone, or it stayed silent past the grace
+                await asyncio.sleep(pause)
                 try:
-                    ttl = await self._client.lease_keepalive(self.lease_id)
+                    renewal = await self._client.lease_keepalive(self.lease_id)
+                except EtcdRequestError as exc:
+                    if exc.code == GRPC_NOT_FOUND:
+                        logger.warning("etcd says the election lease of replica %s is gone: %s", self.name, exc)
+                        break
+                    renewal = None
+                    failure: EtcdError = exc
                 except EtcdError as exc:
-                    logger.warning("Replica %s could not renew its election lease: %s", self.name, exc)
+                    renewal = None
+                    failure = exc
+                if renewal is None:
+                    if loop.time() > self.valid_until + LEASE_LOSS_GRACE_S:
+                        logger.warning(
+                            "Replica %s could not renew its election lease for %.1f s past its estimate: %s",
+                            self.name, LEASE_LOSS_GRACE_S, failure,
+                        )  # fmt: skip
+                        break
+                    logger.warning("Replica %s could not renew its election lease yet: %s", self.name, failure)
+                    pause = KEEPALIVE_RETRY_PAUSE_S
                     continue
-                if ttl <= 0:
+                if renewal.ttl <= 0:
+                    logger.warning("etcd says the election lease of replica %s has expired.", self.name)
                     break
-                deadline = loop.time() + self.ttl_s
-                self.valid_until = sent + ttl
+                self.valid_until = max(self.valid_until, renewal.sent + renewal.ttl)
+                pause = self.ttl_s / 3
             logger.warning(
                 "Replica %s lost its election lease %x; it no longer leads.", self.name, self.lease_id
             )

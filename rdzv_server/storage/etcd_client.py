@@ -17,18 +17,36 @@ served on every client URL since 3.3 (``/v3/`` since 3.4), and aiohttp is alread
 server's HTTP stack. The cost is ours to carry: this module is about 400 lines.
 
 Rules:
-- Every request has a timeout (:attr:`EtcdClient.request_timeout_s`). A connection error,
-  a timeout, or an answer of gRPC code 14 (unavailable: no leader yet, a member cut off)
-  moves on to the next endpoint; after ``retry_rounds`` passes over all endpoints with a
-  short pause between passes, the call raises :class:`EtcdUnavailableError`. The retry is
-  therefore *at least once*: callers send only requests that are safe to repeat (puts of
-  the same value under the same compare, reads, lease grants whose spare lease expires).
+- Every request has a deadline (:attr:`EtcdClient.request_timeout_s`), and each try on one
+  member a much shorter one (:attr:`EtcdClient.attempt_timeout_s`). A connection error, a
+  try that ran out of time, or an answer of gRPC code 14 (unavailable: no leader, a member
+  cut off) moves on to the next endpoint; after a pass over all of them, a short pause and
+  another pass, until the request's deadline, when the call raises
+  :class:`EtcdUnavailableError`. Why a deadline per try: a member whose leader just died
+  holds a write until etcd's own request timeout (7 s) before it says so, while the other
+  members elect a new leader in one or two seconds; a silent member (a hung host) never
+  answers. The next request starts at the member after one that failed. A pass in which
+  no member answered in time gives the next pass's tries half again as long, so a cluster
+  that is merely slow everywhere still answers within the deadline.
+- Every request asks etcd to refuse it at once when the member has no leader (gRPC
+  metadata ``hasleader``, as etcd's own clients send it), instead of holding it: during
+  etcd's election the client cycles through the members quickly and lands on the new
+  leader's term within a pause of its start.
+- The retry is therefore *at least once*, and a try abandoned after its deadline may still
+  commit: callers send only requests that are safe to repeat (puts of the same value under
+  the same compare, whose repeat reads back what the first one wrote; reads; lease grants
+  whose spare lease expires).
 - Any other error etcd answers (a bad request, a lease not found) raises
   :class:`EtcdRequestError` with etcd's gRPC code and message, at once: retrying cannot help.
 - A failed compare in a txn is a result (``TxnResult.succeeded`` is false), not an error.
 - A watch is one HTTP stream; it is not retried here (the caller knows from which revision
   to resume) and raises :class:`EtcdWatchCompactedError` when the history it asks for was
-  compacted away.
+  compacted away. A watch never goes quiet unnoticed: after :data:`WATCH_QUIET_S` without a
+  word from its member the client asks for a progress notification on the same stream
+  (etcd answers it at once, events or none), and a member that does not answer within
+  :data:`WATCH_PROGRESS_TIMEOUT_S` ends the watch with :class:`EtcdUnavailableError` (a
+  SIGSTOPped member, a host gone without a reset). So does a stream that ends, and etcd
+  canceling the watch because its member lost its leader.
 
 TLS. ``https://`` endpoints, watch streams included, are verified with the
 ``ssl_context`` given (:func:`etcd_ssl_context` builds it from ``--etcd-ca``,
@@ -62,7 +80,7 @@ import json
 import logging
 import re
 import ssl
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -75,14 +93,33 @@ from .error import StorageError
 
 logger = logging.getLogger(__name__)
 
-# A follower answering a range or a txn takes a few ms; a leader election in etcd takes
-# about one election timeout (1 s by default). 5 s covers that with room, and still lets a
+# A follower answering a range or a txn takes a few ms; a leader election in etcd takes one
+# to two election timeouts (1 s by default). 5 s covers that with room, and still lets a
 # caller notice a dead cluster well within a lease TTL's order of magnitude.
 DEFAULT_REQUEST_TIMEOUT_S = 5.0
-# Three passes over every endpoint, 0.2 s apart: rides out an etcd leader election (about
-# 1 s) without hanging a caller on a cluster that lost quorum.
-DEFAULT_RETRY_ROUNDS = 3
-DEFAULT_RETRY_PAUSE_S = 0.2
+# One member gets this long before the next is tried: far above a loaded member's answer
+# (milliseconds; a 512 KiB txn tens of them) and well under etcd's election (1-2 s by
+# default). A try sent to a follower that has not yet noticed its leader died is answered
+# only after etcd's own 7 s, so the write lands with the first try after etcd's election:
+# this deadline is how late it can be (with --election-timeout 500, writes resumed 0.6-1.3 s
+# after the leader's SIGKILL with 0.25 s, 1.1-1.6 s with 0.5 s).
+DEFAULT_ATTEMPT_TIMEOUT_S = 0.25
+# A pass over every member in which none answered in time gives each try of the next pass
+# this much longer (0.25, 0.375, 0.56 s...): a cluster slow everywhere still answers.
+ATTEMPT_TIMEOUT_GROWTH = 1.5
+# Between passes over every endpoint, when none answered: short against etcd's election,
+# long enough not to spin on members that all say "no leader" (at most 10 passes a second).
+DEFAULT_RETRY_PAUSE_S = 0.1
+# gRPC metadata, sent through the gateway as a header, that makes etcd refuse a request (and
+# cancel a watch) when the member has no leader rather than hold it (rpctypes.MetadataRequireLeaderKey).
+REQUIRE_LEADER = {"Grpc-Metadata-Hasleader": "true"}
+# A watch with nothing to say for this long is asked for a progress notification: etcd
+# sends its own only every 10 minutes by default (--experimental-watch-progress-notify-interval).
+WATCH_QUIET_S = 1.0
+# A watch's member must answer that (or anything) within this long, else the watch is dead;
+# it also bounds opening a watch. A member answers progress requests itself, at once.
+WATCH_PROGRESS_TIMEOUT_S = 2.0
+WATCH_PROGRESS_REQUEST = b'{"progress_request": {}}\n'
 # A watch answer is one JSON line; this bounds what one line may buffer (etcd's own request
 # limit is 1.5 MiB, and base64 plus JSON grow it by about a half).
 MAX_WATCH_LINE_BYTES = 64 * 1024 * 1024
@@ -286,6 +323,38 @@ def _tls_hint(error: ssl.SSLError) -> str:
     return "check etcd's --cert-file/--key-file and this server's --etcd-ca, --etcd-cert and --etcd-key"
 
 
+async def _within(opening: Awaitable[aiohttp.ClientResponse], timeout_s: float) -> aiohttp.ClientResponse:
+    """The response ``opening`` gives within ``timeout_s``, else ``asyncio.TimeoutError``.
+
+    Not asyncio.wait_for, which (before Python 3.12) returns the response instead of raising
+    when the caller is cancelled just as it arrives; here the caller's cancellation always
+    wins, and a response that came too late is closed.
+    """
+    task = asyncio.ensure_future(opening)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except BaseException:
+        task.cancel()
+        task.add_done_callback(_close_response)
+        raise
+    if not done:
+        task.cancel()
+        task.add_done_callback(_close_response)
+        raise asyncio.TimeoutError()
+    return task.result()
+
+
+def _close_response(task: asyncio.Future[aiohttp.ClientResponse]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        task.result().close()
+
+
+async def _request_lines(requests: asyncio.Queue[bytes | None]) -> AsyncIterator[bytes]:
+    """A watch's request body: each line put in ``requests``, until ``None``."""
+    while (line := await requests.get()) is not None:
+        yield line
+
+
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
@@ -433,6 +502,15 @@ class Lease:
 
 
 @dataclass(frozen=True)
+class LeaseRenewal:
+    """A keepalive's answer: the lease's TTL from the renewal on (seconds; 0: the lease is
+    gone), and the event loop's time when the request etcd answered was sent."""
+
+    ttl: int
+    sent: float
+
+
+@dataclass(frozen=True)
 class WatchEvent:
     """One change: ``kind`` is ``PUT`` or ``DELETE``; ``kv`` holds the key (and value, for a put)."""
 
@@ -466,7 +544,7 @@ class EtcdClient:
         endpoints: Sequence[str],
         *,
         request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-        retry_rounds: int = DEFAULT_RETRY_ROUNDS,
+        attempt_timeout_s: float = DEFAULT_ATTEMPT_TIMEOUT_S,
         retry_pause_s: float = DEFAULT_RETRY_PAUSE_S,
         ssl_context: ssl.SSLContext | None = None,
         username: str | None = None,
@@ -484,7 +562,7 @@ class EtcdClient:
             raise ValueError("EtcdClient needs both username and password for etcd's authentication, or neither.")
         self.endpoints = [url.rstrip("/") for url in endpoints]
         self.request_timeout_s = request_timeout_s
-        self._retry_rounds = max(1, retry_rounds)
+        self.attempt_timeout_s = min(attempt_timeout_s, request_timeout_s)
         self._retry_pause_s = retry_pause_s
         self._current = 0  # the endpoint that answered last: tried first next time
         self._session: aiohttp.ClientSession | None = None
@@ -510,9 +588,10 @@ class EtcdClient:
 
     # ------------------------------------------------------------------ transport
 
-    async def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _call(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
         """POST ``body`` to ``path`` with this client's token, authenticating again once if
-        etcd refused the token; see the module docstring."""
+        etcd refused the token; see the module docstring. Returns etcd's answer and the loop
+        time the try that got it was sent at."""
         token = await self._request_token()
         try:
             return await self._post(path, body, token)
@@ -542,7 +621,7 @@ class EtcdClient:
         """Get a token for this client's user (the caller holds ``_auth_lock``)."""
         body = {"name": self.username, "password": self._password}
         try:
-            answer = await self._post("/v3/auth/authenticate", body, None)
+            answer, _ = await self._post("/v3/auth/authenticate", body, None)
         except EtcdRequestError as exc:
             if exc.code != GRPC_FAILED_PRECONDITION or exc.etcd_message != ERR_AUTH_NOT_ENABLED:
                 raise
@@ -561,10 +640,12 @@ class EtcdClient:
             self._token = token
         self._authenticated = True
 
-    async def _post(self, path: str, body: dict[str, Any], token: str | None) -> dict[str, Any]:
-        """POST ``body`` to ``path`` on one endpoint after another; see the module docstring."""
-        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
-        headers = {"Content-Type": "application/json"}
+    async def _post(self, path: str, body: dict[str, Any], token: str | None) -> tuple[dict[str, Any], float]:
+        """POST ``body`` to ``path`` on one endpoint after another until the request's
+        deadline; see the module docstring. Returns the answer and when its try was sent."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.request_timeout_s
+        headers = {"Content-Type": "application/json", **REQUIRE_LEADER}
         if token:
             headers["Authorization"] = token
         # A file-like body: aiohttp warns (ResourceWarning) on a bytes or JSON body over 1 MiB,
@@ -572,13 +653,19 @@ class EtcdClient:
         encoded = json.dumps(body).encode()
         failures: list[str] = []
         count = len(self.endpoints)
-        for round_ in range(self._retry_rounds):
-            if round_:
-                await asyncio.sleep(self._retry_pause_s)
+        attempt_timeout = self.attempt_timeout_s
+        passes = 0
+        while True:  # bounded by the deadline: every try and every pause is cut to what is left
             tls_failures: list[str] = []
+            timed_out = 0
+            first = self._current
             for step in range(count):
-                index = (self._current + step) % count
+                sent = loop.time()
+                if sent >= deadline:
+                    break
+                index = (first + step) % count
                 url = self.endpoints[index] + path
+                timeout = aiohttp.ClientTimeout(total=min(attempt_timeout, deadline - sent))
                 try:
                     data = io.BytesIO(encoded)
                     async with self._http().post(url, data=data, headers=headers, timeout=timeout) as response:
@@ -586,24 +673,43 @@ class EtcdClient:
                         status = response.status
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                     _note_failure(self.endpoints[index], url, exc, failures, tls_failures)
+                    timed_out += isinstance(exc, asyncio.TimeoutError)
+                    self._move_past(index)
                     continue
                 answer = self._decode(url, status, text)
                 error = answer.get("error")
                 if status == 200 and error is None:
                     self._current = index
-                    return answer
+                    return answer, sent
                 code = _int(answer.get("code"))
                 message = str(answer.get("message") or error or text[:200])
+                if isinstance(error, dict):  # a streaming call's error (lease keepalive) is an object
+                    code = _int(error.get("grpc_code") or error.get("code"))
+                    message = str(error.get("message") or error)
                 if code == GRPC_UNAVAILABLE:
                     failures.append(f"{url}: {message}")
+                    self._move_past(index)
                     continue
                 raise self._refusal(url, code, message)
+            passes += 1
+            if timed_out == count:  # no member answered in time, not even "no leader": slow, not dead
+                attempt_timeout *= ATTEMPT_TIMEOUT_GROWTH
             if len(tls_failures) == count:
                 raise EtcdTLSError(f"No etcd endpoint could be reached over TLS for {path}: {'; '.join(tls_failures)}.")
+            if loop.time() + self._retry_pause_s >= deadline:
+                break
+            await asyncio.sleep(self._retry_pause_s)
         raise EtcdUnavailableError(
-            f"No etcd endpoint answered {path} after {self._retry_rounds} passes over {self.endpoints}; "
-            f"check that a quorum of the cluster is up and reachable. Last errors: {'; '.join(failures[-count:])}"
+            f"No etcd endpoint answered {path} within {self.request_timeout_s:g} s ({passes} passes over "
+            f"{self.endpoints}); check that a quorum of the cluster is up and reachable. "
+            f"Last errors: {'; '.join(failures[-count:])}"
         )
+
+    def _move_past(self, index: int) -> None:
+        """Endpoint ``index`` failed: the next request starts at the one after it (unless
+        another request already moved on), not where it would wait out a deadline again."""
+        if self._current == index:
+            self._current = (index + 1) % len(self.endpoints)
 
     def _refusal(self, url: str, code: int, message: str) -> EtcdRequestError:
         """The error for etcd's refusal at ``url``: :class:`EtcdAuthError` for an auth refusal."""
@@ -659,7 +765,7 @@ class EtcdClient:
         if sort_by_create:
             body["sort_order"] = "ASCEND"
             body["sort_target"] = "CREATE"
-        answer = await self._call("/v3/kv/range", body)
+        answer, _ = await self._call("/v3/kv/range", body)
         return RangeResult(
             kvs=[KeyValue.from_json(kv) for kv in answer.get("kvs", [])],
             more=bool(answer.get("more")),
@@ -675,12 +781,12 @@ class EtcdClient:
     async def put(self, key: bytes, value: bytes, *, lease: int = 0) -> int:
         """Put ``value`` at ``key``; return the revision it was written at."""
         body = Put(key, value, lease).to_json()["request_put"]
-        answer = await self._call("/v3/kv/put", body)
+        answer, _ = await self._call("/v3/kv/put", body)
         return _int(answer.get("header", {}).get("revision"))
 
     async def delete_range(self, key: bytes, range_end: bytes = b"") -> int:
         """Delete ``key`` (up to ``range_end``, excluded); return how many keys were deleted."""
-        answer = await self._call("/v3/kv/deleterange", DeleteRange(key, range_end).to_json()["request_delete_range"])
+        answer, _ = await self._call("/v3/kv/deleterange", DeleteRange(key, range_end).to_json()["request_delete_range"])
         return _int(answer.get("deleted"))
 
     async def txn(
@@ -698,7 +804,7 @@ class EtcdClient:
             "success": [op.to_json() for op in success],
             "failure": [op.to_json() for op in failure],
         }
-        answer = await self._call("/v3/kv/txn", body)
+        answer, _ = await self._call("/v3/kv/txn", body)
         ranges = [
             [KeyValue.from_json(kv) for kv in response["response_range"].get("kvs", [])]
             for response in answer.get("responses", [])
@@ -718,13 +824,14 @@ class EtcdClient:
 
     async def lease_grant(self, ttl_s: int) -> Lease:
         """A new lease that expires ``ttl_s`` seconds after its last keepalive."""
-        answer = await self._call("/v3/lease/grant", {"TTL": str(ttl_s)})
+        answer, _ = await self._call("/v3/lease/grant", {"TTL": str(ttl_s)})
         return Lease(id=_int(answer.get("ID")), ttl=_int(answer.get("TTL")))
 
-    async def lease_keepalive(self, lease_id: int) -> int:
-        """Renew the lease; return its remaining TTL in seconds (0: it has expired or was revoked)."""
-        answer = await self._call("/v3/lease/keepalive", {"ID": str(lease_id)})
-        return _int(answer.get("result", {}).get("TTL"))
+    async def lease_keepalive(self, lease_id: int) -> LeaseRenewal:
+        """Renew the lease; return its TTL from now on (0: it has expired or was revoked) and
+        when the renewal etcd answered was sent (etcd counts the TTL from no earlier)."""
+        answer, sent = await self._call("/v3/lease/keepalive", {"ID": str(lease_id)})
+        return LeaseRenewal(ttl=_int(answer.get("result", {}).get("TTL")), sent=sent)
 
     async def lease_revoke(self, lease_id: int) -> None:
         """Revoke the lease, deleting every key attached to it; a lease already gone is fine."""
@@ -740,9 +847,10 @@ class EtcdClient:
         """Stream the changes to ``key`` (to ``range_end``) from ``start_revision`` (0: from now).
 
         Yields one :class:`WatchBatch` per answer with events, in revision order, until the
-        caller stops iterating or the stream ends. Tries the endpoints in turn to open the
-        stream, once each; raises :class:`EtcdUnavailableError` if none opens it or an open
-        stream breaks (the caller resumes from the revision after the last event it saw),
+        caller stops iterating. Tries the endpoints in turn to open the stream, once each;
+        raises :class:`EtcdUnavailableError` if none opens it or an open stream breaks, ends,
+        goes silent (see the module docstring) or loses its member's leader (the caller
+        resumes from the revision after the last event it saw),
         :class:`EtcdTLSError` if every endpoint failed TLS, and
         :class:`EtcdWatchCompactedError` when ``start_revision`` was compacted away. When etcd
         cancels the watch because it refused the token, the client authenticates again and
@@ -757,7 +865,7 @@ class EtcdClient:
                     renewed = False
                     start_revision = batch.events[-1].kv.mod_revision + 1
                     yield batch
-                return
+                raise AssertionError("unreachable: a watch stream ends only by raising")
             except EtcdAuthError as exc:
                 if not exc.token_rejected or self.username is None or renewed:
                     raise
@@ -768,61 +876,117 @@ class EtcdClient:
         self, key: bytes, range_end: bytes, start_revision: int, token: str | None
     ) -> AsyncIterator[WatchBatch]:
         """One watch stream, opened on the first endpoint that takes it; see :meth:`watch`."""
-        create: dict[str, Any] = {"key": _b64(key)}
+        create: dict[str, Any] = {"key": _b64(key), "progress_notify": True}
         if range_end:
             create["range_end"] = _b64(range_end)
         if start_revision:
             create["start_revision"] = str(start_revision)
-        body = {"create_request": create}
-        headers = {"Authorization": token} if token else None
-        # No total timeout: a quiet watch is healthy. Connecting is bounded, and so is the
-        # wait for the first answer (etcd confirms a watch at once).
-        timeout = aiohttp.ClientTimeout(total=None, connect=self.request_timeout_s)
+        headers = {"Content-Type": "application/json", **REQUIRE_LEADER}
+        if token:
+            headers["Authorization"] = token
+        # No total timeout: a quiet watch is healthy, and _watch_stream checks that its member
+        # still answers. Opening it is bounded: etcd confirms a watch at once.
+        timeout = aiohttp.ClientTimeout(total=None, connect=WATCH_PROGRESS_TIMEOUT_S)
         failures: list[str] = []
         tls_failures: list[str] = []
         count = len(self.endpoints)
         for step in range(count):
             index = (self._current + step) % count
             url = self.endpoints[index] + "/v3/watch"
+            # The request body stays open: the gateway passes each JSON line sent on it to the
+            # watch as one request, which is how a progress notification is asked for. Go's
+            # server answers such a body only once the client waits for "100 Continue".
+            requests: asyncio.Queue[bytes | None] = asyncio.Queue()
+            requests.put_nowait(json.dumps({"create_request": create}).encode() + b"\n")
+            post = self._http().post(url, data=_request_lines(requests), headers=headers, timeout=timeout, expect100=True)
             try:
-                response = await self._http().post(url, json=body, headers=headers, timeout=timeout)
+                response = await _within(post, WATCH_PROGRESS_TIMEOUT_S)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                requests.put_nowait(None)
                 _note_failure(self.endpoints[index], url, exc, failures, tls_failures)
                 continue
-            async with response:
+            try:
                 if response.status != 200:
                     text = await response.text()
                     failures.append(f"{url}: HTTP {response.status} {text[:200]}")
                     continue
                 try:
-                    async for batch in self._watch_stream(url, response):
+                    async for batch in self._watch_stream(url, response, requests):
                         yield batch
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                     raise EtcdUnavailableError(f"The watch stream from {url} broke: {exc!r}") from exc
-                return
+            finally:
+                requests.put_nowait(None)  # ends the request body, if aiohttp still sends it
+                response.close()  # never back to the pool: the stream is etcd's until closed
         if len(tls_failures) == count:
             raise EtcdTLSError(f"No etcd endpoint could be reached over TLS for a watch: {'; '.join(tls_failures)}.")
         raise EtcdUnavailableError(f"No etcd endpoint opened a watch on {key!r}: {'; '.join(failures)}")
 
-    async def _watch_stream(self, url: str, response: aiohttp.ClientResponse) -> AsyncIterator[WatchBatch]:
+    async def _watch_stream(
+        self, url: str, response: aiohttp.ClientResponse, requests: asyncio.Queue[bytes | None]
+    ) -> AsyncIterator[WatchBatch]:
+        """The batches of one open watch; raises :class:`EtcdUnavailableError` when the
+        stream ends or its member stops answering (see the module docstring)."""
+        loop = asyncio.get_running_loop()
+        heard = loop.time()  # when the member last said anything, or the caller took a batch
+        busy = False  # the caller holds a batch: the stream is not being read meanwhile
+        silent = False
+
+        async def watchdog() -> None:
+            # A timer beside the read, not a timeout around it: asyncio.wait_for (before
+            # Python 3.12) can swallow a cancellation that meets a completed read, and the
+            # caller's cancellation of a watch must always end it.
+            nonlocal silent
+            while True:  # cancelled with the stream
+                await asyncio.sleep(max(0.0, heard + WATCH_QUIET_S - loop.time()))
+                if busy or loop.time() - heard < WATCH_QUIET_S:
+                    continue
+                asked = loop.time()
+                requests.put_nowait(WATCH_PROGRESS_REQUEST)
+                await asyncio.sleep(WATCH_PROGRESS_TIMEOUT_S)
+                if heard < asked and not busy:
+                    silent = True
+                    response.close()  # the read below fails at once
+                    return
+
+        def dead() -> EtcdUnavailableError:
+            return EtcdUnavailableError(
+                f"The watch at {url} answered no progress request within {WATCH_PROGRESS_TIMEOUT_S:g} s: "
+                "its member is silent (stopped, or cut off)."
+            )
+
         buffer = b""
-        async for chunk in response.content.iter_any():
-            buffer += chunk
-            if len(buffer) > MAX_WATCH_LINE_BYTES:
-                raise EtcdRequestError(f"A watch answer from {url} exceeds {MAX_WATCH_LINE_BYTES} bytes.", 0, "")
-            while b"\n" in buffer:
-                line, buffer = buffer.split(b"\n", 1)
-                if line.strip():
-                    batch = self._watch_answer(url, line)
-                    if batch is not None:
-                        yield batch
+        dog = loop.create_task(watchdog(), name=f"rdzv-etcd-watchdog {url}")
+        try:
+            async for chunk in response.content.iter_any():
+                heard = loop.time()
+                buffer += chunk
+                if len(buffer) > MAX_WATCH_LINE_BYTES:
+                    raise EtcdRequestError(f"A watch answer from {url} exceeds {MAX_WATCH_LINE_BYTES} bytes.", 0, "")
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    if line.strip():
+                        batch = self._watch_answer(url, line)
+                        if batch is not None:
+                            busy = True
+                            yield batch
+                            busy, heard = False, loop.time()
+        except aiohttp.ClientError as exc:
+            if silent:
+                raise dead() from exc
+            raise
+        finally:
+            dog.cancel()
+        raise dead() if silent else EtcdUnavailableError(f"The watch stream from {url} ended.")
 
     def _watch_answer(self, url: str, line: bytes) -> WatchBatch | None:
         answer = json.loads(line)
         if "error" in answer:
             error = answer["error"]
             message = str(error.get("message", error)) if isinstance(error, dict) else str(error)
-            code = _int(error.get("code")) if isinstance(error, dict) else 0
+            code = _int(error.get("code") or error.get("grpc_code")) if isinstance(error, dict) else 0
+            if code == GRPC_UNAVAILABLE:  # its member has no leader (etcd cancels such watches)
+                raise EtcdUnavailableError(f"The watch at {url} failed: {message}")
             refusal = self._refusal(url, code, message)
             if isinstance(refusal, EtcdAuthError):
                 raise refusal
@@ -840,7 +1004,10 @@ class EtcdClient:
             # etcd words a refused watch as gRPC's text: "rpc error: code = Unauthenticated desc = ...".
             status = _GRPC_STATUS_TEXT.fullmatch(reason)
             if status is not None:
-                refusal = self._refusal(url, GRPC_CODE_NAMES.get(status.group(1), 0), status.group(2))
+                code = GRPC_CODE_NAMES.get(status.group(1), 0)
+                if code == GRPC_UNAVAILABLE:
+                    raise EtcdUnavailableError(f"etcd canceled the watch at {url}: {reason}")
+                refusal = self._refusal(url, code, status.group(2))
                 if isinstance(refusal, EtcdAuthError):
                     raise refusal
             raise EtcdRequestError(f"etcd canceled the watch at {url}: {reason}", 0, reason)
@@ -856,7 +1023,7 @@ class EtcdClient:
 
     async def member_list(self) -> list[Member]:
         """The cluster's members, as the answering endpoint sees them."""
-        answer = await self._call("/v3/cluster/member/list", {})
+        answer, _ = await self._call("/v3/cluster/member/list", {})
         return [
             Member(
                 id=_int(member.get("ID")),

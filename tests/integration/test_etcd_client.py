@@ -10,6 +10,11 @@ one, no credentials, or a user without permission raise :class:`EtcdAuthError` s
 to check; a token etcd forgot (``--auth-token-ttl 1``, then idle) is renewed once, for
 requests and watches alike, without the caller noticing. The password never reaches a log.
 
+Losing a member (three members of their own): a put sent through a follower whose leader was
+just SIGKILLed moves on to another member long before etcd would answer it (7 s); a watch
+whose member is SIGSTOPped fails within seconds (its progress requests go unanswered) rather
+than never.
+
 The file and flag checks of :func:`etcd_ssl_context` and :func:`read_credentials` need no
 etcd. The rest is skipped only when etcd is not installed.
 """
@@ -34,6 +39,7 @@ from rdzv_server.storage.etcd_client import (
     EtcdClient,
     EtcdConfigError,
     EtcdTLSError,
+    EtcdUnavailableError,
     Get,
     Put,
     WatchBatch,
@@ -47,6 +53,11 @@ TOKEN_TTL_S = 1  # etcd's --auth-token-ttl for the expiry tests
 TOKEN_EXPIRY_WAIT_S = TOKEN_TTL_S + 2.0
 CLIENT_LOGGER = "rdzv_server.storage.etcd_client"
 RENEWED = "authenticating again"
+# etcd 3.4 answers a put sent to a follower whose leader just died after its request
+# timeout (5 s + 2 election timeouts): "request timed out, possibly due to previous leader failure".
+ETCD_ANSWERS_A_STALLED_PUT_S = 7.0
+# A watch whose member went silent must fail well within this (not hang until a take-over).
+SILENT_WATCH_NOTICED_S = 15.0
 
 
 def new_key() -> bytes:
@@ -70,7 +81,7 @@ async def check_every_call(client: EtcdClient) -> None:
     assert result.succeeded and result.ranges[0][0].value == b"two"
     lease = await client.lease_grant(30)
     await client.put(key + b"/leased", b"x", lease=lease.id)
-    assert await client.lease_keepalive(lease.id) > 0
+    assert (await client.lease_keepalive(lease.id)).ttl > 0
     await client.lease_revoke(lease.id)
     assert await client.get(key + b"/leased") is None
     batch = await first_batch(client, key, result.revision)
@@ -111,7 +122,7 @@ async def test_put_get_txn_lease_and_watch_work_over_tls(etcd_tls: EtcdCluster, 
 
 
 async def test_a_client_that_does_not_trust_etcds_ca_fails_at_once_naming_etcd_ca(etcd_tls: EtcdCluster) -> None:
-    client = EtcdClient(etcd_tls.client_urls, retry_rounds=3, retry_pause_s=5.0)  # the system's CAs only
+    client = EtcdClient(etcd_tls.client_urls, retry_pause_s=5.0)  # the system's CAs only
     try:
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -330,3 +341,72 @@ async def test_credentials_for_an_etcd_without_auth_warn_and_go_on_without_a_tok
     warnings = [record for record in caplog.records if record.levelno == logging.WARNING]
     assert len(warnings) == 1 and "authentication disabled" in warnings[0].getMessage()
     assert "unused-pw" not in caplog.text
+
+
+# ----------------------------------------------------------------- losing a member
+
+
+@pytest.fixture
+def etcd3() -> Iterator[EtcdCluster]:
+    """Three members of its own: each test kills or pauses one."""
+    require_etcd()
+    cluster = EtcdCluster(3).start()
+    yield cluster
+    cluster.close()
+
+
+def followers_first(cluster: EtcdCluster) -> tuple[int, list[str]]:
+    """etcd's leader, and every client URL with the followers first: a client of them talks
+    to a follower, the member that is left without a leader when the leader dies."""
+    leader = cluster.leader()
+    order = [i for i in range(cluster.size) if i != leader] + [leader]
+    return leader, [cluster.client_urls[i] for i in order]
+
+
+async def test_a_put_through_a_member_that_lost_its_leader_moves_on_long_before_etcd_answers_it(
+    etcd3: EtcdCluster,
+) -> None:
+    leader, urls = followers_first(etcd3)
+    # A request timeout far above etcd's own: only the client's per-member deadline can move on.
+    client = EtcdClient(urls, request_timeout_s=30.0)
+    try:
+        await client.put(new_key(), b"warm")  # answered by the first follower, which it keeps using
+        etcd3.kill(leader)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        key = new_key()
+        await asyncio.wait_for(client.put(key, b"v"), 30.0)
+        took = loop.time() - started
+        got = await client.get(key)
+        assert got is not None and got.value == b"v"
+        # The follower answers such a put only after etcd's own 7 s; an election takes 1-2 s.
+        assert took < ETCD_ANSWERS_A_STALLED_PUT_S - 1, f"the put took {took:.1f} s"
+    finally:
+        await client.close()
+
+
+async def test_a_watch_whose_member_goes_silent_fails_within_seconds_not_never(etcd3: EtcdCluster) -> None:
+    leader, urls = followers_first(etcd3)
+    client = EtcdClient(urls)
+    key = new_key()
+    try:
+        revision = await client.put(key, b"one")
+        watch = client.watch(key, start_revision=revision + 1)
+        seen: list[WatchBatch] = []
+
+        async def consume() -> None:
+            async for batch in watch:
+                seen.append(batch)
+
+        consumer = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.5)  # the watch is open on the first follower
+        silent = etcd3.client_urls.index(urls[0])
+        etcd3.pause(silent)
+        try:
+            with pytest.raises(EtcdUnavailableError, match="silent"):
+                await asyncio.wait_for(consumer, SILENT_WATCH_NOTICED_S)
+        finally:
+            etcd3.resume(silent)
+        assert not seen
+    finally:
+        await client.close()
