@@ -788,7 +788,7 @@ class AsyncClient:
             assignment = reply.get("assignment")
             if assignment is not None:
                 try:
-                    return wire.Assignment.from_wire(assignment)
+                    return wire.assignment_from_wire(assignment)
                 except wire.WireError as exc:
                     raise ServerError(f"the server sent an invalid assignment: {exc}") from exc
             if time.monotonic() >= deadline:

@@ -5,7 +5,9 @@ What it owns:
   typed request and response records it carries;
 - the stream protocol: the same operations as length-prefixed msgpack frames on a plain
   TCP connection to the same port (see "stream protocol" below);
-- the error codes (stable strings) with their HTTP statuses;
+- (re-exported from :mod:`rdzv_client.record`, the pure-data records core uses too) the
+  error codes (stable strings) with their HTTP statuses, the job settings with their
+  defaults, and the assignment;
 - msgpack framing (``use_bin_type=True``, explicit size limits) and strict validation of
   decoded bodies into frozen dataclasses.
 
@@ -40,6 +42,13 @@ from typing import Any, ClassVar, TypeVar, Union
 
 import msgpack
 
+from .record import HTTP_STATUS as HTTP_STATUS
+from .record import Assignment as Assignment
+from .record import ErrorCode as ErrorCode
+from .record import JobSettings as JobSettings
+from .record import WireError as WireError
+from .record import nonnegative
+
 CONTENT_TYPE_MSGPACK = "application/msgpack"
 CONTENT_TYPE_JSON = "application/json"
 
@@ -56,101 +65,6 @@ MAX_ADDR_CHARS = 255
 MAX_CLIENT_ID_CHARS = 64
 # Integers sent for float fields (JSON has one number type) must convert to a finite float.
 MAX_FLOAT_INT = 2**1023
-
-
-class ErrorCode(str, enum.Enum):
-    """Stable wire error codes; each has exactly one HTTP status (see :data:`HTTP_STATUS`)."""
-
-    BAD_REQUEST = "bad_request"
-    INVALID_ID = "invalid_id"
-    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
-    BODY_TOO_LARGE = "body_too_large"
-    VALUE_TOO_LARGE = "value_too_large"
-    NOT_FOUND = "not_found"
-    JOB_NOT_FOUND = "job_not_found"
-    NODE_NOT_FOUND = "node_not_found"
-    METHOD_NOT_ALLOWED = "method_not_allowed"
-    SETTINGS_CONFLICT = "settings_conflict"
-    NOT_AN_INTEGER = "not_an_integer"
-    JOB_CLOSED = "job_closed"
-    # The job closed while the node was standby or waiting for a round: it exits gracefully.
-    JOB_CLOSED_IN_LINE = "job_closed_in_line"
-    JOIN_TIMEOUT = "join_timeout"
-    NOT_READY = "not_ready"
-    UNAUTHORIZED = "unauthorized"
-    FORBIDDEN = "forbidden"
-    SHUTTING_DOWN = "shutting_down"
-    # A follower replica of a replicated cluster (--etcd): the body's "leader" names the
-    # leader's URL when one is known; ask it instead (same request id).
-    NOT_LEADER = "not_leader"
-    INTERNAL = "internal"
-    # HTTP-level refusals (answered before a request reaches an operation).
-    HEADERS_TOO_LARGE = "headers_too_large"
-    EXPECTATION_FAILED = "expectation_failed"
-    REQUEST_TIMEOUT = "request_timeout"
-    # The Host is not one of the server's --allowed-hosts (a DNS-rebinding guard).
-    HOST_NOT_ALLOWED = "host_not_allowed"
-    # Limits (see README "Limits"): each refuses the request and changes nothing.
-    TOO_MANY_CONNECTIONS = "too_many_connections"
-    BUFFERS_FULL = "buffers_full"
-    TOO_MANY_JOBS = "too_many_jobs"
-    TOO_MANY_KEYS = "too_many_keys"
-    JOB_STORE_FULL = "job_store_full"
-    TOO_MANY_SESSIONS = "too_many_sessions"
-    SESSION_FULL = "session_full"
-    # The write's log record is larger than the log takes (with --etcd, etcd's request
-    # limit); refused before it was applied: nothing changed.
-    RECORD_TOO_LARGE = "record_too_large"
-    # The log has as many records waiting to be written as it may hold (--max-log-queue,
-    # --max-log-queue-bytes); nothing changed: retry shortly.
-    LOG_QUEUE_FULL = "log_queue_full"
-    # The server's own log failed a write (a full or failing disk): it acknowledges
-    # nothing more and stops; retry once it is back (or at another replica).
-    LOG_FAILED = "log_failed"
-
-
-HTTP_STATUS: dict[ErrorCode, int] = {
-    ErrorCode.BAD_REQUEST: 400,
-    ErrorCode.INVALID_ID: 400,
-    ErrorCode.UNSUPPORTED_MEDIA_TYPE: 415,
-    ErrorCode.BODY_TOO_LARGE: 413,
-    ErrorCode.VALUE_TOO_LARGE: 413,
-    ErrorCode.NOT_FOUND: 404,
-    ErrorCode.JOB_NOT_FOUND: 404,
-    ErrorCode.NODE_NOT_FOUND: 404,
-    ErrorCode.METHOD_NOT_ALLOWED: 405,
-    ErrorCode.SETTINGS_CONFLICT: 409,
-    ErrorCode.NOT_AN_INTEGER: 409,
-    ErrorCode.JOB_CLOSED: 410,
-    ErrorCode.JOB_CLOSED_IN_LINE: 410,
-    ErrorCode.JOIN_TIMEOUT: 408,
-    ErrorCode.NOT_READY: 503,
-    ErrorCode.UNAUTHORIZED: 401,
-    ErrorCode.FORBIDDEN: 403,
-    ErrorCode.SHUTTING_DOWN: 503,
-    ErrorCode.NOT_LEADER: 503,
-    ErrorCode.INTERNAL: 500,
-    ErrorCode.HEADERS_TOO_LARGE: 431,
-    ErrorCode.EXPECTATION_FAILED: 417,
-    ErrorCode.REQUEST_TIMEOUT: 408,
-    ErrorCode.HOST_NOT_ALLOWED: 421,
-    ErrorCode.TOO_MANY_CONNECTIONS: 429,
-    ErrorCode.BUFFERS_FULL: 429,
-    ErrorCode.TOO_MANY_JOBS: 429,
-    ErrorCode.TOO_MANY_KEYS: 429,
-    ErrorCode.JOB_STORE_FULL: 413,
-    ErrorCode.TOO_MANY_SESSIONS: 429,
-    ErrorCode.SESSION_FULL: 429,
-    ErrorCode.RECORD_TOO_LARGE: 413,
-    ErrorCode.LOG_QUEUE_FULL: 503,
-    ErrorCode.LOG_FAILED: 503,
-}
-
-
-class WireError(ValueError):
-    """A body that does not decode or does not validate; always rendered as ``bad_request``."""
-
-    code = ErrorCode.BAD_REQUEST
 
 
 # --------------------------------------------------------------------------- credentials
@@ -362,11 +276,6 @@ def to_mapping(obj: Any) -> dict[str, Any]:
     return out
 
 
-def _nonnegative(name: str, value: float | None) -> None:
-    if value is not None and value < 0:
-        raise WireError(f"field {name!r} must be >= 0, got {value}")
-
-
 def _key_ok(name: str, key: bytes) -> None:
     if len(key) == 0 or len(key) > MAX_KEY_BYTES:
         raise WireError(f"{name} must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
@@ -442,7 +351,7 @@ class GetRequest(Request):
 
     def validate(self) -> None:
         _key_ok("key", self.key)
-        _nonnegative("timeout", self.timeout)
+        nonnegative("timeout", self.timeout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -498,7 +407,7 @@ class MultiGetRequest(Request):
 
     def validate(self) -> None:
         _keys_ok(self.keys)
-        _nonnegative("timeout", self.timeout)
+        nonnegative("timeout", self.timeout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -535,7 +444,7 @@ class WaitRequest(Request):
 
     def validate(self) -> None:
         _keys_ok(self.keys)
-        _nonnegative("timeout", self.timeout)
+        nonnegative("timeout", self.timeout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -577,18 +486,7 @@ class CreateJobRequest(Request):
     rid: Rid = None
 
     def validate(self) -> None:
-        _settings_ok(self.min_nodes, self.max_nodes, self.last_call_timeout, self.join_timeout, self.heartbeat_ttl)
-
-
-def _settings_ok(min_nodes: int, max_nodes: int, last_call: float, join: float, ttl: float) -> None:
-    if min_nodes < 1 or max_nodes < min_nodes:
-        raise WireError(f"need 1 <= min_nodes <= max_nodes, got min_nodes={min_nodes} max_nodes={max_nodes}")
-    if max_nodes > 1_000_000:
-        raise WireError("max_nodes must be at most 1000000")
-    _nonnegative("last_call_timeout", last_call)
-    _nonnegative("join_timeout", join)
-    if ttl <= 0:
-        raise WireError(f"heartbeat_ttl must be > 0, got {ttl}")
+        JobSettings(self.min_nodes, self.max_nodes, self.last_call_timeout, self.join_timeout, self.heartbeat_ttl).validate()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -621,8 +519,8 @@ class JoinRequest(Request):
             raise WireError(f"addr must be 1..{MAX_ADDR_CHARS} characters")
         if not 1 <= self.nproc_per_node <= 65536:
             raise WireError(f"nproc_per_node must be 1..65536, got {self.nproc_per_node}")
-        _settings_ok(self.min_nodes, self.max_nodes, self.last_call_timeout, self.join_timeout, self.heartbeat_ttl)
-        _nonnegative("hold", self.hold)
+        JobSettings(self.min_nodes, self.max_nodes, self.last_call_timeout, self.join_timeout, self.heartbeat_ttl).validate()
+        nonnegative("hold", self.hold)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -636,7 +534,7 @@ class AwaitRoundRequest(Request):
 
     def validate(self) -> None:
         check_id("node_id", self.node_id)
-        _nonnegative("hold", self.hold)
+        nonnegative("hold", self.hold)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -656,7 +554,7 @@ class WatchRequest(Request):
 
     def validate(self) -> None:
         check_id("node_id", self.node_id)
-        _nonnegative("hold", self.hold)
+        nonnegative("hold", self.hold)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -800,26 +698,14 @@ def frame(obj: Any) -> bytes:
 # errors     -> {"error": ErrorCode, "message": str}
 
 
-@dataclasses.dataclass(frozen=True)
-class Assignment:
-    """A node's place in a formed round."""
+def assignment_from_wire(body: object) -> Assignment:
+    """The :class:`Assignment` of a join or await_round reply (raises :class:`WireError`).
 
-    round: int
-    node_rank: int
-    num_nodes: int
-    world_size: int
-    nproc_per_node: int
-    global_rank_start: int
-    master_addr: str
-    master_port: int = 0  # node rank 0's offered port; 0 from a server or node that has none
-
-    @classmethod
-    def from_wire(cls, body: object) -> Assignment:
-        if not isinstance(body, dict):
-            raise WireError("assignment must be a map")
-        # Replies are read leniently: a newer server may add fields an older client ignores.
-        names = {f.name for f in dataclasses.fields(cls)}
-        return from_mapping(cls, {k: v for k, v in body.items() if k in names})
+    Replies are read leniently: a newer server may add fields an older client ignores."""
+    if not isinstance(body, dict):
+        raise WireError("assignment must be a map")
+    names = _schema(Assignment)[1]
+    return from_mapping(Assignment, {k: v for k, v in body.items() if k in names})
 
 
 def error_body(code: ErrorCode, message: str, **extra: Any) -> dict[str, Any]:

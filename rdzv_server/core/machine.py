@@ -41,6 +41,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rdzv_client.record import Assignment, JobSettings
+
 from . import command as c
 from .error import (
     BadRequest,
@@ -51,7 +53,7 @@ from .error import (
     TooManySessions,
 )
 from .event import Cause, JobEvent, Kind
-from .rendezvous import Assignment, Departure, Job, JobSettings, JobState
+from .rendezvous import Departure, Job, JobState
 from .store import KeyValueStore
 
 # Results remembered per client that sends no floor in its rids (an older client, a script).

@@ -2,7 +2,7 @@
 
 Rules checked (client/wire.py states them): what arrives as bytes (``unpack``,
 ``load_json``) or as a decoded structure (``decode_request`` for every operation,
-``Assignment.from_wire``) either decodes or raises :class:`wire.WireError`, whatever its
+``assignment_from_wire``) either decodes or raises :class:`wire.WireError`, whatever its
 shape, types, sizes, nesting or text (lone surrogates, NUL, markup); a request that
 decodes can be packed as it is logged and decodes back to itself, and shown as JSON; a
 strict prefix of a msgpack object is never an object; the client turns any answer body
@@ -241,7 +241,7 @@ def test_an_unknown_operation_is_a_wire_error(op: str, body: Any) -> None:
 @given(body=st.one_of(VALUES, request_fields("join").map(lambda f: {**f, "node_rank": 0, "extra": 1})))
 def test_an_assignment_from_a_reply_decodes_or_raises_wire_error(body: Any) -> None:
     try:
-        wire.Assignment.from_wire(body)
+        wire.assignment_from_wire(body)
     except wire.WireError:
         pass
 
