@@ -98,10 +98,11 @@ DEFAULT_BACKOFF_CAP = 2.0
 # A long-poll that came back "not yet" before its hold ended did not hold (a server
 # shutting down, a proxy); pausing this long keeps such a loop from spinning.
 EARLY_ANSWER_PAUSE = 0.05
-# The job settings a node proposes; these equal torch's own defaults and the wire's.
-DEFAULT_LAST_CALL_TIMEOUT = 30.0  # torch: last_call_timeout 30 s
-DEFAULT_JOIN_TIMEOUT = 600.0  # torch: join_timeout 600 s
-DEFAULT_HEARTBEAT_TTL = 15.0  # torch: heartbeat 5 s x 3 attempts
+# The job settings a node proposes unless told otherwise: the one set of defaults, JobSettings's.
+_SETTINGS = wire.JobSettings()
+DEFAULT_LAST_CALL_TIMEOUT = _SETTINGS.last_call_timeout
+DEFAULT_JOIN_TIMEOUT = _SETTINGS.join_timeout
+DEFAULT_HEARTBEAT_TTL = _SETTINGS.heartbeat_ttl
 
 # A follower's not_leader is followed at once; more hops than this in a row, with no other
 # outcome between them, mean the replicas disagree about who leads (an election under way,
@@ -720,11 +721,7 @@ class AsyncClient:
         Raises :class:`ConflictError` (``settings_conflict``) when it exists with others.
         """
         req = wire.CreateJobRequest(
-            min_nodes=min_nodes,
-            max_nodes=max_nodes,
-            last_call_timeout=last_call_timeout,
-            join_timeout=join_timeout,
-            heartbeat_ttl=heartbeat_ttl,
+            wire.JobSettings(min_nodes, max_nodes, last_call_timeout, join_timeout, heartbeat_ttl)
         )
         await self.request(rdzv_id, req)
 
@@ -759,11 +756,7 @@ class AsyncClient:
             node_id=node_id,
             addr=addr,
             nproc_per_node=nproc_per_node,
-            min_nodes=min_nodes,
-            max_nodes=max_nodes,
-            last_call_timeout=last_call_timeout,
-            join_timeout=join_timeout,
-            heartbeat_ttl=heartbeat_ttl,
+            settings=wire.JobSettings(min_nodes, max_nodes, last_call_timeout, join_timeout, heartbeat_ttl),
             hold=hold,
             master_port=master_port,
         )

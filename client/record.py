@@ -11,8 +11,11 @@ the standard library (a test keeps it so), and knows no encoding, no I/O and no 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 class ErrorCode(str, enum.Enum):
     """Stable wire error codes; each has exactly one HTTP status (see :data:`HTTP_STATUS`)."""
@@ -113,6 +116,23 @@ def nonnegative(name: str, value: float | None) -> None:
     """Raise :class:`WireError` unless ``value`` (a duration, seconds) is ``None`` or ``>= 0``."""
     if value is not None and value < 0:
         raise WireError(f"field {name!r} must be >= 0, got {value}")
+
+
+#: Field metadata of an inline record (see :func:`inline`) and of its fields a body must carry.
+INLINE_KEY = "inline"
+REQUIRED_KEY = "required"
+
+
+def inline(*, required: tuple[str, ...] = (), default_factory: Callable[[], Any] | None = None) -> Any:
+    """A field holding a record whose fields the wire map and the log record spell in its
+    place, as they always have (a join's settings: ``min_nodes`` ... beside ``node_id``).
+
+    ``required`` names the record's fields a body must carry although the record has
+    defaults for them (a join must say ``min_nodes`` and ``max_nodes``; a create need not)."""
+    metadata = {INLINE_KEY: True, REQUIRED_KEY: required}
+    if default_factory is None:
+        return dataclasses.field(metadata=metadata)
+    return dataclasses.field(default_factory=default_factory, metadata=metadata)
 
 
 #: The most nodes a job may take (``max_nodes``).

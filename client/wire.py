@@ -38,6 +38,7 @@ import re
 import struct
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar, Union
 
 import msgpack
@@ -47,7 +48,7 @@ from .record import Assignment as Assignment
 from .record import ErrorCode as ErrorCode
 from .record import JobSettings as JobSettings
 from .record import WireError as WireError
-from .record import nonnegative
+from .record import INLINE_KEY, REQUIRED_KEY, inline, nonnegative
 
 CONTENT_TYPE_MSGPACK = "application/msgpack"
 CONTENT_TYPE_JSON = "application/json"
@@ -181,61 +182,129 @@ def _as_bytes(name: str, value: object) -> bytes:
     raise WireError(f"field {name!r} must be bytes or a string, not {type(value).__name__}")
 
 
-def _convert(name: str, hint: Any, value: object) -> Any:
-    if hint is Any:  # only `rid`, checked by _convert_rid before
-        return value
+Convert = Callable[[str, object], Any]
+
+
+def _as_any(name: str, value: object) -> Any:  # only `rid`, checked by _convert_rid before
+    return value
+
+
+def _as_str(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise WireError(f"field {name!r} must be a string, not {type(value).__name__}")
+    _text_ok(name, value)
+    return value
+
+
+def _as_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise WireError(f"field {name!r} must be a boolean, not {type(value).__name__}")
+    return value
+
+
+def _as_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise WireError(f"field {name!r} must be an integer, not {type(value).__name__}")
+    if not -(2**63) <= value < 2**63:
+        raise WireError(f"field {name!r} must fit a signed 64-bit integer")
+    return value
+
+
+def _as_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise WireError(f"field {name!r} must be a number, not {type(value).__name__}")
+    if isinstance(value, int) and not -MAX_FLOAT_INT <= value <= MAX_FLOAT_INT:
+        raise WireError(f"field {name!r} is too large for a number of seconds")  # float() would overflow
+    if not math.isfinite(value):
+        raise WireError(f"field {name!r} must be a finite number")
+    return float(value)
+
+
+_SCALARS: dict[Any, Convert] = {Any: _as_any, bytes: _as_bytes, str: _as_str, bool: _as_bool, int: _as_int, float: _as_float}
+
+
+def _converter(hint: Any) -> Convert:
+    """The checking conversion of a field of type ``hint``: built once per field, when its
+    record is first decoded, so a request pays no type introspection."""
+    scalar = _SCALARS.get(hint)
+    if scalar is not None:
+        return scalar
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
         args = typing.get_args(hint)
-        if value is None and type(None) in args:
-            return None
         (inner,) = [a for a in args if a is not type(None)]
-        return _convert(name, inner, value)
-    if hint is bytes:
-        return _as_bytes(name, value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise WireError(f"field {name!r} must be a string, not {type(value).__name__}")
-        _text_ok(name, value)
-        return value
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise WireError(f"field {name!r} must be a boolean, not {type(value).__name__}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise WireError(f"field {name!r} must be an integer, not {type(value).__name__}")
-        if not -(2**63) <= value < 2**63:
-            raise WireError(f"field {name!r} must fit a signed 64-bit integer")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise WireError(f"field {name!r} must be a number, not {type(value).__name__}")
-        if isinstance(value, int) and not -MAX_FLOAT_INT <= value <= MAX_FLOAT_INT:
-            raise WireError(f"field {name!r} is too large for a number of seconds")  # float() would overflow
-        if not math.isfinite(value):
-            raise WireError(f"field {name!r} must be a finite number")
-        return float(value)
+        convert = _converter(inner)
+        if type(None) not in args:
+            return convert
+
+        def optional(name: str, value: object) -> Any:
+            return None if value is None else convert(name, value)
+
+        return optional
     if origin is tuple:
         (inner, _ellipsis) = typing.get_args(hint)
-        if not isinstance(value, (list, tuple)):
-            raise WireError(f"field {name!r} must be a list, not {type(value).__name__}")
-        if len(value) > MAX_KEYS_PER_REQUEST:
-            raise WireError(f"field {name!r} names more than {MAX_KEYS_PER_REQUEST} items")
-        return tuple(_convert(f"{name}[{i}]", inner, v) for i, v in enumerate(value))
+        item = _converter(inner)
+
+        def items(name: str, value: object) -> tuple[Any, ...]:
+            if not isinstance(value, (list, tuple)):
+                raise WireError(f"field {name!r} must be a list, not {type(value).__name__}")
+            if len(value) > MAX_KEYS_PER_REQUEST:
+                raise WireError(f"field {name!r} names more than {MAX_KEYS_PER_REQUEST} items")
+            return tuple(item(f"{name}[{i}]", v) for i, v in enumerate(value))
+
+        return items
     raise TypeError(f"unsupported field type {hint!r}")  # a bug in this module, not bad input
 
 
-_Schema = tuple[dict[str, Any], dict[str, "dataclasses.Field[Any]"]]
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    name: str
+    hint: Any
+    convert: Convert
+    required: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Schema:
+    """A record's wire map, derived once from its declaration: every field in order (the
+    fields of an inline record, such as a join's :class:`JobSettings`, spelled in its place),
+    and the inline records to regroup them into."""
+
+    fields: dict[str, _Field]
+    inline: tuple[tuple[str, type[Any], tuple[str, ...]], ...]
+    validates: bool
+
+
 _schemas: dict[type[Any], _Schema] = {}
 
 
 def _schema(cls: type[Any]) -> _Schema:
-    """Field types and fields of a dataclass, resolved once (this is on every request's path)."""
     schema = _schemas.get(cls)
     if schema is None:
-        schema = _schemas[cls] = (typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)})
+        schema = _schemas[cls] = _build_schema(cls)
     return schema
+
+
+def _build_schema(cls: type[Any]) -> _Schema:
+    hints = typing.get_type_hints(cls)
+    fields: dict[str, _Field] = {}
+    inline: list[tuple[str, type[Any], tuple[str, ...]]] = []
+    for f in dataclasses.fields(cls):
+        if f.metadata.get(INLINE_KEY):
+            record: type[Any] = hints[f.name]
+            inner = _schema(record).fields
+            required = f.metadata.get(REQUIRED_KEY, ())
+            fields.update({n: dataclasses.replace(g, required=g.required or n in required) for n, g in inner.items()})
+            inline.append((f.name, record, tuple(inner)))
+            continue
+        has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        fields[f.name] = _Field(f.name, hints[f.name], _converter(hints[f.name]), not has_default)
+    return _Schema(fields, tuple(inline), callable(getattr(cls, "validate", None)))
+
+
+def wire_fields(cls: type[Any]) -> dict[str, Any]:
+    """The fields of record ``cls``'s wire map with their types, in order."""
+    return {name: f.hint for name, f in _schema(cls).fields.items()}
 
 
 def from_mapping(cls: type[T], body: object) -> T:
@@ -246,28 +315,33 @@ def from_mapping(cls: type[T], body: object) -> T:
     """
     if not isinstance(body, dict):
         raise WireError(f"body must be a map, not {type(body).__name__}")
-    hints, fields = _schema(cls)
-    unknown = set(body) - set(fields)
+    schema = _schema(cls)
+    unknown = set(body) - schema.fields.keys()
     if unknown:
         raise WireError(f"unknown field(s) {sorted(map(str, unknown))} for {cls.__name__}")
     kwargs: dict[str, Any] = {}
-    for name, f in fields.items():
+    for name, f in schema.fields.items():
         if name in body:
-            kwargs[name] = _convert(name, hints[name], body[name])
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            kwargs[name] = f.convert(name, body[name])
+        elif f.required:
             raise WireError(f"missing field {name!r} for {cls.__name__}")
+    for name, record, names in schema.inline:
+        kwargs[name] = record(**{n: kwargs.pop(n) for n in names if n in kwargs})
     obj = cls(**kwargs)
-    validate = getattr(obj, "validate", None)
-    if validate is not None:
-        validate()
+    if schema.validates:
+        obj.validate()  # type: ignore[attr-defined]
     return obj
 
 
 def to_mapping(obj: Any) -> dict[str, Any]:
-    """The plain dict of a request or response dataclass, ready for :func:`pack`."""
+    """The plain dict of a request or response dataclass, ready for :func:`pack` (an inline
+    record's fields are spelled in its place)."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
+        if f.metadata.get(INLINE_KEY):
+            out.update(to_mapping(v))
+            continue
         if isinstance(v, tuple):
             v = [to_mapping(x) if dataclasses.is_dataclass(x) else x for x in v]
         elif dataclasses.is_dataclass(v):
@@ -478,15 +552,11 @@ class CreateJobRequest(Request):
 
     op: ClassVar[str] = "create"
     writes: ClassVar[bool] = True
-    min_nodes: int = 1
-    max_nodes: int = 1
-    last_call_timeout: float = 30.0
-    join_timeout: float = 600.0
-    heartbeat_ttl: float = 15.0
+    settings: JobSettings = inline(default_factory=JobSettings)
     rid: Rid = None
 
     def validate(self) -> None:
-        JobSettings(self.min_nodes, self.max_nodes, self.last_call_timeout, self.join_timeout, self.heartbeat_ttl).validate()
+        self.settings.validate()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -501,11 +571,7 @@ class JoinRequest(Request):
     node_id: str
     addr: str
     nproc_per_node: int
-    min_nodes: int
-    max_nodes: int
-    last_call_timeout: float = 30.0
-    join_timeout: float = 600.0
-    heartbeat_ttl: float = 15.0
+    settings: JobSettings = inline(required=("min_nodes", "max_nodes"))
     hold: float = 0.0
     rid: Rid = None
     #: The port this node's workers would serve their store on if it becomes node rank 0 (0: none).
@@ -519,7 +585,7 @@ class JoinRequest(Request):
             raise WireError(f"addr must be 1..{MAX_ADDR_CHARS} characters")
         if not 1 <= self.nproc_per_node <= 65536:
             raise WireError(f"nproc_per_node must be 1..65536, got {self.nproc_per_node}")
-        JobSettings(self.min_nodes, self.max_nodes, self.last_call_timeout, self.join_timeout, self.heartbeat_ttl).validate()
+        self.settings.validate()
         nonnegative("hold", self.hold)
 
 
@@ -704,7 +770,7 @@ def assignment_from_wire(body: object) -> Assignment:
     Replies are read leniently: a newer server may add fields an older client ignores."""
     if not isinstance(body, dict):
         raise WireError("assignment must be a map")
-    names = _schema(Assignment)[1]
+    names = _schema(Assignment).fields
     return from_mapping(Assignment, {k: v for k, v in body.items() if k in names})
 
 

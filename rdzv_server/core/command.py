@@ -12,8 +12,11 @@ Reads are not commands: they never change state and are never logged.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+from rdzv_client.record import INLINE_KEY, JobSettings, inline
 
 
 @dataclass(frozen=True)
@@ -22,7 +25,17 @@ class Command:
     rdzv_id: str
 
     def to_record(self) -> dict[str, Any]:
-        record = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The log record: every field, an inline record's (the job settings) spelled in its place."""
+        if not _INLINE.get(type(self)):
+            record = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        else:
+            record = {}
+            for f in dataclasses.fields(self):
+                value = getattr(self, f.name)
+                if f.metadata.get(INLINE_KEY):
+                    record.update(dataclasses.asdict(value))
+                else:
+                    record[f.name] = value
         record["op"] = self.op
         return record
 
@@ -78,11 +91,7 @@ class DeleteKey(Command):
 @dataclass(frozen=True)
 class Create(Command):
     op: ClassVar[str] = "create"
-    min_nodes: int
-    max_nodes: int
-    last_call_timeout: float
-    join_timeout: float
-    heartbeat_ttl: float
+    settings: JobSettings = inline()
 
 
 @dataclass(frozen=True)
@@ -91,11 +100,7 @@ class Join(Command):
     node_id: str
     addr: str
     nproc_per_node: int
-    min_nodes: int
-    max_nodes: int
-    last_call_timeout: float
-    join_timeout: float
-    heartbeat_ttl: float
+    settings: JobSettings = inline()
     master_port: int = 0
 
 
@@ -183,7 +188,26 @@ COMMANDS: dict[str, type[Command]] = {
 }
 
 
+def _inline_fields(cls: type[Command]) -> tuple[tuple[str, type[Any], tuple[str, ...]], ...]:
+    """Each inline record field of ``cls``: its name, the record's class and its field names."""
+    hints = typing.get_type_hints(cls)
+    return tuple(
+        (f.name, hints[f.name], tuple(g.name for g in dataclasses.fields(hints[f.name])))
+        for f in dataclasses.fields(cls)
+        if f.metadata.get(INLINE_KEY)
+    )
+
+
+#: Per command, its inline record fields (the job settings of create and join), from the declarations.
+_INLINE: dict[type[Command], tuple[tuple[str, type[Any], tuple[str, ...]], ...]] = {
+    cls: _inline_fields(cls) for cls in COMMANDS.values()
+}
+
+
 def from_record(record: dict[str, Any]) -> Command:
     """Rebuild a command from its log record (lists come back as tuples)."""
     fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in record.items() if k != "op"}
-    return COMMANDS[record["op"]](**fields)
+    cls = COMMANDS[record["op"]]
+    for name, inner, names in _INLINE[cls]:
+        fields[name] = inner(**{n: fields.pop(n) for n in names if n in fields})
+    return cls(**fields)

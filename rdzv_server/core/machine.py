@@ -233,7 +233,7 @@ class StateMachine:
         return Outcome({"deleted": deleted})
 
     def _create(self, cmd: c.Create, now: float) -> Outcome:
-        settings = JobSettings(cmd.min_nodes, cmd.max_nodes, cmd.last_call_timeout, cmd.join_timeout, cmd.heartbeat_ttl)
+        settings = cmd.settings
         entry = self.jobs.get(cmd.rdzv_id)
         if entry is None:
             self._new_job(cmd.rdzv_id, settings, now, Cause.CREATE)
@@ -253,7 +253,7 @@ class StateMachine:
         return entry
 
     def _join(self, cmd: c.Join, now: float) -> Outcome:
-        settings = JobSettings(cmd.min_nodes, cmd.max_nodes, cmd.last_call_timeout, cmd.join_timeout, cmd.heartbeat_ttl)
+        settings = cmd.settings
         entry = self.jobs.get(cmd.rdzv_id)
         if entry is None:
             entry = self._new_job(cmd.rdzv_id, settings, now, Cause.JOIN)

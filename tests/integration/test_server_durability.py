@@ -27,6 +27,7 @@ from server_process import ServerProcess
 
 from rdzv_client import Client, wire
 from rdzv_server.config import ServerConfig
+from rdzv_client.record import JobSettings
 from rdzv_server.core import command as c
 from rdzv_server.service import Service
 
@@ -353,7 +354,7 @@ async def test_snapshots_are_rebuilt_from_the_log_never_read_from_the_live_state
     assert gc.isenabled()  # recovery gave the collector back
     monkeypatch.setattr(svc.machine, "to_snapshot", lambda: pytest.fail("the live state was snapshotted"))
     try:
-        await svc.write(c.Create("job", 1, 1, 1.0, 600.0, 600.0))
+        await svc.write(c.Create("job", JobSettings(1, 1, 1.0, 600.0, 600.0)))
         for i in range(5):
             await svc.write(c.Set("job", b"k%d" % i, b"v%d" % i))
         deadline = time.monotonic() + 30

@@ -11,7 +11,6 @@ into an error without raising. Example counts are modest: the whole file runs in
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import typing
@@ -109,9 +108,9 @@ def request_fields(draw: st.DrawFn, op: str) -> dict[Any, Any]:
     """A body for ``op``: its valid body with one to three fields set to plausible values
     (a field it lacked included), sometimes one dropped, sometimes a stranger added."""
     cls = wire.REQUESTS[op]
-    hints = typing.get_type_hints(cls)
+    hints = wire.wire_fields(cls)
     fields: dict[Any, Any] = dict(VALID[op])
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = list(hints)
     if names:
         for name in draw(st.lists(st.sampled_from(names), min_size=1, max_size=3, unique=True)):
             fields[name] = draw(plausible(hints[name]))

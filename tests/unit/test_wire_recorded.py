@@ -18,6 +18,19 @@ import pytest
 from rdzv_client import wire
 from rdzv_server.core import command as c
 
+def flat(record: Any) -> dict[str, Any]:
+    """A record's field values by name, an inline record's (the job settings) spelled in its
+    place, as the wire and the log spell them: the recorded values compare with it."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(record):
+        value = getattr(record, f.name)
+        if f.metadata.get("inline"):
+            out.update(flat(value))
+        else:
+            out[f.name] = value
+    return out
+
+
 RECORDED_FRAMES: list[tuple[str, dict[str, Any], str]] = [
     ('join', {'node_id': 'n1', 'addr': '10.0.0.1', 'nproc_per_node': 8, 'min_nodes': 2, 'max_nodes': 4, 'last_call_timeout': 30.0, 'join_timeout': 600.0, 'heartbeat_ttl': 15.0, 'hold': 30.0, 'rid': ('c1', 1, 1), 'master_port': 29500},
      "000000bc9401a46a6f696ea56a6f622d318ba76e6f64655f6964a26e31a461646472a831302e302e302e31ae6e70726f635f7065725f6e6f646508a96d696e5f6e6f64657302a96d61785f6e6f64657304b16c6173745f63616c6c5f74696d656f7574cb403e000000000000ac6a6f696e5f74696d656f7574cb4082c00000000000ad6865617274626561745f74746ccb402e000000000000a4686f6c64cb403e000000000000a372696493a263310101ab6d61737465725f706f7274cd733c"),
@@ -104,7 +117,7 @@ def test_a_frame_recorded_from_the_old_client_decodes_into_the_same_request(
     assert (frame_op, rdzv_id) == (op, "job-1")
     req = wire.decode_request(op, body)
     assert req.op == op
-    assert {f.name: getattr(req, f.name) for f in dataclasses.fields(req)} == fields
+    assert flat(req) == fields
     # and today's client sends the very same bytes for the same request
     assert wire.frame([tag, op, rdzv_id, wire.to_mapping(req)]) == data
 
@@ -119,10 +132,26 @@ def test_a_log_record_written_before_replays_into_the_same_command(op: str, fiel
     assert (record["now"], record["rid"]) == (12.5, ["c1", 1, 0])
     cmd = c.from_record(record["cmd"])
     assert cmd.op == op
-    assert {f.name: getattr(cmd, f.name) for f in dataclasses.fields(cmd)} == fields
+    assert flat(cmd) == fields
     # and today's server writes the very same record for the same command
     assert wire.pack({"cmd": cmd.to_record(), "now": 12.5, "rid": ["c1", 1, 0]}) == bytes.fromhex(hexed)
 
 
 def test_every_command_has_a_recorded_log_record() -> None:
     assert {op for op, _, _ in RECORDED_LOG_RECORDS} == set(c.COMMANDS)
+
+
+def test_the_job_settings_are_spelled_inline_on_the_wire_and_a_join_must_name_its_node_counts() -> None:
+    """One JobSettings record inside create and join, its fields spelled beside the others as
+    old clients send them; a join without min_nodes or max_nodes is refused as it always was,
+    a create without them takes the one set of defaults."""
+    assert list(wire.wire_fields(wire.JoinRequest))[3:8] == [
+        "min_nodes", "max_nodes", "last_call_timeout", "join_timeout", "heartbeat_ttl"
+    ]
+    body = {"node_id": "n", "addr": "h", "nproc_per_node": 1, "max_nodes": 2}
+    with pytest.raises(wire.WireError, match="missing field 'min_nodes' for JoinRequest"):
+        wire.decode_request("join", body)
+    assert wire.decode_request("create", {}) == wire.CreateJobRequest(wire.JobSettings())
+    join = wire.decode_request("join", {**body, "min_nodes": 1})
+    assert isinstance(join, wire.JoinRequest)
+    assert join.settings == wire.JobSettings(1, 2)
