@@ -616,7 +616,8 @@ class AsyncClient:
 
     async def set(self, rdzv_id: str, key: KeyLike, value: KeyLike, *, round: int | None = None) -> None:
         """Store ``value`` under ``key``."""
-        await self.request(rdzv_id, wire.SetRequest(key=_as_bytes("key", key), value=_as_bytes("value", value), round=round))
+        req = wire.SetRequest(rdzv_id, key=_as_bytes("key", key), value=_as_bytes("value", value), round=round)
+        await self.request(rdzv_id, req)
 
     async def get(self, rdzv_id: str, key: KeyLike, *, timeout: float, round: int | None = None) -> bytes:
         """The value of ``key``, waiting up to ``timeout`` s for it to be set.
@@ -633,7 +634,8 @@ class AsyncClient:
 
         Raises :class:`ConflictError` (``not_an_integer``) when the key holds something else.
         """
-        reply = await self.request(rdzv_id, wire.AddRequest(key=_as_bytes("key", key), amount=amount, round=round))
+        req = wire.AddRequest(rdzv_id, key=_as_bytes("key", key), amount=amount, round=round)
+        reply = await self.request(rdzv_id, req)
         return _reply_field(reply, "value", int, "add")
 
     async def compare_set(
@@ -641,6 +643,7 @@ class AsyncClient:
     ) -> bytes:
         """Set ``key`` to ``desired`` if it holds ``expected``; return the value now stored."""
         req = wire.CompareSetRequest(
+            rdzv_id,
             key=_as_bytes("key", key),
             expected=_as_bytes("expected", expected),
             desired=_as_bytes("desired", desired),
@@ -650,7 +653,7 @@ class AsyncClient:
 
     async def append(self, rdzv_id: str, key: KeyLike, value: KeyLike, *, round: int | None = None) -> None:
         """Append ``value`` to the bytes at ``key`` (creating it)."""
-        req = wire.AppendRequest(key=_as_bytes("key", key), value=_as_bytes("value", value), round=round)
+        req = wire.AppendRequest(rdzv_id, key=_as_bytes("key", key), value=_as_bytes("value", value), round=round)
         await self.request(rdzv_id, req)
 
     async def multi_get(
@@ -670,6 +673,7 @@ class AsyncClient:
     ) -> None:
         """Set every ``keys[i]`` to ``values[i]`` in one atomic step."""
         req = wire.MultiSetRequest(
+            rdzv_id,
             keys=tuple(_as_bytes("key", k) for k in keys),
             values=tuple(_as_bytes("value", v) for v in values),
             round=round,
@@ -692,7 +696,7 @@ class AsyncClient:
 
     async def delete_key(self, rdzv_id: str, key: KeyLike, *, round: int | None = None) -> bool:
         """Delete ``key``; return whether it existed."""
-        req = wire.DeleteKeyRequest(key=_as_bytes("key", key), round=round)
+        req = wire.DeleteKeyRequest(rdzv_id, key=_as_bytes("key", key), round=round)
         return _reply_field(await self.request(rdzv_id, req), "deleted", bool, "delete_key")
 
     async def num_keys(self, rdzv_id: str, *, round: int | None = None) -> int:
@@ -721,7 +725,7 @@ class AsyncClient:
         Raises :class:`ConflictError` (``settings_conflict``) when it exists with others.
         """
         req = wire.CreateJobRequest(
-            wire.JobSettings(min_nodes, max_nodes, last_call_timeout, join_timeout, heartbeat_ttl)
+            rdzv_id, wire.JobSettings(min_nodes, max_nodes, last_call_timeout, join_timeout, heartbeat_ttl)
         )
         await self.request(rdzv_id, req)
 
@@ -753,6 +757,7 @@ class AsyncClient:
         sent = time.monotonic()
         hold = max(0.0, min(timeout, self._max_hold))
         req = wire.JoinRequest(
+            rdzv_id,
             node_id=node_id,
             addr=addr,
             nproc_per_node=nproc_per_node,
@@ -811,12 +816,12 @@ class AsyncClient:
 
     async def leave(self, rdzv_id: str, node_id: str) -> None:
         """``node_id`` leaves the job gracefully: the other nodes do not restart for it."""
-        await self.request(rdzv_id, wire.LeaveRequest(node_id=node_id))
+        await self.request(rdzv_id, wire.LeaveRequest(rdzv_id, node_id=node_id))
 
     async def close_job(self, rdzv_id: str, *, cause: str = "") -> None:
         """Close the job: later joins fail with :class:`JobClosedError`. ``cause`` (one of
         ``wire.CLOSE_CAUSES``) tells the job's timeline who closed it."""
-        await self.request(rdzv_id, wire.CloseRequest(cause=cause))
+        await self.request(rdzv_id, wire.CloseRequest(rdzv_id, cause=cause))
 
     async def jobs(self) -> list[dict[str, Any]]:
         """Every job the server knows, each a map with ``rdzv_id``, ``state``, ``round``, ``num_nodes``…"""

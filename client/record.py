@@ -3,19 +3,33 @@
 What it owns: the one declaration of each record that crosses between the two sides or
 between the server's rings: the error codes with their one HTTP status each, the
 validation error of a body (:class:`WireError`), a job's settings with their one set of
-defaults (:class:`JobSettings`), and a node's place in a formed round (:class:`Assignment`).
-:mod:`rdzv_client.wire` (which adds msgpack, framing and the requests) re-exports them, and
-the server's ``core`` ring uses them directly: that is why this module imports nothing but
-the standard library (a test keeps it so), and knows no encoding, no I/O and no clock.
+defaults (:class:`JobSettings`), a node's place in a formed round (:class:`Assignment`),
+and every write request, which is at once the wire record the client sends, the core
+command the server applies and the record its log keeps (:class:`Command` and its
+subclasses; field metadata says which fields the wire map or the log record leave out).
+:mod:`rdzv_client.wire` (which adds msgpack, framing, the read requests and the schema that
+validates decoded bodies) re-exports them, and the server's ``core`` ring uses them
+directly: that is why this module imports nothing but the standard library (a test keeps
+it so), and knows no encoding, no I/O and no clock.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
+
+ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+~-]{0,199}$")
+# Keys are torch store keys (paths of short names); 4 KiB leaves room for deep prefixes.
+MAX_KEY_BYTES = 4096
+# Bound on the number of keys one multi_* / check / wait request may name.
+MAX_KEYS_PER_REQUEST = 10_000
+# Nodes send their address; 255 is the DNS name limit.
+MAX_ADDR_CHARS = 255
+
 
 class ErrorCode(str, enum.Enum):
     """Stable wire error codes; each has exactly one HTTP status (see :data:`HTTP_STATUS`)."""
@@ -177,3 +191,238 @@ class Assignment:
     global_rank_start: int
     master_addr: str
     master_port: int = 0  # node rank 0's offered port; 0 from a server or node that has none
+
+
+def check_id(kind: str, value: object) -> str:
+    """Return ``value`` if it is a valid rdzv_id / node_id, else raise :class:`WireError`."""
+    if not isinstance(value, str) or not ID_PATTERN.match(value):
+        err = WireError(
+            f"{kind} {value!r} is not valid: use 1-200 characters of letters, digits and ._:@+~- "
+            "starting with a letter or digit"
+        )
+        err.code = ErrorCode.INVALID_ID
+        raise err
+    return value
+
+
+def key_ok(name: str, key: bytes) -> None:
+    if len(key) == 0 or len(key) > MAX_KEY_BYTES:
+        raise WireError(f"{name} must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+
+
+def keys_ok(keys: tuple[bytes, ...]) -> None:
+    for k in keys:
+        key_ok("key", k)
+
+
+# --------------------------------------------------------------------------- write requests
+
+
+#: Field metadata: a field the wire map does not carry (a command's ``rdzv_id``: the route
+#: or the frame names the job), and a field the log record does not keep (``rid``, which the
+#: log keeps beside the command, and ``hold``, how long this one request waits).
+WIRE_KEY = "wire"
+LOG_KEY = "log"
+
+
+def wire_only(default: Any) -> Any:
+    """A request field the log record does not keep."""
+    return dataclasses.field(default=default, metadata={LOG_KEY: False})
+
+
+@dataclass(frozen=True)
+class Request:
+    """Base of every operation request. ``op`` names the route ``POST /v1/jobs/{rdzv_id}/<op>``."""
+
+    op: ClassVar[str]
+    #: True when the operation changes state (logged, deduplicated by ``rid``).
+    writes: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class Command(Request):
+    """Base of every change to the server's state, as a value: a write request is one (the
+    client sends it, core applies it, the log records it), and so are the server's own
+    commands (timers, recovery) in ``rdzv_server.core.command``.
+
+    ``rdzv_id`` is not in the wire map (the route or frame names the job)."""
+
+    writes: ClassVar[bool] = True
+    rdzv_id: str = dataclasses.field(metadata={WIRE_KEY: False})
+
+    def to_record(self) -> dict[str, Any]:
+        """The log record: the fields the log keeps, an inline record's (the job settings)
+        spelled in its place, and ``op``."""
+        record: dict[str, Any] = {}
+        for name, inlined in _log_fields(type(self)):
+            value = getattr(self, name)
+            if inlined:
+                record.update(dataclasses.asdict(value))
+            else:
+                record[name] = value
+        record["op"] = self.op
+        return record
+
+
+_LOG_FIELDS: dict[type[Command], tuple[tuple[str, bool], ...]] = {}
+
+
+def _log_fields(cls: type[Command]) -> tuple[tuple[str, bool], ...]:
+    """The fields of ``cls``'s log record, whether each is inline; derived once per class."""
+    fields = _LOG_FIELDS.get(cls)
+    if fields is None:
+        fields = _LOG_FIELDS[cls] = tuple(
+            (f.name, bool(f.metadata.get(INLINE_KEY))) for f in dataclasses.fields(cls) if f.metadata.get(LOG_KEY, True)
+        )
+    return fields
+
+
+# `rid` is [client_id: str, seq: int(, floor: int)]; checked by _convert_rid.
+Rid = tuple[Any, ...] | None
+
+
+#: Who closes a job, as its timeline records it ("": not said).
+CLOSE_CAUSES = ("", "agent", "operator")
+
+
+@dataclass(frozen=True)
+class SetRequest(Command):
+    op: ClassVar[str] = "set"
+    key: bytes
+    value: bytes
+    round: int | None = None
+    rid: Rid = wire_only(None)
+
+    def validate(self) -> None:
+        key_ok("key", self.key)
+
+
+@dataclass(frozen=True)
+class AddRequest(Command):
+    op: ClassVar[str] = "add"
+    key: bytes
+    amount: int
+    round: int | None = None
+    rid: Rid = wire_only(None)
+
+    def validate(self) -> None:
+        key_ok("key", self.key)
+        if not -(2**63) <= self.amount < 2**63:
+            raise WireError("amount must fit in a signed 64-bit integer")
+
+
+@dataclass(frozen=True)
+class CompareSetRequest(Command):
+    op: ClassVar[str] = "compare_set"
+    key: bytes
+    expected: bytes
+    desired: bytes
+    round: int | None = None
+    rid: Rid = wire_only(None)
+
+    def validate(self) -> None:
+        key_ok("key", self.key)
+
+
+@dataclass(frozen=True)
+class AppendRequest(Command):
+    op: ClassVar[str] = "append"
+    key: bytes
+    value: bytes
+    round: int | None = None
+    rid: Rid = wire_only(None)
+
+    def validate(self) -> None:
+        key_ok("key", self.key)
+
+
+@dataclass(frozen=True)
+class MultiSetRequest(Command):
+    op: ClassVar[str] = "multi_set"
+    keys: tuple[bytes, ...]
+    values: tuple[bytes, ...]
+    round: int | None = None
+    rid: Rid = wire_only(None)
+
+    def validate(self) -> None:
+        keys_ok(self.keys)
+        if len(self.keys) != len(self.values):
+            raise WireError(f"multi_set got {len(self.keys)} keys but {len(self.values)} values")
+
+
+@dataclass(frozen=True)
+class DeleteKeyRequest(Command):
+    op: ClassVar[str] = "delete_key"
+    key: bytes
+    round: int | None = None
+    rid: Rid = wire_only(None)
+
+    def validate(self) -> None:
+        key_ok("key", self.key)
+
+
+@dataclass(frozen=True)
+class CreateJobRequest(Command):
+    """Create the job with these settings (idempotent; conflicting settings are a 409)."""
+
+    op: ClassVar[str] = "create"
+    settings: JobSettings = inline(default_factory=JobSettings)
+    rid: Rid = wire_only(None)
+
+    def validate(self) -> None:
+        self.settings.validate()
+
+
+@dataclass(frozen=True)
+class JoinRequest(Command):
+    """Join the job's next round; creates the job from these settings if it does not exist.
+
+    The server holds the request up to ``hold`` seconds for the round to complete.
+    """
+
+    op: ClassVar[str] = "join"
+    node_id: str
+    addr: str
+    nproc_per_node: int
+    settings: JobSettings = inline(required=("min_nodes", "max_nodes"))
+    hold: float = wire_only(0.0)
+    rid: Rid = wire_only(None)
+    #: The port this node's workers would serve their store on if it becomes node rank 0 (0: none).
+    master_port: int = 0
+
+    def validate(self) -> None:
+        check_id("node_id", self.node_id)
+        if not 0 <= self.master_port <= 65535:
+            raise WireError(f"master_port must be 0..65535, got {self.master_port}")
+        if not 0 < len(self.addr) <= MAX_ADDR_CHARS:
+            raise WireError(f"addr must be 1..{MAX_ADDR_CHARS} characters")
+        if not 1 <= self.nproc_per_node <= 65536:
+            raise WireError(f"nproc_per_node must be 1..65536, got {self.nproc_per_node}")
+        self.settings.validate()
+        nonnegative("hold", self.hold)
+
+
+@dataclass(frozen=True)
+class LeaveRequest(Command):
+    """A node leaves gracefully (torchrun agent shutdown): survivors do not restart for it."""
+
+    op: ClassVar[str] = "leave"
+    node_id: str
+    rid: Rid = wire_only(None)
+
+    def validate(self) -> None:
+        check_id("node_id", self.node_id)
+
+
+@dataclass(frozen=True)
+class CloseRequest(Command):
+    """set_closed(): later joins fail with ``job_closed``. ``cause`` says who closes it:
+    ``agent`` (a torchrun agent: its shutdown or set_closed), ``operator`` (rdzvctl)."""
+
+    op: ClassVar[str] = "close"
+    cause: str = ""
+    rid: Rid = wire_only(None)
+
+    def validate(self) -> None:
+        if self.cause not in CLOSE_CAUSES:
+            raise WireError(f"cause must be one of {', '.join(map(repr, CLOSE_CAUSES))}, got {self.cause[:32]!r}")

@@ -34,7 +34,6 @@ import json
 import math
 import os
 import pathlib
-import re
 import struct
 import types
 import typing
@@ -48,7 +47,26 @@ from .record import Assignment as Assignment
 from .record import ErrorCode as ErrorCode
 from .record import JobSettings as JobSettings
 from .record import WireError as WireError
-from .record import INLINE_KEY, REQUIRED_KEY, inline, nonnegative
+from .record import CLOSE_CAUSES as CLOSE_CAUSES
+from .record import ID_PATTERN as ID_PATTERN
+from .record import MAX_ADDR_CHARS as MAX_ADDR_CHARS
+from .record import MAX_KEY_BYTES as MAX_KEY_BYTES
+from .record import MAX_KEYS_PER_REQUEST as MAX_KEYS_PER_REQUEST
+from .record import Command as Command
+from .record import Request as Request
+from .record import Rid as Rid
+from .record import check_id as check_id
+from .record import SetRequest as SetRequest
+from .record import AddRequest as AddRequest
+from .record import CompareSetRequest as CompareSetRequest
+from .record import AppendRequest as AppendRequest
+from .record import MultiSetRequest as MultiSetRequest
+from .record import DeleteKeyRequest as DeleteKeyRequest
+from .record import CreateJobRequest as CreateJobRequest
+from .record import JoinRequest as JoinRequest
+from .record import LeaveRequest as LeaveRequest
+from .record import CloseRequest as CloseRequest
+from .record import INLINE_KEY, REQUIRED_KEY, WIRE_KEY, key_ok, keys_ok, nonnegative
 
 CONTENT_TYPE_MSGPACK = "application/msgpack"
 CONTENT_TYPE_JSON = "application/json"
@@ -56,13 +74,6 @@ CONTENT_TYPE_JSON = "application/json"
 # 29400 is torchrun's default rendezvous port, so `--rdzv-endpoint=HOST` alone works.
 DEFAULT_PORT = 29400
 
-ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+~-]{0,199}$")
-# Keys are torch store keys (paths of short names); 4 KiB leaves room for deep prefixes.
-MAX_KEY_BYTES = 4096
-# Bound on the number of keys one multi_* / check / wait request may name.
-MAX_KEYS_PER_REQUEST = 10_000
-# Nodes send their address; 255 is the DNS name limit.
-MAX_ADDR_CHARS = 255
 MAX_CLIENT_ID_CHARS = 64
 # Integers sent for float fields (JSON has one number type) must convert to a finite float.
 MAX_FLOAT_INT = 2**1023
@@ -148,18 +159,6 @@ def load_json(data: bytes, max_bytes: int) -> Any:
 # --------------------------------------------------------------------------- validation
 
 T = TypeVar("T")
-
-
-def check_id(kind: str, value: object) -> str:
-    """Return ``value`` if it is a valid rdzv_id / node_id, else raise :class:`WireError`."""
-    if not isinstance(value, str) or not ID_PATTERN.match(value):
-        err = WireError(
-            f"{kind} {value!r} is not valid: use 1-200 characters of letters, digits and ._:@+~- "
-            "starting with a letter or digit"
-        )
-        err.code = ErrorCode.INVALID_ID
-        raise err
-    return value
 
 
 def _text_ok(name: str, value: str) -> None:
@@ -290,6 +289,8 @@ def _build_schema(cls: type[Any]) -> _Schema:
     fields: dict[str, _Field] = {}
     inline: list[tuple[str, type[Any], tuple[str, ...]]] = []
     for f in dataclasses.fields(cls):
+        if not f.metadata.get(WIRE_KEY, True):
+            continue  # supplied by the caller (a command's rdzv_id: the route or frame names it)
         if f.metadata.get(INLINE_KEY):
             record: type[Any] = hints[f.name]
             inner = _schema(record).fields
@@ -307,8 +308,9 @@ def wire_fields(cls: type[Any]) -> dict[str, Any]:
     return {name: f.hint for name, f in _schema(cls).fields.items()}
 
 
-def from_mapping(cls: type[T], body: object) -> T:
-    """Build the request dataclass ``cls`` from a decoded body, checking every field.
+def from_mapping(cls: type[T], body: object, **given: Any) -> T:
+    """Build the request dataclass ``cls`` from a decoded body, checking every field;
+    ``given``: the fields the wire map does not carry (a command's ``rdzv_id``).
 
     Raises :class:`WireError` on a non-mapping body, an unknown or missing field, a wrong
     type, a negative duration, an oversize key or an illegal id.
@@ -327,7 +329,7 @@ def from_mapping(cls: type[T], body: object) -> T:
             raise WireError(f"missing field {name!r} for {cls.__name__}")
     for name, record, names in schema.inline:
         kwargs[name] = record(**{n: kwargs.pop(n) for n in names if n in kwargs})
-    obj = cls(**kwargs)
+    obj = cls(**kwargs, **given)
     if schema.validates:
         obj.validate()  # type: ignore[attr-defined]
     return obj
@@ -338,6 +340,8 @@ def to_mapping(obj: Any) -> dict[str, Any]:
     record's fields are spelled in its place)."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(obj):
+        if not f.metadata.get(WIRE_KEY, True):
+            continue
         v = getattr(obj, f.name)
         if f.metadata.get(INLINE_KEY):
             out.update(to_mapping(v))
@@ -350,26 +354,10 @@ def to_mapping(obj: Any) -> dict[str, Any]:
     return out
 
 
-def _key_ok(name: str, key: bytes) -> None:
-    if len(key) == 0 or len(key) > MAX_KEY_BYTES:
-        raise WireError(f"{name} must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
-
-
-def _keys_ok(keys: tuple[bytes, ...]) -> None:
-    for k in keys:
-        _key_ok("key", k)
-
-
 # --------------------------------------------------------------------------- requests
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-    """Base of every operation request. ``op`` names the route ``POST /v1/jobs/{rdzv_id}/<op>``."""
-
-    op: ClassVar[str]
-    #: True when the operation changes state (logged, deduplicated by ``rid``).
-    writes: ClassVar[bool] = False
+#
+# The write requests (set, add, ..., join, leave, close) are declared in rdzv_client.record:
+# they are also the server's core commands and log records. The reads are declared here.
 
 
 def _rid_check(rid: tuple[Any, ...] | None) -> None:
@@ -387,10 +375,6 @@ def _rid_check(rid: tuple[Any, ...] | None) -> None:
         raise WireError("rid floor must be 0 <= floor <= seq")
 
 
-# `rid` is [client_id: str, seq: int(, floor: int)]; checked by _convert_rid.
-Rid = tuple[Any, ...] | None
-
-
 def _convert_rid(value: object) -> tuple[Any, ...] | None:
     if value is None:
         return None
@@ -399,19 +383,6 @@ def _convert_rid(value: object) -> tuple[Any, ...] | None:
     rid = tuple(value)
     _rid_check(rid)
     return rid
-
-
-@dataclasses.dataclass(frozen=True)
-class SetRequest(Request):
-    op: ClassVar[str] = "set"
-    writes: ClassVar[bool] = True
-    key: bytes
-    value: bytes
-    round: int | None = None
-    rid: Rid = None
-
-    def validate(self) -> None:
-        _key_ok("key", self.key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -424,50 +395,8 @@ class GetRequest(Request):
     round: int | None = None
 
     def validate(self) -> None:
-        _key_ok("key", self.key)
+        key_ok("key", self.key)
         nonnegative("timeout", self.timeout)
-
-
-@dataclasses.dataclass(frozen=True)
-class AddRequest(Request):
-    op: ClassVar[str] = "add"
-    writes: ClassVar[bool] = True
-    key: bytes
-    amount: int
-    round: int | None = None
-    rid: Rid = None
-
-    def validate(self) -> None:
-        _key_ok("key", self.key)
-        if not -(2**63) <= self.amount < 2**63:
-            raise WireError("amount must fit in a signed 64-bit integer")
-
-
-@dataclasses.dataclass(frozen=True)
-class CompareSetRequest(Request):
-    op: ClassVar[str] = "compare_set"
-    writes: ClassVar[bool] = True
-    key: bytes
-    expected: bytes
-    desired: bytes
-    round: int | None = None
-    rid: Rid = None
-
-    def validate(self) -> None:
-        _key_ok("key", self.key)
-
-
-@dataclasses.dataclass(frozen=True)
-class AppendRequest(Request):
-    op: ClassVar[str] = "append"
-    writes: ClassVar[bool] = True
-    key: bytes
-    value: bytes
-    round: int | None = None
-    rid: Rid = None
-
-    def validate(self) -> None:
-        _key_ok("key", self.key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -480,23 +409,8 @@ class MultiGetRequest(Request):
     round: int | None = None
 
     def validate(self) -> None:
-        _keys_ok(self.keys)
+        keys_ok(self.keys)
         nonnegative("timeout", self.timeout)
-
-
-@dataclasses.dataclass(frozen=True)
-class MultiSetRequest(Request):
-    op: ClassVar[str] = "multi_set"
-    writes: ClassVar[bool] = True
-    keys: tuple[bytes, ...]
-    values: tuple[bytes, ...]
-    round: int | None = None
-    rid: Rid = None
-
-    def validate(self) -> None:
-        _keys_ok(self.keys)
-        if len(self.keys) != len(self.values):
-            raise WireError(f"multi_set got {len(self.keys)} keys but {len(self.values)} values")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -506,7 +420,7 @@ class CheckRequest(Request):
     round: int | None = None
 
     def validate(self) -> None:
-        _keys_ok(self.keys)
+        keys_ok(self.keys)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -517,20 +431,8 @@ class WaitRequest(Request):
     round: int | None = None
 
     def validate(self) -> None:
-        _keys_ok(self.keys)
+        keys_ok(self.keys)
         nonnegative("timeout", self.timeout)
-
-
-@dataclasses.dataclass(frozen=True)
-class DeleteKeyRequest(Request):
-    op: ClassVar[str] = "delete_key"
-    writes: ClassVar[bool] = True
-    key: bytes
-    round: int | None = None
-    rid: Rid = None
-
-    def validate(self) -> None:
-        _key_ok("key", self.key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -544,49 +446,6 @@ class ListKeysRequest(Request):
     op: ClassVar[str] = "list_keys"
     prefix: bytes = b""
     round: int | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class CreateJobRequest(Request):
-    """Create the job with these settings (idempotent; conflicting settings are a 409)."""
-
-    op: ClassVar[str] = "create"
-    writes: ClassVar[bool] = True
-    settings: JobSettings = inline(default_factory=JobSettings)
-    rid: Rid = None
-
-    def validate(self) -> None:
-        self.settings.validate()
-
-
-@dataclasses.dataclass(frozen=True)
-class JoinRequest(Request):
-    """Join the job's next round; creates the job from these settings if it does not exist.
-
-    The server holds the request up to ``hold`` seconds for the round to complete.
-    """
-
-    op: ClassVar[str] = "join"
-    writes: ClassVar[bool] = True
-    node_id: str
-    addr: str
-    nproc_per_node: int
-    settings: JobSettings = inline(required=("min_nodes", "max_nodes"))
-    hold: float = 0.0
-    rid: Rid = None
-    #: The port this node's workers would serve their store on if it becomes node rank 0 (0: none).
-    master_port: int = 0
-
-    def validate(self) -> None:
-        check_id("node_id", self.node_id)
-        if not 0 <= self.master_port <= 65535:
-            raise WireError(f"master_port must be 0..65535, got {self.master_port}")
-        if not 0 < len(self.addr) <= MAX_ADDR_CHARS:
-            raise WireError(f"addr must be 1..{MAX_ADDR_CHARS} characters")
-        if not 1 <= self.nproc_per_node <= 65536:
-            raise WireError(f"nproc_per_node must be 1..65536, got {self.nproc_per_node}")
-        self.settings.validate()
-        nonnegative("hold", self.hold)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -623,38 +482,6 @@ class WatchRequest(Request):
         nonnegative("hold", self.hold)
 
 
-@dataclasses.dataclass(frozen=True)
-class LeaveRequest(Request):
-    """A node leaves gracefully (torchrun agent shutdown): survivors do not restart for it."""
-
-    op: ClassVar[str] = "leave"
-    writes: ClassVar[bool] = True
-    node_id: str
-    rid: Rid = None
-
-    def validate(self) -> None:
-        check_id("node_id", self.node_id)
-
-
-#: Who closes a job, as its timeline records it ("": not said).
-CLOSE_CAUSES = ("", "agent", "operator")
-
-
-@dataclasses.dataclass(frozen=True)
-class CloseRequest(Request):
-    """set_closed(): later joins fail with ``job_closed``. ``cause`` says who closes it:
-    ``agent`` (a torchrun agent: its shutdown or set_closed), ``operator`` (rdzvctl)."""
-
-    op: ClassVar[str] = "close"
-    writes: ClassVar[bool] = True
-    cause: str = ""
-    rid: Rid = None
-
-    def validate(self) -> None:
-        if self.cause not in CLOSE_CAUSES:
-            raise WireError(f"cause must be one of {', '.join(map(repr, CLOSE_CAUSES))}, got {self.cause[:32]!r}")
-
-
 REQUESTS: dict[str, type[Request]] = {
     cls.op: cls
     for cls in (
@@ -680,14 +507,17 @@ REQUESTS: dict[str, type[Request]] = {
 }
 
 
-def decode_request(op: str, body: object) -> Request:
-    """Validate a decoded body as the request of operation ``op`` (raises :class:`WireError`)."""
+def decode_request(op: str, body: object, rdzv_id: str = "") -> Request:
+    """Validate a decoded body as the request of operation ``op`` on job ``rdzv_id`` (raises
+    :class:`WireError`). A write request is the core command as it is: ``rdzv_id`` is its job."""
     cls = REQUESTS.get(op)
     if cls is None:
         raise WireError(f"unknown operation {op!r}")
     if isinstance(body, dict) and "rid" in body:
         body = dict(body)
         body["rid"] = _convert_rid(body["rid"])
+    if cls.writes:
+        return from_mapping(cls, body, rdzv_id=rdzv_id)
     return from_mapping(cls, body)
 
 

@@ -1,7 +1,7 @@
 """Commands: every change to the server's state, as a value.
 
-A command is what the apply path executes and what the durable log records. Client
-writes become commands (the API translates wire requests field for field); the timer
+A command is what the apply path executes and what the durable log records. A client's
+write request *is* its command (declared once, in :mod:`rdzv_client.record`); the timer
 *detects* deadlines and expiries but *executes* them as ordinary commands
 (:class:`LastCall`, :class:`Expire`, :class:`Collect`), so replaying the log reproduces
 the state exactly without the soft state (heartbeat times) that led to the decision.
@@ -16,104 +16,34 @@ import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from rdzv_client.record import INLINE_KEY, JobSettings, inline
+from rdzv_client.record import (
+    INLINE_KEY,
+    AddRequest,
+    AppendRequest,
+    CloseRequest,
+    Command as Command,
+    CompareSetRequest,
+    CreateJobRequest,
+    DeleteKeyRequest,
+    JoinRequest,
+    LeaveRequest,
+    MultiSetRequest,
+    SetRequest,
+)
 
 
-@dataclass(frozen=True)
-class Command:
-    op: ClassVar[str]
-    rdzv_id: str
-
-    def to_record(self) -> dict[str, Any]:
-        """The log record: every field, an inline record's (the job settings) spelled in its place."""
-        if not _INLINE.get(type(self)):
-            record = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        else:
-            record = {}
-            for f in dataclasses.fields(self):
-                value = getattr(self, f.name)
-                if f.metadata.get(INLINE_KEY):
-                    record.update(dataclasses.asdict(value))
-                else:
-                    record[f.name] = value
-        record["op"] = self.op
-        return record
-
-
-@dataclass(frozen=True)
-class Set(Command):
-    op: ClassVar[str] = "set"
-    key: bytes
-    value: bytes
-    round: int | None = None
-
-
-@dataclass(frozen=True)
-class Add(Command):
-    op: ClassVar[str] = "add"
-    key: bytes
-    amount: int
-    round: int | None = None
-
-
-@dataclass(frozen=True)
-class CompareSet(Command):
-    op: ClassVar[str] = "compare_set"
-    key: bytes
-    expected: bytes
-    desired: bytes
-    round: int | None = None
-
-
-@dataclass(frozen=True)
-class Append(Command):
-    op: ClassVar[str] = "append"
-    key: bytes
-    value: bytes
-    round: int | None = None
-
-
-@dataclass(frozen=True)
-class MultiSet(Command):
-    op: ClassVar[str] = "multi_set"
-    keys: tuple[bytes, ...]
-    values: tuple[bytes, ...]
-    round: int | None = None
-
-
-@dataclass(frozen=True)
-class DeleteKey(Command):
-    op: ClassVar[str] = "delete_key"
-    key: bytes
-    round: int | None = None
-
-
-@dataclass(frozen=True)
-class Create(Command):
-    op: ClassVar[str] = "create"
-    settings: JobSettings = inline()
-
-
-@dataclass(frozen=True)
-class Join(Command):
-    op: ClassVar[str] = "join"
-    node_id: str
-    addr: str
-    nproc_per_node: int
-    settings: JobSettings = inline()
-    master_port: int = 0
-
-
-@dataclass(frozen=True)
-class Leave(Command):
-    op: ClassVar[str] = "leave"
-    node_id: str
-
-
-@dataclass(frozen=True)
-class Close(Command):
-    op: ClassVar[str] = "close"
-    cause: str = ""  # who: "agent", "operator", or "" (not said; and records from before causes)
+# The write requests are the commands (and the log records) the client's writes become: declared
+# once, in rdzv_client.record (pure data), under the wire's names; here under core's.
+Set = SetRequest
+Add = AddRequest
+CompareSet = CompareSetRequest
+Append = AppendRequest
+MultiSet = MultiSetRequest
+DeleteKey = DeleteKeyRequest
+Create = CreateJobRequest
+Join = JoinRequest
+Leave = LeaveRequest
+Close = CloseRequest
 
 
 @dataclass(frozen=True)

@@ -310,14 +310,14 @@ def test_sigterm_exits_zero_and_keeps_the_data(durable_server: ServerProcess, cl
 def test_a_write_resent_with_its_rid_after_a_crash_applies_once(durable_server: ServerProcess, client: Client) -> None:
     job = new_job()
     client.create_job(job, min_nodes=1, max_nodes=1)
-    resent = wire.AddRequest(key=b"counter", amount=1, rid=client.next_rid())
+    resent = wire.AddRequest(job, key=b"counter", amount=1, rid=client.next_rid())
     assert client.request(job, resent) == {"value": 1}
     crash_and_restart(durable_server)
     # The client never saw an answer (as far as it knows): it re-sends the same request.
     assert client.request(job, resent) == {"value": 1}
     crash_and_restart(durable_server)
     assert client.request(job, resent) == {"value": 1}
-    assert client.request(job, wire.AddRequest(key=b"counter", amount=1, rid=client.next_rid())) == {"value": 2}
+    assert client.request(job, wire.AddRequest(job, key=b"counter", amount=1, rid=client.next_rid())) == {"value": 2}
     assert client.get(job, "counter", timeout=1) == b"2"
 
 

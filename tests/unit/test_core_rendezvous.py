@@ -69,7 +69,7 @@ class Cluster:
     def join_command(self, node_id: str, nproc: int = 1, **overrides: Any) -> c.Join:
         settings = {**self.settings, **overrides}
         port = settings.pop("master_port", 0)
-        return c.Join(RDZV_ID, node_id, f"{node_id}.example", nproc, JobSettings(**settings), port)
+        return c.Join(RDZV_ID, node_id, f"{node_id}.example", nproc, JobSettings(**settings), master_port=port)
 
     def join(self, node_id: str, now: float, nproc: int = 1, **overrides: Any) -> int:
         round_: int = self.apply(self.join_command(node_id, nproc, **overrides), now)["round"]
