@@ -169,6 +169,20 @@ def test_core_and_the_wire_share_one_assignment_and_one_job_settings() -> None:
     assert rendezvous.JobSettings is wire.JobSettings is record.JobSettings
 
 
+def test_importing_core_loads_no_outer_ring_even_through_the_record_module() -> None:
+    """A fresh interpreter: core, with the one client module it uses, loads no msgpack, no
+    asyncio, no wire framing, no transport."""
+    code = (
+        "import sys, pkgutil, importlib, rdzv_server.core\n"
+        "for info in pkgutil.walk_packages(rdzv_server.core.__path__, 'rdzv_server.core.'):\n"
+        "    importlib.import_module(info.name)\n"
+        "loaded = [m for m in ('msgpack', 'asyncio', 'aiohttp', 'rdzv_client.wire', 'rdzv_client.transport', 'torch')"
+        " if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
 def test_the_record_module_core_imports_is_pure_data() -> None:
     """What core may import from outside itself imports nothing but the standard library, so
     core stays free of msgpack, I/O and clocks through it too."""
