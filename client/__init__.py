@@ -31,7 +31,7 @@ from .error import (
     ServerError,
     UnauthorizedError,
 )
-from .wire import Assignment
+from .record import Assignment
 
 if TYPE_CHECKING:
     from .client import AsyncClient, Client, WatchResult

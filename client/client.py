@@ -98,10 +98,11 @@ DEFAULT_BACKOFF_CAP = 2.0
 # A long-poll that came back "not yet" before its hold ended did not hold (a server
 # shutting down, a proxy); pausing this long keeps such a loop from spinning.
 EARLY_ANSWER_PAUSE = 0.05
-# The job settings a node proposes; these equal torch's own defaults and the wire's.
-DEFAULT_LAST_CALL_TIMEOUT = 30.0  # torch: last_call_timeout 30 s
-DEFAULT_JOIN_TIMEOUT = 600.0  # torch: join_timeout 600 s
-DEFAULT_HEARTBEAT_TTL = 15.0  # torch: heartbeat 5 s x 3 attempts
+# The job settings a node proposes unless told otherwise: the one set of defaults, JobSettings's.
+_SETTINGS = wire.JobSettings()
+DEFAULT_LAST_CALL_TIMEOUT = _SETTINGS.last_call_timeout
+DEFAULT_JOIN_TIMEOUT = _SETTINGS.join_timeout
+DEFAULT_HEARTBEAT_TTL = _SETTINGS.heartbeat_ttl
 
 # A follower's not_leader is followed at once; more hops than this in a row, with no other
 # outcome between them, mean the replicas disagree about who leads (an election under way,
@@ -615,7 +616,8 @@ class AsyncClient:
 
     async def set(self, rdzv_id: str, key: KeyLike, value: KeyLike, *, round: int | None = None) -> None:
         """Store ``value`` under ``key``."""
-        await self.request(rdzv_id, wire.SetRequest(key=_as_bytes("key", key), value=_as_bytes("value", value), round=round))
+        req = wire.SetRequest(rdzv_id, key=_as_bytes("key", key), value=_as_bytes("value", value), round=round)
+        await self.request(rdzv_id, req)
 
     async def get(self, rdzv_id: str, key: KeyLike, *, timeout: float, round: int | None = None) -> bytes:
         """The value of ``key``, waiting up to ``timeout`` s for it to be set.
@@ -632,7 +634,8 @@ class AsyncClient:
 
         Raises :class:`ConflictError` (``not_an_integer``) when the key holds something else.
         """
-        reply = await self.request(rdzv_id, wire.AddRequest(key=_as_bytes("key", key), amount=amount, round=round))
+        req = wire.AddRequest(rdzv_id, key=_as_bytes("key", key), amount=amount, round=round)
+        reply = await self.request(rdzv_id, req)
         return _reply_field(reply, "value", int, "add")
 
     async def compare_set(
@@ -640,6 +643,7 @@ class AsyncClient:
     ) -> bytes:
         """Set ``key`` to ``desired`` if it holds ``expected``; return the value now stored."""
         req = wire.CompareSetRequest(
+            rdzv_id,
             key=_as_bytes("key", key),
             expected=_as_bytes("expected", expected),
             desired=_as_bytes("desired", desired),
@@ -649,7 +653,7 @@ class AsyncClient:
 
     async def append(self, rdzv_id: str, key: KeyLike, value: KeyLike, *, round: int | None = None) -> None:
         """Append ``value`` to the bytes at ``key`` (creating it)."""
-        req = wire.AppendRequest(key=_as_bytes("key", key), value=_as_bytes("value", value), round=round)
+        req = wire.AppendRequest(rdzv_id, key=_as_bytes("key", key), value=_as_bytes("value", value), round=round)
         await self.request(rdzv_id, req)
 
     async def multi_get(
@@ -669,6 +673,7 @@ class AsyncClient:
     ) -> None:
         """Set every ``keys[i]`` to ``values[i]`` in one atomic step."""
         req = wire.MultiSetRequest(
+            rdzv_id,
             keys=tuple(_as_bytes("key", k) for k in keys),
             values=tuple(_as_bytes("value", v) for v in values),
             round=round,
@@ -691,7 +696,7 @@ class AsyncClient:
 
     async def delete_key(self, rdzv_id: str, key: KeyLike, *, round: int | None = None) -> bool:
         """Delete ``key``; return whether it existed."""
-        req = wire.DeleteKeyRequest(key=_as_bytes("key", key), round=round)
+        req = wire.DeleteKeyRequest(rdzv_id, key=_as_bytes("key", key), round=round)
         return _reply_field(await self.request(rdzv_id, req), "deleted", bool, "delete_key")
 
     async def num_keys(self, rdzv_id: str, *, round: int | None = None) -> int:
@@ -720,11 +725,7 @@ class AsyncClient:
         Raises :class:`ConflictError` (``settings_conflict``) when it exists with others.
         """
         req = wire.CreateJobRequest(
-            min_nodes=min_nodes,
-            max_nodes=max_nodes,
-            last_call_timeout=last_call_timeout,
-            join_timeout=join_timeout,
-            heartbeat_ttl=heartbeat_ttl,
+            rdzv_id, wire.JobSettings(min_nodes, max_nodes, last_call_timeout, join_timeout, heartbeat_ttl)
         )
         await self.request(rdzv_id, req)
 
@@ -756,14 +757,11 @@ class AsyncClient:
         sent = time.monotonic()
         hold = max(0.0, min(timeout, self._max_hold))
         req = wire.JoinRequest(
+            rdzv_id,
             node_id=node_id,
             addr=addr,
             nproc_per_node=nproc_per_node,
-            min_nodes=min_nodes,
-            max_nodes=max_nodes,
-            last_call_timeout=last_call_timeout,
-            join_timeout=join_timeout,
-            heartbeat_ttl=heartbeat_ttl,
+            settings=wire.JobSettings(min_nodes, max_nodes, last_call_timeout, join_timeout, heartbeat_ttl),
             hold=hold,
             master_port=master_port,
         )
@@ -788,7 +786,7 @@ class AsyncClient:
             assignment = reply.get("assignment")
             if assignment is not None:
                 try:
-                    return wire.Assignment.from_wire(assignment)
+                    return wire.assignment_from_wire(assignment)
                 except wire.WireError as exc:
                     raise ServerError(f"the server sent an invalid assignment: {exc}") from exc
             if time.monotonic() >= deadline:
@@ -818,12 +816,12 @@ class AsyncClient:
 
     async def leave(self, rdzv_id: str, node_id: str) -> None:
         """``node_id`` leaves the job gracefully: the other nodes do not restart for it."""
-        await self.request(rdzv_id, wire.LeaveRequest(node_id=node_id))
+        await self.request(rdzv_id, wire.LeaveRequest(rdzv_id, node_id=node_id))
 
     async def close_job(self, rdzv_id: str, *, cause: str = "") -> None:
         """Close the job: later joins fail with :class:`JobClosedError`. ``cause`` (one of
         ``wire.CLOSE_CAUSES``) tells the job's timeline who closed it."""
-        await self.request(rdzv_id, wire.CloseRequest(cause=cause))
+        await self.request(rdzv_id, wire.CloseRequest(rdzv_id, cause=cause))
 
     async def jobs(self) -> list[dict[str, Any]]:
         """Every job the server knows, each a map with ``rdzv_id``, ``state``, ``round``, ``num_nodes``…"""

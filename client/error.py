@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .wire import ErrorCode
+from .record import ErrorCode
 
 
 class RdzvError(Exception):

@@ -5,7 +5,9 @@ What it owns:
   typed request and response records it carries;
 - the stream protocol: the same operations as length-prefixed msgpack frames on a plain
   TCP connection to the same port (see "stream protocol" below);
-- the error codes (stable strings) with their HTTP statuses;
+- (re-exported from :mod:`rdzv_client.record`, the pure-data records core uses too) the
+  error codes (stable strings) with their HTTP statuses, the job settings with their
+  defaults, and the assignment;
 - msgpack framing (``use_bin_type=True``, explicit size limits) and strict validation of
   decoded bodies into frozen dataclasses.
 
@@ -32,13 +34,39 @@ import json
 import math
 import os
 import pathlib
-import re
 import struct
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar, Union
 
 import msgpack
+
+from .record import HTTP_STATUS as HTTP_STATUS
+from .record import Assignment as Assignment
+from .record import ErrorCode as ErrorCode
+from .record import JobSettings as JobSettings
+from .record import WireError as WireError
+from .record import CLOSE_CAUSES as CLOSE_CAUSES
+from .record import ID_PATTERN as ID_PATTERN
+from .record import MAX_ADDR_CHARS as MAX_ADDR_CHARS
+from .record import MAX_KEY_BYTES as MAX_KEY_BYTES
+from .record import MAX_KEYS_PER_REQUEST as MAX_KEYS_PER_REQUEST
+from .record import Command as Command
+from .record import Request as Request
+from .record import Rid as Rid
+from .record import check_id as check_id
+from .record import SetRequest as SetRequest
+from .record import AddRequest as AddRequest
+from .record import CompareSetRequest as CompareSetRequest
+from .record import AppendRequest as AppendRequest
+from .record import MultiSetRequest as MultiSetRequest
+from .record import DeleteKeyRequest as DeleteKeyRequest
+from .record import CreateJobRequest as CreateJobRequest
+from .record import JoinRequest as JoinRequest
+from .record import LeaveRequest as LeaveRequest
+from .record import CloseRequest as CloseRequest
+from .record import INLINE_KEY, REQUIRED_KEY, WIRE_KEY, key_ok, keys_ok, nonnegative
 
 CONTENT_TYPE_MSGPACK = "application/msgpack"
 CONTENT_TYPE_JSON = "application/json"
@@ -46,111 +74,9 @@ CONTENT_TYPE_JSON = "application/json"
 # 29400 is torchrun's default rendezvous port, so `--rdzv-endpoint=HOST` alone works.
 DEFAULT_PORT = 29400
 
-ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+~-]{0,199}$")
-# Keys are torch store keys (paths of short names); 4 KiB leaves room for deep prefixes.
-MAX_KEY_BYTES = 4096
-# Bound on the number of keys one multi_* / check / wait request may name.
-MAX_KEYS_PER_REQUEST = 10_000
-# Nodes send their address; 255 is the DNS name limit.
-MAX_ADDR_CHARS = 255
 MAX_CLIENT_ID_CHARS = 64
 # Integers sent for float fields (JSON has one number type) must convert to a finite float.
 MAX_FLOAT_INT = 2**1023
-
-
-class ErrorCode(str, enum.Enum):
-    """Stable wire error codes; each has exactly one HTTP status (see :data:`HTTP_STATUS`)."""
-
-    BAD_REQUEST = "bad_request"
-    INVALID_ID = "invalid_id"
-    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
-    BODY_TOO_LARGE = "body_too_large"
-    VALUE_TOO_LARGE = "value_too_large"
-    NOT_FOUND = "not_found"
-    JOB_NOT_FOUND = "job_not_found"
-    NODE_NOT_FOUND = "node_not_found"
-    METHOD_NOT_ALLOWED = "method_not_allowed"
-    SETTINGS_CONFLICT = "settings_conflict"
-    NOT_AN_INTEGER = "not_an_integer"
-    JOB_CLOSED = "job_closed"
-    # The job closed while the node was standby or waiting for a round: it exits gracefully.
-    JOB_CLOSED_IN_LINE = "job_closed_in_line"
-    JOIN_TIMEOUT = "join_timeout"
-    NOT_READY = "not_ready"
-    UNAUTHORIZED = "unauthorized"
-    FORBIDDEN = "forbidden"
-    SHUTTING_DOWN = "shutting_down"
-    # A follower replica of a replicated cluster (--etcd): the body's "leader" names the
-    # leader's URL when one is known; ask it instead (same request id).
-    NOT_LEADER = "not_leader"
-    INTERNAL = "internal"
-    # HTTP-level refusals (answered before a request reaches an operation).
-    HEADERS_TOO_LARGE = "headers_too_large"
-    EXPECTATION_FAILED = "expectation_failed"
-    REQUEST_TIMEOUT = "request_timeout"
-    # The Host is not one of the server's --allowed-hosts (a DNS-rebinding guard).
-    HOST_NOT_ALLOWED = "host_not_allowed"
-    # Limits (see README "Limits"): each refuses the request and changes nothing.
-    TOO_MANY_CONNECTIONS = "too_many_connections"
-    BUFFERS_FULL = "buffers_full"
-    TOO_MANY_JOBS = "too_many_jobs"
-    TOO_MANY_KEYS = "too_many_keys"
-    JOB_STORE_FULL = "job_store_full"
-    TOO_MANY_SESSIONS = "too_many_sessions"
-    SESSION_FULL = "session_full"
-    # The write's log record is larger than the log takes (with --etcd, etcd's request
-    # limit); refused before it was applied: nothing changed.
-    RECORD_TOO_LARGE = "record_too_large"
-    # The log has as many records waiting to be written as it may hold (--max-log-queue,
-    # --max-log-queue-bytes); nothing changed: retry shortly.
-    LOG_QUEUE_FULL = "log_queue_full"
-    # The server's own log failed a write (a full or failing disk): it acknowledges
-    # nothing more and stops; retry once it is back (or at another replica).
-    LOG_FAILED = "log_failed"
-
-
-HTTP_STATUS: dict[ErrorCode, int] = {
-    ErrorCode.BAD_REQUEST: 400,
-    ErrorCode.INVALID_ID: 400,
-    ErrorCode.UNSUPPORTED_MEDIA_TYPE: 415,
-    ErrorCode.BODY_TOO_LARGE: 413,
-    ErrorCode.VALUE_TOO_LARGE: 413,
-    ErrorCode.NOT_FOUND: 404,
-    ErrorCode.JOB_NOT_FOUND: 404,
-    ErrorCode.NODE_NOT_FOUND: 404,
-    ErrorCode.METHOD_NOT_ALLOWED: 405,
-    ErrorCode.SETTINGS_CONFLICT: 409,
-    ErrorCode.NOT_AN_INTEGER: 409,
-    ErrorCode.JOB_CLOSED: 410,
-    ErrorCode.JOB_CLOSED_IN_LINE: 410,
-    ErrorCode.JOIN_TIMEOUT: 408,
-    ErrorCode.NOT_READY: 503,
-    ErrorCode.UNAUTHORIZED: 401,
-    ErrorCode.FORBIDDEN: 403,
-    ErrorCode.SHUTTING_DOWN: 503,
-    ErrorCode.NOT_LEADER: 503,
-    ErrorCode.INTERNAL: 500,
-    ErrorCode.HEADERS_TOO_LARGE: 431,
-    ErrorCode.EXPECTATION_FAILED: 417,
-    ErrorCode.REQUEST_TIMEOUT: 408,
-    ErrorCode.HOST_NOT_ALLOWED: 421,
-    ErrorCode.TOO_MANY_CONNECTIONS: 429,
-    ErrorCode.BUFFERS_FULL: 429,
-    ErrorCode.TOO_MANY_JOBS: 429,
-    ErrorCode.TOO_MANY_KEYS: 429,
-    ErrorCode.JOB_STORE_FULL: 413,
-    ErrorCode.TOO_MANY_SESSIONS: 429,
-    ErrorCode.SESSION_FULL: 429,
-    ErrorCode.RECORD_TOO_LARGE: 413,
-    ErrorCode.LOG_QUEUE_FULL: 503,
-    ErrorCode.LOG_FAILED: 503,
-}
-
-
-class WireError(ValueError):
-    """A body that does not decode or does not validate; always rendered as ``bad_request``."""
-
-    code = ErrorCode.BAD_REQUEST
 
 
 # --------------------------------------------------------------------------- credentials
@@ -235,18 +161,6 @@ def load_json(data: bytes, max_bytes: int) -> Any:
 T = TypeVar("T")
 
 
-def check_id(kind: str, value: object) -> str:
-    """Return ``value`` if it is a valid rdzv_id / node_id, else raise :class:`WireError`."""
-    if not isinstance(value, str) or not ID_PATTERN.match(value):
-        err = WireError(
-            f"{kind} {value!r} is not valid: use 1-200 characters of letters, digits and ._:@+~- "
-            "starting with a letter or digit"
-        )
-        err.code = ErrorCode.INVALID_ID
-        raise err
-    return value
-
-
 def _text_ok(name: str, value: str) -> None:
     # JSON's "\ud800" decodes to a lone surrogate, which msgpack (the log, the replies) cannot encode.
     try:
@@ -267,93 +181,171 @@ def _as_bytes(name: str, value: object) -> bytes:
     raise WireError(f"field {name!r} must be bytes or a string, not {type(value).__name__}")
 
 
-def _convert(name: str, hint: Any, value: object) -> Any:
-    if hint is Any:  # only `rid`, checked by _convert_rid before
-        return value
+Convert = Callable[[str, object], Any]
+
+
+def _as_any(name: str, value: object) -> Any:  # only `rid`, checked by _convert_rid before
+    return value
+
+
+def _as_str(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise WireError(f"field {name!r} must be a string, not {type(value).__name__}")
+    _text_ok(name, value)
+    return value
+
+
+def _as_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise WireError(f"field {name!r} must be a boolean, not {type(value).__name__}")
+    return value
+
+
+def _as_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise WireError(f"field {name!r} must be an integer, not {type(value).__name__}")
+    if not -(2**63) <= value < 2**63:
+        raise WireError(f"field {name!r} must fit a signed 64-bit integer")
+    return value
+
+
+def _as_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise WireError(f"field {name!r} must be a number, not {type(value).__name__}")
+    if isinstance(value, int) and not -MAX_FLOAT_INT <= value <= MAX_FLOAT_INT:
+        raise WireError(f"field {name!r} is too large for a number of seconds")  # float() would overflow
+    if not math.isfinite(value):
+        raise WireError(f"field {name!r} must be a finite number")
+    return float(value)
+
+
+_SCALARS: dict[Any, Convert] = {Any: _as_any, bytes: _as_bytes, str: _as_str, bool: _as_bool, int: _as_int, float: _as_float}
+
+
+def _converter(hint: Any) -> Convert:
+    """The checking conversion of a field of type ``hint``: built once per field, when its
+    record is first decoded, so a request pays no type introspection."""
+    scalar = _SCALARS.get(hint)
+    if scalar is not None:
+        return scalar
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
         args = typing.get_args(hint)
-        if value is None and type(None) in args:
-            return None
         (inner,) = [a for a in args if a is not type(None)]
-        return _convert(name, inner, value)
-    if hint is bytes:
-        return _as_bytes(name, value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise WireError(f"field {name!r} must be a string, not {type(value).__name__}")
-        _text_ok(name, value)
-        return value
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise WireError(f"field {name!r} must be a boolean, not {type(value).__name__}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise WireError(f"field {name!r} must be an integer, not {type(value).__name__}")
-        if not -(2**63) <= value < 2**63:
-            raise WireError(f"field {name!r} must fit a signed 64-bit integer")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise WireError(f"field {name!r} must be a number, not {type(value).__name__}")
-        if isinstance(value, int) and not -MAX_FLOAT_INT <= value <= MAX_FLOAT_INT:
-            raise WireError(f"field {name!r} is too large for a number of seconds")  # float() would overflow
-        if not math.isfinite(value):
-            raise WireError(f"field {name!r} must be a finite number")
-        return float(value)
+        convert = _converter(inner)
+        if type(None) not in args:
+            return convert
+
+        def optional(name: str, value: object) -> Any:
+            return None if value is None else convert(name, value)
+
+        return optional
     if origin is tuple:
         (inner, _ellipsis) = typing.get_args(hint)
-        if not isinstance(value, (list, tuple)):
-            raise WireError(f"field {name!r} must be a list, not {type(value).__name__}")
-        if len(value) > MAX_KEYS_PER_REQUEST:
-            raise WireError(f"field {name!r} names more than {MAX_KEYS_PER_REQUEST} items")
-        return tuple(_convert(f"{name}[{i}]", inner, v) for i, v in enumerate(value))
+        item = _converter(inner)
+
+        def items(name: str, value: object) -> tuple[Any, ...]:
+            if not isinstance(value, (list, tuple)):
+                raise WireError(f"field {name!r} must be a list, not {type(value).__name__}")
+            if len(value) > MAX_KEYS_PER_REQUEST:
+                raise WireError(f"field {name!r} names more than {MAX_KEYS_PER_REQUEST} items")
+            return tuple(item(f"{name}[{i}]", v) for i, v in enumerate(value))
+
+        return items
     raise TypeError(f"unsupported field type {hint!r}")  # a bug in this module, not bad input
 
 
-_Schema = tuple[dict[str, Any], dict[str, "dataclasses.Field[Any]"]]
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    name: str
+    hint: Any
+    convert: Convert
+    required: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Schema:
+    """A record's wire map, derived once from its declaration: every field in order (the
+    fields of an inline record, such as a join's :class:`JobSettings`, spelled in its place),
+    and the inline records to regroup them into."""
+
+    fields: dict[str, _Field]
+    inline: tuple[tuple[str, type[Any], tuple[str, ...]], ...]
+    validates: bool
+
+
 _schemas: dict[type[Any], _Schema] = {}
 
 
 def _schema(cls: type[Any]) -> _Schema:
-    """Field types and fields of a dataclass, resolved once (this is on every request's path)."""
     schema = _schemas.get(cls)
     if schema is None:
-        schema = _schemas[cls] = (typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)})
+        schema = _schemas[cls] = _build_schema(cls)
     return schema
 
 
-def from_mapping(cls: type[T], body: object) -> T:
-    """Build the request dataclass ``cls`` from a decoded body, checking every field.
+def _build_schema(cls: type[Any]) -> _Schema:
+    hints = typing.get_type_hints(cls)
+    fields: dict[str, _Field] = {}
+    inline: list[tuple[str, type[Any], tuple[str, ...]]] = []
+    for f in dataclasses.fields(cls):
+        if not f.metadata.get(WIRE_KEY, True):
+            continue  # supplied by the caller (a command's rdzv_id: the route or frame names it)
+        if f.metadata.get(INLINE_KEY):
+            record: type[Any] = hints[f.name]
+            inner = _schema(record).fields
+            required = f.metadata.get(REQUIRED_KEY, ())
+            fields.update({n: dataclasses.replace(g, required=g.required or n in required) for n, g in inner.items()})
+            inline.append((f.name, record, tuple(inner)))
+            continue
+        has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        fields[f.name] = _Field(f.name, hints[f.name], _converter(hints[f.name]), not has_default)
+    return _Schema(fields, tuple(inline), callable(getattr(cls, "validate", None)))
+
+
+def wire_fields(cls: type[Any]) -> dict[str, Any]:
+    """The fields of record ``cls``'s wire map with their types, in order."""
+    return {name: f.hint for name, f in _schema(cls).fields.items()}
+
+
+def from_mapping(cls: type[T], body: object, **given: Any) -> T:
+    """Build the request dataclass ``cls`` from a decoded body, checking every field;
+    ``given``: the fields the wire map does not carry (a command's ``rdzv_id``).
 
     Raises :class:`WireError` on a non-mapping body, an unknown or missing field, a wrong
     type, a negative duration, an oversize key or an illegal id.
     """
     if not isinstance(body, dict):
         raise WireError(f"body must be a map, not {type(body).__name__}")
-    hints, fields = _schema(cls)
-    unknown = set(body) - set(fields)
+    schema = _schema(cls)
+    unknown = set(body) - schema.fields.keys()
     if unknown:
         raise WireError(f"unknown field(s) {sorted(map(str, unknown))} for {cls.__name__}")
     kwargs: dict[str, Any] = {}
-    for name, f in fields.items():
+    for name, f in schema.fields.items():
         if name in body:
-            kwargs[name] = _convert(name, hints[name], body[name])
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            kwargs[name] = f.convert(name, body[name])
+        elif f.required:
             raise WireError(f"missing field {name!r} for {cls.__name__}")
-    obj = cls(**kwargs)
-    validate = getattr(obj, "validate", None)
-    if validate is not None:
-        validate()
+    for name, record, names in schema.inline:
+        kwargs[name] = record(**{n: kwargs.pop(n) for n in names if n in kwargs})
+    obj = cls(**kwargs, **given)
+    if schema.validates:
+        obj.validate()  # type: ignore[attr-defined]
     return obj
 
 
 def to_mapping(obj: Any) -> dict[str, Any]:
-    """The plain dict of a request or response dataclass, ready for :func:`pack`."""
+    """The plain dict of a request or response dataclass, ready for :func:`pack` (an inline
+    record's fields are spelled in its place)."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(obj):
+        if not f.metadata.get(WIRE_KEY, True):
+            continue
         v = getattr(obj, f.name)
+        if f.metadata.get(INLINE_KEY):
+            out.update(to_mapping(v))
+            continue
         if isinstance(v, tuple):
             v = [to_mapping(x) if dataclasses.is_dataclass(x) else x for x in v]
         elif dataclasses.is_dataclass(v):
@@ -362,31 +354,10 @@ def to_mapping(obj: Any) -> dict[str, Any]:
     return out
 
 
-def _nonnegative(name: str, value: float | None) -> None:
-    if value is not None and value < 0:
-        raise WireError(f"field {name!r} must be >= 0, got {value}")
-
-
-def _key_ok(name: str, key: bytes) -> None:
-    if len(key) == 0 or len(key) > MAX_KEY_BYTES:
-        raise WireError(f"{name} must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
-
-
-def _keys_ok(keys: tuple[bytes, ...]) -> None:
-    for k in keys:
-        _key_ok("key", k)
-
-
 # --------------------------------------------------------------------------- requests
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-    """Base of every operation request. ``op`` names the route ``POST /v1/jobs/{rdzv_id}/<op>``."""
-
-    op: ClassVar[str]
-    #: True when the operation changes state (logged, deduplicated by ``rid``).
-    writes: ClassVar[bool] = False
+#
+# The write requests (set, add, ..., join, leave, close) are declared in rdzv_client.record:
+# they are also the server's core commands and log records. The reads are declared here.
 
 
 def _rid_check(rid: tuple[Any, ...] | None) -> None:
@@ -404,10 +375,6 @@ def _rid_check(rid: tuple[Any, ...] | None) -> None:
         raise WireError("rid floor must be 0 <= floor <= seq")
 
 
-# `rid` is [client_id: str, seq: int(, floor: int)]; checked by _convert_rid.
-Rid = tuple[Any, ...] | None
-
-
 def _convert_rid(value: object) -> tuple[Any, ...] | None:
     if value is None:
         return None
@@ -416,19 +383,6 @@ def _convert_rid(value: object) -> tuple[Any, ...] | None:
     rid = tuple(value)
     _rid_check(rid)
     return rid
-
-
-@dataclasses.dataclass(frozen=True)
-class SetRequest(Request):
-    op: ClassVar[str] = "set"
-    writes: ClassVar[bool] = True
-    key: bytes
-    value: bytes
-    round: int | None = None
-    rid: Rid = None
-
-    def validate(self) -> None:
-        _key_ok("key", self.key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -441,50 +395,8 @@ class GetRequest(Request):
     round: int | None = None
 
     def validate(self) -> None:
-        _key_ok("key", self.key)
-        _nonnegative("timeout", self.timeout)
-
-
-@dataclasses.dataclass(frozen=True)
-class AddRequest(Request):
-    op: ClassVar[str] = "add"
-    writes: ClassVar[bool] = True
-    key: bytes
-    amount: int
-    round: int | None = None
-    rid: Rid = None
-
-    def validate(self) -> None:
-        _key_ok("key", self.key)
-        if not -(2**63) <= self.amount < 2**63:
-            raise WireError("amount must fit in a signed 64-bit integer")
-
-
-@dataclasses.dataclass(frozen=True)
-class CompareSetRequest(Request):
-    op: ClassVar[str] = "compare_set"
-    writes: ClassVar[bool] = True
-    key: bytes
-    expected: bytes
-    desired: bytes
-    round: int | None = None
-    rid: Rid = None
-
-    def validate(self) -> None:
-        _key_ok("key", self.key)
-
-
-@dataclasses.dataclass(frozen=True)
-class AppendRequest(Request):
-    op: ClassVar[str] = "append"
-    writes: ClassVar[bool] = True
-    key: bytes
-    value: bytes
-    round: int | None = None
-    rid: Rid = None
-
-    def validate(self) -> None:
-        _key_ok("key", self.key)
+        key_ok("key", self.key)
+        nonnegative("timeout", self.timeout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -497,23 +409,8 @@ class MultiGetRequest(Request):
     round: int | None = None
 
     def validate(self) -> None:
-        _keys_ok(self.keys)
-        _nonnegative("timeout", self.timeout)
-
-
-@dataclasses.dataclass(frozen=True)
-class MultiSetRequest(Request):
-    op: ClassVar[str] = "multi_set"
-    writes: ClassVar[bool] = True
-    keys: tuple[bytes, ...]
-    values: tuple[bytes, ...]
-    round: int | None = None
-    rid: Rid = None
-
-    def validate(self) -> None:
-        _keys_ok(self.keys)
-        if len(self.keys) != len(self.values):
-            raise WireError(f"multi_set got {len(self.keys)} keys but {len(self.values)} values")
+        keys_ok(self.keys)
+        nonnegative("timeout", self.timeout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -523,7 +420,7 @@ class CheckRequest(Request):
     round: int | None = None
 
     def validate(self) -> None:
-        _keys_ok(self.keys)
+        keys_ok(self.keys)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -534,20 +431,8 @@ class WaitRequest(Request):
     round: int | None = None
 
     def validate(self) -> None:
-        _keys_ok(self.keys)
-        _nonnegative("timeout", self.timeout)
-
-
-@dataclasses.dataclass(frozen=True)
-class DeleteKeyRequest(Request):
-    op: ClassVar[str] = "delete_key"
-    writes: ClassVar[bool] = True
-    key: bytes
-    round: int | None = None
-    rid: Rid = None
-
-    def validate(self) -> None:
-        _key_ok("key", self.key)
+        keys_ok(self.keys)
+        nonnegative("timeout", self.timeout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -564,68 +449,6 @@ class ListKeysRequest(Request):
 
 
 @dataclasses.dataclass(frozen=True)
-class CreateJobRequest(Request):
-    """Create the job with these settings (idempotent; conflicting settings are a 409)."""
-
-    op: ClassVar[str] = "create"
-    writes: ClassVar[bool] = True
-    min_nodes: int = 1
-    max_nodes: int = 1
-    last_call_timeout: float = 30.0
-    join_timeout: float = 600.0
-    heartbeat_ttl: float = 15.0
-    rid: Rid = None
-
-    def validate(self) -> None:
-        _settings_ok(self.min_nodes, self.max_nodes, self.last_call_timeout, self.join_timeout, self.heartbeat_ttl)
-
-
-def _settings_ok(min_nodes: int, max_nodes: int, last_call: float, join: float, ttl: float) -> None:
-    if min_nodes < 1 or max_nodes < min_nodes:
-        raise WireError(f"need 1 <= min_nodes <= max_nodes, got min_nodes={min_nodes} max_nodes={max_nodes}")
-    if max_nodes > 1_000_000:
-        raise WireError("max_nodes must be at most 1000000")
-    _nonnegative("last_call_timeout", last_call)
-    _nonnegative("join_timeout", join)
-    if ttl <= 0:
-        raise WireError(f"heartbeat_ttl must be > 0, got {ttl}")
-
-
-@dataclasses.dataclass(frozen=True)
-class JoinRequest(Request):
-    """Join the job's next round; creates the job from these settings if it does not exist.
-
-    The server holds the request up to ``hold`` seconds for the round to complete.
-    """
-
-    op: ClassVar[str] = "join"
-    writes: ClassVar[bool] = True
-    node_id: str
-    addr: str
-    nproc_per_node: int
-    min_nodes: int
-    max_nodes: int
-    last_call_timeout: float = 30.0
-    join_timeout: float = 600.0
-    heartbeat_ttl: float = 15.0
-    hold: float = 0.0
-    rid: Rid = None
-    #: The port this node's workers would serve their store on if it becomes node rank 0 (0: none).
-    master_port: int = 0
-
-    def validate(self) -> None:
-        check_id("node_id", self.node_id)
-        if not 0 <= self.master_port <= 65535:
-            raise WireError(f"master_port must be 0..65535, got {self.master_port}")
-        if not 0 < len(self.addr) <= MAX_ADDR_CHARS:
-            raise WireError(f"addr must be 1..{MAX_ADDR_CHARS} characters")
-        if not 1 <= self.nproc_per_node <= 65536:
-            raise WireError(f"nproc_per_node must be 1..65536, got {self.nproc_per_node}")
-        _settings_ok(self.min_nodes, self.max_nodes, self.last_call_timeout, self.join_timeout, self.heartbeat_ttl)
-        _nonnegative("hold", self.hold)
-
-
-@dataclasses.dataclass(frozen=True)
 class AwaitRoundRequest(Request):
     """Long-poll until ``node_id`` is a participant of a complete round numbered >= ``round``."""
 
@@ -636,7 +459,7 @@ class AwaitRoundRequest(Request):
 
     def validate(self) -> None:
         check_id("node_id", self.node_id)
-        _nonnegative("hold", self.hold)
+        nonnegative("hold", self.hold)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -656,39 +479,7 @@ class WatchRequest(Request):
 
     def validate(self) -> None:
         check_id("node_id", self.node_id)
-        _nonnegative("hold", self.hold)
-
-
-@dataclasses.dataclass(frozen=True)
-class LeaveRequest(Request):
-    """A node leaves gracefully (torchrun agent shutdown): survivors do not restart for it."""
-
-    op: ClassVar[str] = "leave"
-    writes: ClassVar[bool] = True
-    node_id: str
-    rid: Rid = None
-
-    def validate(self) -> None:
-        check_id("node_id", self.node_id)
-
-
-#: Who closes a job, as its timeline records it ("": not said).
-CLOSE_CAUSES = ("", "agent", "operator")
-
-
-@dataclasses.dataclass(frozen=True)
-class CloseRequest(Request):
-    """set_closed(): later joins fail with ``job_closed``. ``cause`` says who closes it:
-    ``agent`` (a torchrun agent: its shutdown or set_closed), ``operator`` (rdzvctl)."""
-
-    op: ClassVar[str] = "close"
-    writes: ClassVar[bool] = True
-    cause: str = ""
-    rid: Rid = None
-
-    def validate(self) -> None:
-        if self.cause not in CLOSE_CAUSES:
-            raise WireError(f"cause must be one of {', '.join(map(repr, CLOSE_CAUSES))}, got {self.cause[:32]!r}")
+        nonnegative("hold", self.hold)
 
 
 REQUESTS: dict[str, type[Request]] = {
@@ -716,14 +507,17 @@ REQUESTS: dict[str, type[Request]] = {
 }
 
 
-def decode_request(op: str, body: object) -> Request:
-    """Validate a decoded body as the request of operation ``op`` (raises :class:`WireError`)."""
+def decode_request(op: str, body: object, rdzv_id: str = "") -> Request:
+    """Validate a decoded body as the request of operation ``op`` on job ``rdzv_id`` (raises
+    :class:`WireError`). A write request is the core command as it is: ``rdzv_id`` is its job."""
     cls = REQUESTS.get(op)
     if cls is None:
         raise WireError(f"unknown operation {op!r}")
     if isinstance(body, dict) and "rid" in body:
         body = dict(body)
         body["rid"] = _convert_rid(body["rid"])
+    if cls.writes:
+        return from_mapping(cls, body, rdzv_id=rdzv_id)
     return from_mapping(cls, body)
 
 
@@ -800,26 +594,14 @@ def frame(obj: Any) -> bytes:
 # errors     -> {"error": ErrorCode, "message": str}
 
 
-@dataclasses.dataclass(frozen=True)
-class Assignment:
-    """A node's place in a formed round."""
+def assignment_from_wire(body: object) -> Assignment:
+    """The :class:`Assignment` of a join or await_round reply (raises :class:`WireError`).
 
-    round: int
-    node_rank: int
-    num_nodes: int
-    world_size: int
-    nproc_per_node: int
-    global_rank_start: int
-    master_addr: str
-    master_port: int = 0  # node rank 0's offered port; 0 from a server or node that has none
-
-    @classmethod
-    def from_wire(cls, body: object) -> Assignment:
-        if not isinstance(body, dict):
-            raise WireError("assignment must be a map")
-        # Replies are read leniently: a newer server may add fields an older client ignores.
-        names = {f.name for f in dataclasses.fields(cls)}
-        return from_mapping(cls, {k: v for k, v in body.items() if k in names})
+    Replies are read leniently: a newer server may add fields an older client ignores."""
+    if not isinstance(body, dict):
+        raise WireError("assignment must be a map")
+    names = _schema(Assignment).fields
+    return from_mapping(Assignment, {k: v for k, v in body.items() if k in names})
 
 
 def error_body(code: ErrorCode, message: str, **extra: Any) -> dict[str, Any]:

@@ -12,7 +12,6 @@ What it must not know: HTTP, frames, how bodies are encoded.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -28,14 +27,8 @@ from .metric import Metrics
 Handler = Callable[[Service, str, Any], Awaitable[dict[str, Any]]]
 
 
-def _command(req: wire.Request, rdzv_id: str) -> c.Command:
-    """The core command of a write request: same fields, minus the wire-only ones."""
-    cls = c.COMMANDS[req.op]
-    return cls(rdzv_id=rdzv_id, **{f.name: getattr(req, f.name) for f in dataclasses.fields(cls) if f.name != "rdzv_id"})
-
-
 async def _write(svc: Service, rdzv_id: str, req: Any) -> dict[str, Any]:
-    return await svc.write(_command(req, rdzv_id), req.rid)
+    return await svc.write(req, req.rid)  # a write request is its core command
 
 
 async def _get(svc: Service, rdzv_id: str, req: wire.GetRequest) -> dict[str, Any]:
@@ -65,8 +58,8 @@ async def _list_keys(svc: Service, rdzv_id: str, req: wire.ListKeysRequest) -> d
     return {"keys": await svc.read(lambda: svc.use(rdzv_id).list_keys(req.round, req.prefix))}
 
 
-async def _join(svc: Service, rdzv_id: str, req: wire.JoinRequest) -> dict[str, Any]:
-    return await svc.join(_command(req, rdzv_id), req.rid, req.hold)  # type: ignore[arg-type]
+async def _join(svc: Service, rdzv_id: str, req: c.Join) -> dict[str, Any]:
+    return await svc.join(req, req.rid, req.hold)
 
 
 async def _await_round(svc: Service, rdzv_id: str, req: wire.AwaitRoundRequest) -> dict[str, Any]:
@@ -133,7 +126,7 @@ async def run_operation(
     started = time.perf_counter()
     try:
         wire.check_id("rdzv_id", rdzv_id)
-        status, body = 200, await handler(svc, rdzv_id, wire.decode_request(op, fields))
+        status, body = 200, await handler(svc, rdzv_id, wire.decode_request(op, fields, rdzv_id))
         code = "ok"
     except Exception as exc:  # noqa: BLE001 (error_reply logs the traceback of anything unmapped)
         status, body = error_reply(exc, f"operation {op} of job {rdzv_id[:200]!r}")

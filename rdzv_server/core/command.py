@@ -1,7 +1,7 @@
 """Commands: every change to the server's state, as a value.
 
-A command is what the apply path executes and what the durable log records. Client
-writes become commands (the API translates wire requests field for field); the timer
+A command is what the apply path executes and what the durable log records. A client's
+write request *is* its command (declared once, in :mod:`rdzv_client.record`); the timer
 *detects* deadlines and expiries but *executes* them as ordinary commands
 (:class:`LastCall`, :class:`Expire`, :class:`Collect`), so replaying the log reproduces
 the state exactly without the soft state (heartbeat times) that led to the decision.
@@ -12,103 +12,38 @@ Reads are not commands: they never change state and are never logged.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-
-@dataclass(frozen=True)
-class Command:
-    op: ClassVar[str]
-    rdzv_id: str
-
-    def to_record(self) -> dict[str, Any]:
-        record = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        record["op"] = self.op
-        return record
-
-
-@dataclass(frozen=True)
-class Set(Command):
-    op: ClassVar[str] = "set"
-    key: bytes
-    value: bytes
-    round: int | None = None
+from rdzv_client.record import (
+    INLINE_KEY,
+    AddRequest,
+    AppendRequest,
+    CloseRequest,
+    Command as Command,
+    CompareSetRequest,
+    CreateJobRequest,
+    DeleteKeyRequest,
+    JoinRequest,
+    LeaveRequest,
+    MultiSetRequest,
+    SetRequest,
+)
 
 
-@dataclass(frozen=True)
-class Add(Command):
-    op: ClassVar[str] = "add"
-    key: bytes
-    amount: int
-    round: int | None = None
-
-
-@dataclass(frozen=True)
-class CompareSet(Command):
-    op: ClassVar[str] = "compare_set"
-    key: bytes
-    expected: bytes
-    desired: bytes
-    round: int | None = None
-
-
-@dataclass(frozen=True)
-class Append(Command):
-    op: ClassVar[str] = "append"
-    key: bytes
-    value: bytes
-    round: int | None = None
-
-
-@dataclass(frozen=True)
-class MultiSet(Command):
-    op: ClassVar[str] = "multi_set"
-    keys: tuple[bytes, ...]
-    values: tuple[bytes, ...]
-    round: int | None = None
-
-
-@dataclass(frozen=True)
-class DeleteKey(Command):
-    op: ClassVar[str] = "delete_key"
-    key: bytes
-    round: int | None = None
-
-
-@dataclass(frozen=True)
-class Create(Command):
-    op: ClassVar[str] = "create"
-    min_nodes: int
-    max_nodes: int
-    last_call_timeout: float
-    join_timeout: float
-    heartbeat_ttl: float
-
-
-@dataclass(frozen=True)
-class Join(Command):
-    op: ClassVar[str] = "join"
-    node_id: str
-    addr: str
-    nproc_per_node: int
-    min_nodes: int
-    max_nodes: int
-    last_call_timeout: float
-    join_timeout: float
-    heartbeat_ttl: float
-    master_port: int = 0
-
-
-@dataclass(frozen=True)
-class Leave(Command):
-    op: ClassVar[str] = "leave"
-    node_id: str
-
-
-@dataclass(frozen=True)
-class Close(Command):
-    op: ClassVar[str] = "close"
-    cause: str = ""  # who: "agent", "operator", or "" (not said; and records from before causes)
+# The write requests are the commands (and the log records) the client's writes become: declared
+# once, in rdzv_client.record (pure data), under the wire's names; here under core's.
+Set = SetRequest
+Add = AddRequest
+CompareSet = CompareSetRequest
+Append = AppendRequest
+MultiSet = MultiSetRequest
+DeleteKey = DeleteKeyRequest
+Create = CreateJobRequest
+Join = JoinRequest
+Leave = LeaveRequest
+Close = CloseRequest
 
 
 @dataclass(frozen=True)
@@ -183,7 +118,26 @@ COMMANDS: dict[str, type[Command]] = {
 }
 
 
+def _inline_fields(cls: type[Command]) -> tuple[tuple[str, type[Any], tuple[str, ...]], ...]:
+    """Each inline record field of ``cls``: its name, the record's class and its field names."""
+    hints = typing.get_type_hints(cls)
+    return tuple(
+        (f.name, hints[f.name], tuple(g.name for g in dataclasses.fields(hints[f.name])))
+        for f in dataclasses.fields(cls)
+        if f.metadata.get(INLINE_KEY)
+    )
+
+
+#: Per command, its inline record fields (the job settings of create and join), from the declarations.
+_INLINE: dict[type[Command], tuple[tuple[str, type[Any], tuple[str, ...]], ...]] = {
+    cls: _inline_fields(cls) for cls in COMMANDS.values()
+}
+
+
 def from_record(record: dict[str, Any]) -> Command:
     """Rebuild a command from its log record (lists come back as tuples)."""
     fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in record.items() if k != "op"}
-    return COMMANDS[record["op"]](**fields)
+    cls = COMMANDS[record["op"]]
+    for name, inner, names in _INLINE[cls]:
+        fields[name] = inner(**{n: fields.pop(n) for n in names if n in fields})
+    return cls(**fields)

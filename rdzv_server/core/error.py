@@ -1,19 +1,26 @@
-"""The server's error tree: each class carries its stable wire code and HTTP status.
+"""The server's error tree: each class carries its stable wire code, and with it its HTTP status.
 
 Core raises these; the API renders them as ``{"error": code, "message": text}`` with
-``status``. The codes are the strings of ``rdzv_client.wire.ErrorCode`` (core may not
-import the wire module; a test checks the two agree). Anything that is not a
+``status``. The codes are :class:`rdzv_client.record.ErrorCode`'s, and each class's status is
+that code's one entry in :data:`rdzv_client.record.HTTP_STATUS` (the record module is pure
+data, the one module outside core that core imports). Anything that is not a
 :class:`RdzvError` is a bug and becomes a 500 ``internal`` whose traceback stays in the log.
 """
 
 from __future__ import annotations
 
+from rdzv_client.record import HTTP_STATUS, ErrorCode
+
 
 class RdzvError(Exception):
     """Base of every error a client can cause or observe."""
 
-    code = "internal"
-    status = 500
+    code: str = ErrorCode.INTERNAL.value
+    status: int = HTTP_STATUS[ErrorCode.INTERNAL]
+
+    def __init_subclass__(cls) -> None:
+        super().__init_subclass__()
+        cls.status = HTTP_STATUS[ErrorCode(cls.code)]  # a code's status is declared once, in its table
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -21,117 +28,98 @@ class RdzvError(Exception):
 
 
 class BadRequest(RdzvError):
-    code = "bad_request"
-    status = 400
+    code = ErrorCode.BAD_REQUEST.value
 
 
 class ValueTooLarge(RdzvError):
-    code = "value_too_large"
-    status = 413
+    code = ErrorCode.VALUE_TOO_LARGE.value
 
 
 class JobNotFound(RdzvError):
-    code = "job_not_found"
-    status = 404
+    code = ErrorCode.JOB_NOT_FOUND.value
 
 
 class NodeNotFound(RdzvError):
-    code = "node_not_found"
-    status = 404
+    code = ErrorCode.NODE_NOT_FOUND.value
 
 
 class SettingsConflict(RdzvError):
-    code = "settings_conflict"
-    status = 409
+    code = ErrorCode.SETTINGS_CONFLICT.value
 
 
 class NotAnInteger(RdzvError):
-    code = "not_an_integer"
-    status = 409
+    code = ErrorCode.NOT_AN_INTEGER.value
 
 
 class JobClosed(RdzvError):
-    code = "job_closed"
-    status = 410
+    code = ErrorCode.JOB_CLOSED.value
 
 
 class JobClosedInLine(JobClosed):
     """The job closed while the node was standby or waiting for a round: it was no part of the
     run that ended, and its agent should exit gracefully (torch's RendezvousGracefulExitError)."""
 
-    code = "job_closed_in_line"
-    status = 410
+    code = ErrorCode.JOB_CLOSED_IN_LINE.value
 
 
 class JoinTimeout(RdzvError):
-    code = "join_timeout"
-    status = 408
+    code = ErrorCode.JOIN_TIMEOUT.value
 
 
 # Limits (README "Limits"): each refuses the request and changes nothing.
 
 
 class TooManyJobs(RdzvError):
-    code = "too_many_jobs"
-    status = 429
+    code = ErrorCode.TOO_MANY_JOBS.value
 
 
 class TooManyKeys(RdzvError):
-    code = "too_many_keys"
-    status = 429
+    code = ErrorCode.TOO_MANY_KEYS.value
 
 
 class JobStoreFull(RdzvError):
-    code = "job_store_full"
-    status = 413
+    code = ErrorCode.JOB_STORE_FULL.value
 
 
 class TooManySessions(RdzvError):
-    code = "too_many_sessions"
-    status = 429
+    code = ErrorCode.TOO_MANY_SESSIONS.value
 
 
 class SessionFull(RdzvError):
-    code = "session_full"
-    status = 429
+    code = ErrorCode.SESSION_FULL.value
 
 
 class RecordTooLarge(RdzvError):
     """The write's log record is larger than the log takes (raised by the service before it
     applies the command, so nothing changed)."""
 
-    code = "record_too_large"
-    status = 413
+    code = ErrorCode.RECORD_TOO_LARGE.value
 
 
 class LogQueueFull(RdzvError):
     """The log's queue of records waiting to be written is at its bound (raised by the
     service before it applies the command): busy, retry shortly."""
 
-    code = "log_queue_full"
-    status = 503
+    code = ErrorCode.LOG_QUEUE_FULL.value
 
 
 class LogFailed(RdzvError):
     """The server's own log failed a write: it acknowledges nothing more and stops (raised
     by the service; a replica answers ``not_leader`` instead, and another replica leads)."""
 
-    code = "log_failed"
-    status = 503
+    code = ErrorCode.LOG_FAILED.value
 
 
 class Forbidden(RdzvError):
     """The caller's token does not cover this request (a read-only token, another job)."""
 
-    code = "forbidden"
-    status = 403
+    code = ErrorCode.FORBIDDEN.value
 
 
 class NotReady(RdzvError):
     """The server is still recovering its log (raised by the service, not by core)."""
 
-    code = "not_ready"
-    status = 503
+    code = ErrorCode.NOT_READY.value
 
 
 class NotLeader(RdzvError):
@@ -140,8 +128,7 @@ class NotLeader(RdzvError):
     ``leader`` is the leader's advertised URL, ``None`` while no replica leads.
     """
 
-    code = "not_leader"
-    status = 503
+    code = ErrorCode.NOT_LEADER.value
 
     def __init__(self, message: str, leader: str | None) -> None:
         super().__init__(message)
@@ -151,8 +138,7 @@ class NotLeader(RdzvError):
 class ShuttingDown(RdzvError):
     """The server is draining for shutdown; clients retry after the restart."""
 
-    code = "shutting_down"
-    status = 503
+    code = ErrorCode.SHUTTING_DOWN.value
 
 
 class IllegalTransition(Exception):

@@ -41,6 +41,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rdzv_client.record import Assignment, JobSettings
+
 from . import command as c
 from .error import (
     BadRequest,
@@ -51,7 +53,7 @@ from .error import (
     TooManySessions,
 )
 from .event import Cause, JobEvent, Kind
-from .rendezvous import Assignment, Departure, Job, JobSettings, JobState
+from .rendezvous import Departure, Job, JobState
 from .store import KeyValueStore
 
 # Results remembered per client that sends no floor in its rids (an older client, a script).
@@ -231,7 +233,7 @@ class StateMachine:
         return Outcome({"deleted": deleted})
 
     def _create(self, cmd: c.Create, now: float) -> Outcome:
-        settings = JobSettings(cmd.min_nodes, cmd.max_nodes, cmd.last_call_timeout, cmd.join_timeout, cmd.heartbeat_ttl)
+        settings = cmd.settings
         entry = self.jobs.get(cmd.rdzv_id)
         if entry is None:
             self._new_job(cmd.rdzv_id, settings, now, Cause.CREATE)
@@ -251,7 +253,7 @@ class StateMachine:
         return entry
 
     def _join(self, cmd: c.Join, now: float) -> Outcome:
-        settings = JobSettings(cmd.min_nodes, cmd.max_nodes, cmd.last_call_timeout, cmd.join_timeout, cmd.heartbeat_ttl)
+        settings = cmd.settings
         entry = self.jobs.get(cmd.rdzv_id)
         if entry is None:
             entry = self._new_job(cmd.rdzv_id, settings, now, Cause.JOIN)

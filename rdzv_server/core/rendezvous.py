@@ -73,6 +73,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rdzv_client.record import Assignment, JobSettings
+
 from .error import IllegalTransition, JobClosed, JobClosedInLine, JoinTimeout, NodeNotFound, SettingsConflict
 from .event import Cause, Kind, Timeline
 from .rank import Candidate, Tier, place
@@ -112,15 +114,6 @@ class Departure(str, enum.Enum):
     JOIN_TIMEOUT = "join_timeout"  # waited longer than join_timeout for a round
 
 
-@dataclass(frozen=True)
-class JobSettings:
-    min_nodes: int
-    max_nodes: int
-    last_call_timeout: float
-    join_timeout: float
-    heartbeat_ttl: float
-
-
 #: What a joining node brings to its next round: addr, nproc_per_node, master_port.
 Offer = tuple[str, int, int]
 
@@ -148,18 +141,6 @@ class Node:
     @property
     def pending(self) -> bool:
         return self.role in (Role.CANDIDATE, Role.WAITING, Role.STANDBY)
-
-
-@dataclass(frozen=True)
-class Assignment:
-    round: int
-    node_rank: int
-    num_nodes: int
-    world_size: int
-    nproc_per_node: int
-    global_rank_start: int
-    master_addr: str
-    master_port: int  # 0 when node rank 0 offered none
 
 
 # Remember why at most this many departed nodes went away (a node that polls after its

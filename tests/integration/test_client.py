@@ -178,12 +178,12 @@ def test_a_zero_timeout_get_answers_at_once(client: Client, job: str) -> None:
 
 def test_a_write_resent_with_the_same_rid_applies_once(client: Client, job: str) -> None:
     rid = client.next_rid()
-    req = wire.AddRequest(key=b"counter", amount=5, rid=rid)
+    req = wire.AddRequest(job, key=b"counter", amount=5, rid=rid)
     first = client.request(job, req)
     again = client.request(job, req)
     assert first == again == {"value": 5}
     assert client.add(job, "counter", 0) == 5
-    assert client.request(job, wire.AddRequest(key=b"counter", amount=5, rid=client.next_rid())) == {"value": 10}
+    assert client.request(job, wire.AddRequest(job, key=b"counter", amount=5, rid=client.next_rid())) == {"value": 10}
 
 
 # --------------------------------------------------------------------------- errors
@@ -258,7 +258,7 @@ def test_a_write_retried_after_a_restart_with_its_rid_applies_once(durable_serve
     with Client(durable_server.endpoint, retry_budget=30.0) as c:
         job = new_job()
         c.create_job(job, min_nodes=1, max_nodes=1)
-        req = wire.AddRequest(key=b"n", amount=3, rid=c.next_rid())
+        req = wire.AddRequest(job, key=b"n", amount=3, rid=c.next_rid())
         assert c.request(job, req) == {"value": 3}
         durable_server.close()  # SIGKILL; start() brings it back on the same port and data dir
         durable_server.start()

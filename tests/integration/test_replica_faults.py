@@ -36,6 +36,7 @@ from server_process import ServerProcess
 from rdzv_client import Client
 from rdzv_client.error import RdzvError
 from rdzv_server.config import ServerConfig
+from rdzv_client.record import JobSettings
 from rdzv_server.core import command as c
 from rdzv_server.core.error import NotLeader
 from rdzv_server.service import Service
@@ -141,7 +142,7 @@ async def test_a_failed_append_stops_serving_in_the_same_step(etcd3: EtcdCluster
             await asyncio.sleep(0.05)
         assert svc.role == "leader"
         job = "job"
-        await svc.write(c.Create(job, 1, 1, 1.0, 600.0, 600.0), ("a", 1))
+        await svc.write(c.Create(job, JobSettings(1, 1, 1.0, 600.0, 600.0)), ("a", 1))
         await svc.write(c.Set(job, b"k", b"old"), ("a", 2))
         election = (prefix + "/election/").encode()
         assert await etcd.delete_range(election, prefix_end(election)) == 1

@@ -27,6 +27,7 @@ from server_process import ServerProcess
 
 from rdzv_client import Client, wire
 from rdzv_server.config import ServerConfig
+from rdzv_client.record import JobSettings
 from rdzv_server.core import command as c
 from rdzv_server.service import Service
 
@@ -309,14 +310,14 @@ def test_sigterm_exits_zero_and_keeps_the_data(durable_server: ServerProcess, cl
 def test_a_write_resent_with_its_rid_after_a_crash_applies_once(durable_server: ServerProcess, client: Client) -> None:
     job = new_job()
     client.create_job(job, min_nodes=1, max_nodes=1)
-    resent = wire.AddRequest(key=b"counter", amount=1, rid=client.next_rid())
+    resent = wire.AddRequest(job, key=b"counter", amount=1, rid=client.next_rid())
     assert client.request(job, resent) == {"value": 1}
     crash_and_restart(durable_server)
     # The client never saw an answer (as far as it knows): it re-sends the same request.
     assert client.request(job, resent) == {"value": 1}
     crash_and_restart(durable_server)
     assert client.request(job, resent) == {"value": 1}
-    assert client.request(job, wire.AddRequest(key=b"counter", amount=1, rid=client.next_rid())) == {"value": 2}
+    assert client.request(job, wire.AddRequest(job, key=b"counter", amount=1, rid=client.next_rid())) == {"value": 2}
     assert client.get(job, "counter", timeout=1) == b"2"
 
 
@@ -353,7 +354,7 @@ async def test_snapshots_are_rebuilt_from_the_log_never_read_from_the_live_state
     assert gc.isenabled()  # recovery gave the collector back
     monkeypatch.setattr(svc.machine, "to_snapshot", lambda: pytest.fail("the live state was snapshotted"))
     try:
-        await svc.write(c.Create("job", 1, 1, 1.0, 600.0, 600.0))
+        await svc.write(c.Create("job", JobSettings(1, 1, 1.0, 600.0, 600.0)))
         for i in range(5):
             await svc.write(c.Set("job", b"k%d" % i, b"v%d" % i))
         deadline = time.monotonic() + 30

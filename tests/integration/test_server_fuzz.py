@@ -328,7 +328,7 @@ HOSTILE_FIELD_VALUES: tuple[Any, ...] = (
 def test_each_hostile_value_in_each_field_of_an_operation_gets_a_documented_answer(unharmed: ServerProcess, op: str) -> None:
     """Systematic where the random fuzz is sparse: one field hostile, the rest valid, so the
     value meets the operation's own checks, the service and the log."""
-    names = sorted({*VALID[op], *(f.name for f in dataclasses.fields(wire.REQUESTS[op]))})
+    names = sorted({*VALID[op], *wire.wire_fields(wire.REQUESTS[op])})
     conn, stream = Http(unharmed), Stream(unharmed)
     try:
         for tag, (name, value) in enumerate(((n, v) for n in names for v in HOSTILE_FIELD_VALUES), start=1):

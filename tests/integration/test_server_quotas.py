@@ -44,10 +44,10 @@ def test_a_retry_after_thousands_of_writes_of_the_same_client_is_applied_once(se
     are answered (its floor stays at 1). The retry still gets the recorded result."""
     with Client(server.endpoint) as client:
         job = store_job(client)
-        first = client.request(job, wire.AddRequest(key=b"n", amount=1, rid=("shared", 1, 1)))
+        first = client.request(job, wire.AddRequest(job, key=b"n", amount=1, rid=("shared", 1, 1)))
         for seq in range(2, 2002):
-            client.request(job, wire.AddRequest(key=b"other", amount=1, rid=("shared", seq, 1)))
-        retry = client.request(job, wire.AddRequest(key=b"n", amount=1, rid=("shared", 1, 1)))
+            client.request(job, wire.AddRequest(job, key=b"other", amount=1, rid=("shared", seq, 1)))
+        retry = client.request(job, wire.AddRequest(job, key=b"n", amount=1, rid=("shared", 1, 1)))
         assert retry == first == {"value": 1}
         assert client.add(job, "n", 0) == 1
 
@@ -55,8 +55,8 @@ def test_a_retry_after_thousands_of_writes_of_the_same_client_is_applied_once(se
 def test_a_late_copy_of_an_answered_write_is_refused_and_changes_nothing(server: ServerProcess) -> None:
     with Client(server.endpoint) as client:
         job = store_job(client)
-        client.request(job, wire.AddRequest(key=b"n", amount=1, rid=("late", 1, 1)))
-        client.request(job, wire.AddRequest(key=b"n", amount=1, rid=("late", 2, 2)))  # 1 was answered
+        client.request(job, wire.AddRequest(job, key=b"n", amount=1, rid=("late", 1, 1)))
+        client.request(job, wire.AddRequest(job, key=b"n", amount=1, rid=("late", 2, 2)))  # 1 was answered
         status, body = post(server, job, "add", {"key": "n", "amount": 1, "rid": ["late", 1, 1]})
         assert (status, body["error"]) == (400, "bad_request") and "stale duplicate" in body["message"]
         assert client.add(job, "n", 0) == 2

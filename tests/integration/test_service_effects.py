@@ -14,6 +14,7 @@ from rdzv_server.api.auth import OPEN
 from rdzv_server.api.metric import Metrics
 from rdzv_server.api.operation import run_operation
 from rdzv_server.config import ServerConfig
+from rdzv_client.record import JobSettings
 from rdzv_server.core import command as c
 from rdzv_server.service import Service
 from rdzv_server.storage import LogQueueFullError
@@ -22,7 +23,7 @@ JOB = "job"
 
 
 def join(node: str, *, min_nodes: int = 2, max_nodes: int = 4, last_call: float = 0.3) -> c.Join:
-    return c.Join(JOB, node, "127.0.0.1", 1, min_nodes, max_nodes, last_call, 600.0, 600.0)
+    return c.Join(JOB, node, "127.0.0.1", 1, JobSettings(min_nodes, max_nodes, last_call, 600.0, 600.0))
 
 
 async def started(tmp_path: Path) -> Service:
@@ -56,7 +57,7 @@ async def test_a_join_cancelled_during_its_fsync_still_schedules_the_last_call(t
 async def test_a_cancelled_write_still_wakes_the_waiters_of_its_key(tmp_path: Path) -> None:
     svc = await started(tmp_path)
     try:
-        await svc.write(c.Create(JOB, 1, 1, 1.0, 600.0, 600.0))
+        await svc.write(c.Create(JOB, JobSettings(1, 1, 1.0, 600.0, 600.0)))
         waiting = asyncio.ensure_future(svc.get(JOB, None, b"k", hold=10.0))
         await asyncio.sleep(0.05)
         request = asyncio.ensure_future(svc.write(c.Set(JOB, b"k", b"v")))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import random
 import socket
 import subprocess
@@ -194,10 +195,15 @@ def test_importing_the_client_does_not_import_torch() -> None:
 
 
 def test_client_default_settings_equal_the_wire_defaults() -> None:
-    fields = {f.name: f.default for f in dataclasses.fields(wire.JoinRequest)}
-    assert fields["last_call_timeout"] == DEFAULT_LAST_CALL_TIMEOUT
-    assert fields["join_timeout"] == DEFAULT_JOIN_TIMEOUT
-    assert fields["heartbeat_ttl"] == DEFAULT_HEARTBEAT_TTL
+    defaults = wire.JobSettings()
+    assert defaults.last_call_timeout == DEFAULT_LAST_CALL_TIMEOUT
+    assert defaults.join_timeout == DEFAULT_JOIN_TIMEOUT
+    assert defaults.heartbeat_ttl == DEFAULT_HEARTBEAT_TTL
+    for method in (AsyncClient.join, AsyncClient.create_job, Client.join, Client.create_job):
+        params = inspect.signature(method).parameters
+        assert [params[name].default for name in ("last_call_timeout", "join_timeout", "heartbeat_ttl")] == [
+            defaults.last_call_timeout, defaults.join_timeout, defaults.heartbeat_ttl
+        ]
 
 
 # --------------------------------------------------------------------------- retry policy

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rdzv_client.record import JobSettings
 from rdzv_server.core import command as c
 from rdzv_server.core.event import Cause, Kind, Timeline
 from rdzv_server.core.machine import StateMachine
@@ -25,7 +26,7 @@ class Log:
         self.records.append({"cmd": command.to_record(), "now": now, "rid": None})
 
     def join(self, node: str, now: float, *, min_nodes: int = 2, max_nodes: int = 3, last_call: float = 5.0) -> None:
-        self.apply(c.Join(JOB, node, f"{node}.host", 2, min_nodes, max_nodes, last_call, 600.0, 30.0), now)
+        self.apply(c.Join(JOB, node, f"{node}.host", 2, JobSettings(min_nodes, max_nodes, last_call, 600.0, 30.0)), now)
 
     def events(self) -> list[tuple[str, str, str | None]]:
         return [(e.kind.value, e.cause.value, e.node_id) for e in self.sm.job(JOB).timeline.since(0)]
@@ -154,7 +155,7 @@ def test_replay_and_snapshots_make_the_same_timeline() -> None:
     assert [e.to_dict() for e in replayed.job(JOB).timeline.since(0)] == want
     assert [e.to_dict() for e in restored.job(JOB).timeline.since(0)] == want
     log.join("b", 201.0)
-    restored.apply(c.Join(JOB, "b", "b.host", 2, 2, 3, 5.0, 600.0, 30.0), 201.0)
+    restored.apply(c.Join(JOB, "b", "b.host", 2, JobSettings(2, 3, 5.0, 600.0, 30.0)), 201.0)
     assert restored.job(JOB).timeline.since(len(want))[0].seq == len(want) + 1  # numbering goes on
 
 

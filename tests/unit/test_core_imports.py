@@ -65,7 +65,14 @@ def imported_names_in(source: str, package: str, filename: str = "<source>") -> 
     return out
 
 
+#: The one module outside core that core may import: the records both sides share, pure data
+#: (standard library only, which test_the_record_module_core_imports_is_pure_data keeps so).
+ALLOWED = ("rdzv_client.record",)
+
+
 def forbidden(name: str) -> str | None:
+    if name in ALLOWED or any(name.startswith(allowed + ".") for allowed in ALLOWED):
+        return None
     for root in FORBIDDEN:
         if name == root or name.startswith(root + "."):
             return root
@@ -152,14 +159,38 @@ def test_an_error_carries_its_message() -> None:
     assert (exc.code, exc.status) == ("job_closed", 410)
 
 
-def test_core_assignment_mirrors_the_wire_assignment() -> None:
-    # core may not import the wire module, so it keeps its own Assignment; the service sends
-    # it with dataclasses.asdict, which only works while the two keep the same fields.
-    import dataclasses
+def test_core_and_the_wire_share_one_assignment_and_one_job_settings() -> None:
+    # The service sends core's Assignment with dataclasses.asdict and the client reads the
+    # wire's: one declaration, so the two cannot drift apart.
+    from rdzv_client import record
+    from rdzv_server.core import rendezvous
 
-    from rdzv_client import wire
-    from rdzv_server.core.rendezvous import Assignment
+    assert rendezvous.Assignment is wire.Assignment is record.Assignment
+    assert rendezvous.JobSettings is wire.JobSettings is record.JobSettings
 
-    core_fields = [(f.name, f.type) for f in dataclasses.fields(Assignment)]
-    wire_fields = [(f.name, f.type) for f in dataclasses.fields(wire.Assignment)]
-    assert core_fields == wire_fields
+
+def test_importing_core_loads_no_outer_ring_even_through_the_record_module() -> None:
+    """A fresh interpreter: core, with the one client module it uses, loads no msgpack, no
+    asyncio, no wire framing, no transport."""
+    code = (
+        "import sys, pkgutil, importlib, rdzv_server.core\n"
+        "for info in pkgutil.walk_packages(rdzv_server.core.__path__, 'rdzv_server.core.'):\n"
+        "    importlib.import_module(info.name)\n"
+        "loaded = [m for m in ('msgpack', 'asyncio', 'aiohttp', 'rdzv_client.wire', 'rdzv_client.transport', 'torch')"
+        " if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_record_module_core_imports_is_pure_data() -> None:
+    """What core may import from outside itself imports nothing but the standard library, so
+    core stays free of msgpack, I/O and clocks through it too."""
+    from rdzv_client import record
+
+    path = Path(record.__file__)
+    names = [name for _, name in imported_names_in(path.read_text(), "rdzv_client", str(path))]
+    outside = [n for n in names if n.split(".")[0] not in sys.stdlib_module_names]
+    assert outside == []
+    assert not {forbidden(n) for n in names} - {None}
+    assert not [n for n in names if n.split(".")[0] in ("time", "datetime", "random", "os", "socket", "asyncio")]

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from rdzv_client.record import JobSettings
 from rdzv_server.core import command as c
 from rdzv_server.core.error import (
     BadRequest,
@@ -32,7 +33,7 @@ ROOMY = Limits(
 def machine(limits: Limits | None = ROOMY, **kwargs: Any) -> StateMachine:
     sm = StateMachine(max_value_bytes=1 << 16, job_ttl=100.0, session_ttl=kwargs.pop("session_ttl", 60.0))
     sm.set_limits(limits)
-    sm.apply(c.Create(JOB, 1, 1, 0.0, 600.0, 60.0), 0.0)
+    sm.apply(c.Create(JOB, JobSettings(1, 1, 0.0, 600.0, 60.0)), 0.0)
     return sm
 
 
@@ -214,12 +215,12 @@ def test_far_future_round_key_spaces_count_toward_the_jobs_quota() -> None:
 
 def test_too_many_jobs_refuses_a_new_job_and_changes_nothing() -> None:
     sm = machine(limited(max_jobs=2))
-    sm.apply(c.Create("second", 1, 1, 0.0, 600.0, 60.0), 1.0)
+    sm.apply(c.Create("second", JobSettings(1, 1, 0.0, 600.0, 60.0)), 1.0)
     before = state(sm)
     with pytest.raises(TooManyJobs, match="--max-jobs"):
-        sm.apply(c.Join("third", "n", "h", 1, 1, 1, 0.0, 600.0, 60.0), 1.0, ("agent", 1, 1))
+        sm.apply(c.Join("third", "n", "h", 1, JobSettings(1, 1, 0.0, 600.0, 60.0)), 1.0, ("agent", 1, 1))
     assert state(sm) == before
-    sm.apply(c.Create("second", 1, 1, 0.0, 600.0, 60.0), 1.0)  # an existing job is not a new one
+    sm.apply(c.Create("second", JobSettings(1, 1, 0.0, 600.0, 60.0)), 1.0)  # an existing job is not a new one
 
 
 # -- collection ----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from rdzv_client.record import JobSettings
 from rdzv_server.core import command as c
 from rdzv_server.core.error import JobClosed, JobClosedInLine, JobNotFound, RdzvError
 from rdzv_server.core.machine import StateMachine
@@ -206,13 +207,13 @@ class Rendezvous(RuleBasedStateMachine):
         self.nproc[node_id] = nproc
         job = self.job()
         if job is None:
-            result = self.apply(c.Join(RDZV_ID, node_id, f"{node_id}.host", nproc, **self.settings))
+            result = self.apply(c.Join(RDZV_ID, node_id, f"{node_id}.host", nproc, JobSettings(**self.settings)))
             assert isinstance(result, dict) and result["round"] == 0
             return
         state, round_, runs, idle = job.state, job.round, job.runs, job.idle()
         node = copy.deepcopy(job.nodes.get(node_id))
         scan = Counter((n.role, n.liveness) for n in job.nodes.values())
-        result = self.apply(c.Join(RDZV_ID, node_id, f"{node_id}.host", nproc, **self.settings))
+        result = self.apply(c.Join(RDZV_ID, node_id, f"{node_id}.host", nproc, JobSettings(**self.settings)))
         if state is JobState.CLOSED:
             if not idle:  # rule 6: the closed run still has nodes
                 assert isinstance(result, JobClosed)

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from rdzv_client.record import JobSettings
 from rdzv_server.core import command as c
 from rdzv_server.core.error import (
     BadRequest,
@@ -67,7 +68,8 @@ class Cluster:
 
     def join_command(self, node_id: str, nproc: int = 1, **overrides: Any) -> c.Join:
         settings = {**self.settings, **overrides}
-        return c.Join(RDZV_ID, node_id, f"{node_id}.example", nproc, **settings)
+        port = settings.pop("master_port", 0)
+        return c.Join(RDZV_ID, node_id, f"{node_id}.example", nproc, JobSettings(**settings), master_port=port)
 
     def join(self, node_id: str, now: float, nproc: int = 1, **overrides: Any) -> int:
         round_: int = self.apply(self.join_command(node_id, nproc, **overrides), now)["round"]
@@ -228,13 +230,13 @@ def test_conflicting_settings_are_adopted_after_every_pending_node_departed() ->
 
 def test_create_fixes_the_settings_before_any_join() -> None:
     cl = Cluster()
-    cl.apply(c.Create(RDZV_ID, 3, 5, 1.0, 2.0, 3.0), 0.0)
+    cl.apply(c.Create(RDZV_ID, JobSettings(3, 5, 1.0, 2.0, 3.0)), 0.0)
     s = cl.job.settings
     assert (s.min_nodes, s.max_nodes, s.last_call_timeout, s.join_timeout, s.heartbeat_ttl) == (3, 5, 1.0, 2.0, 3.0)
     assert cl.job.nodes == {}
     # same settings again: a no-op
     before = snapshot(cl.sm)
-    cl.apply(c.Create(RDZV_ID, 3, 5, 1.0, 2.0, 3.0), 1.0)
+    cl.apply(c.Create(RDZV_ID, JobSettings(3, 5, 1.0, 2.0, 3.0)), 1.0)
     assert snapshot(cl.sm)["jobs"] == before["jobs"]
     # a join with exactly these settings just joins
     cl.join("a", 2.0, min_nodes=3, max_nodes=5, last_call_timeout=1.0, join_timeout=2.0, heartbeat_ttl=3.0)
@@ -246,14 +248,14 @@ def test_create_with_other_settings_is_settings_conflict_while_nodes_live() -> N
     cl.join("a", 0.0)
     before = snapshot(cl.sm)
     with pytest.raises(SettingsConflict):
-        cl.apply(c.Create(RDZV_ID, 1, 1, 0.0, 1.0, 1.0), 1.0)
+        cl.apply(c.Create(RDZV_ID, JobSettings(1, 1, 0.0, 1.0, 1.0)), 1.0)
     assert snapshot(cl.sm) == before
 
 
 def test_create_with_other_settings_is_adopted_while_idle() -> None:
     cl = Cluster()
-    cl.apply(c.Create(RDZV_ID, 3, 5, 1.0, 2.0, 3.0), 0.0)
-    cl.apply(c.Create(RDZV_ID, 1, 2, 1.0, 2.0, 3.0), 1.0)
+    cl.apply(c.Create(RDZV_ID, JobSettings(3, 5, 1.0, 2.0, 3.0)), 0.0)
+    cl.apply(c.Create(RDZV_ID, JobSettings(1, 2, 1.0, 2.0, 3.0)), 1.0)
     assert (cl.job.settings.min_nodes, cl.job.settings.max_nodes) == (1, 2)
 
 
@@ -1150,7 +1152,7 @@ def test_an_idle_job_is_collected_after_the_job_ttl() -> None:
 
 def test_a_created_job_that_nobody_joins_is_collected() -> None:
     cl = Cluster()
-    cl.apply(c.Create(RDZV_ID, 1, 2, 0.0, 1.0, 1.0), 3.0)
+    cl.apply(c.Create(RDZV_ID, JobSettings(1, 2, 0.0, 1.0, 1.0)), 3.0)
     assert cl.job.idle_since == 3.0
     assert cl.sm.due(RDZV_ID, 3.0 + JOB_TTL) == [c.Collect(RDZV_ID)]
 
@@ -1285,7 +1287,7 @@ def test_illegal_transition_is_not_a_client_error() -> None:
 
 def test_a_retry_with_the_same_rid_gets_the_recorded_result_and_applies_once() -> None:
     cl = Cluster()
-    cl.apply(c.Create(RDZV_ID, 1, 1, 0.0, 1.0, 1.0), 0.0)
+    cl.apply(c.Create(RDZV_ID, JobSettings(1, 1, 0.0, 1.0, 1.0)), 0.0)
     first = cl.sm.apply(c.Add(RDZV_ID, b"n", 5), 1.0, ("client", 1))
     retry = cl.sm.apply(c.Add(RDZV_ID, b"n", 5), 2.0, ("client", 1))
     assert first.result == retry.result == {"value": 5}
@@ -1296,7 +1298,7 @@ def test_a_retry_with_the_same_rid_gets_the_recorded_result_and_applies_once() -
 
 def test_a_new_seq_or_another_client_applies_again() -> None:
     cl = Cluster()
-    cl.apply(c.Create(RDZV_ID, 1, 1, 0.0, 1.0, 1.0), 0.0)
+    cl.apply(c.Create(RDZV_ID, JobSettings(1, 1, 0.0, 1.0, 1.0)), 0.0)
     assert cl.sm.apply(c.Add(RDZV_ID, b"n", 1), 1.0, ("client", 1)).result == {"value": 1}
     assert cl.sm.apply(c.Add(RDZV_ID, b"n", 1), 1.0, ("client", 2)).result == {"value": 2}
     assert cl.sm.apply(c.Add(RDZV_ID, b"n", 1), 1.0, ("other", 1)).result == {"value": 3}
@@ -1316,7 +1318,7 @@ def test_a_retried_join_gets_the_recorded_round() -> None:
 
 def test_the_window_keeps_the_last_dedup_window_results_per_client() -> None:
     cl = Cluster()
-    cl.apply(c.Create(RDZV_ID, 1, 1, 0.0, 1.0, 1.0), 0.0)
+    cl.apply(c.Create(RDZV_ID, JobSettings(1, 1, 0.0, 1.0, 1.0)), 0.0)
     for seq in range(DEDUP_WINDOW + 1):
         cl.sm.apply(c.Add(RDZV_ID, b"n", 1), 1.0, ("client", seq))
     assert len(cl.sm.sessions["client"].results) == DEDUP_WINDOW
@@ -1414,8 +1416,8 @@ def test_store_commands_reach_the_jobs_key_spaces() -> None:
 
 def test_jobs_never_see_each_others_keys() -> None:
     cl = Cluster()
-    cl.apply(c.Create("j1", 1, 1, 0.0, 1.0, 1.0), 0.0)
-    cl.apply(c.Create("j2", 1, 1, 0.0, 1.0, 1.0), 0.0)
+    cl.apply(c.Create("j1", JobSettings(1, 1, 0.0, 1.0, 1.0)), 0.0)
+    cl.apply(c.Create("j2", JobSettings(1, 1, 0.0, 1.0, 1.0)), 0.0)
     cl.apply(c.Set("j1", b"k", b"one"), 1.0)
     assert cl.sm.kv("j2").get(None, b"k") is None
     cl.apply(c.Set("j2", b"k", b"two"), 1.0)
@@ -1485,7 +1487,7 @@ def busy_cluster() -> Cluster:
     cl.join("e", 8.0, nproc=2)  # waiting (2 alive members + 0 waiting < 3)
     cl.apply(c.Set(RDZV_ID, b"k", b"v"), 9.0, ("client", 1))
     cl.apply(c.Add(RDZV_ID, b"n", 3, round=0), 9.0, ("client", 2))
-    cl.apply(c.Create("other", 1, 1, 0.0, 1.0, 1.0), 9.5)
+    cl.apply(c.Create("other", JobSettings(1, 1, 0.0, 1.0, 1.0)), 9.5)
     cl.join("a", 10.0)  # round 1 opens: a and e candidates, c expected
     cl.join("f", 11.0)  # third candidate: round 1 forms as a, e, f; d stays standby; c is dropped
     cl.join("c", 12.0)  # c comes back as a newcomer to a full round: standby

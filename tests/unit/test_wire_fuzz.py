@@ -2,7 +2,7 @@
 
 Rules checked (client/wire.py states them): what arrives as bytes (``unpack``,
 ``load_json``) or as a decoded structure (``decode_request`` for every operation,
-``Assignment.from_wire``) either decodes or raises :class:`wire.WireError`, whatever its
+``assignment_from_wire``) either decodes or raises :class:`wire.WireError`, whatever its
 shape, types, sizes, nesting or text (lone surrogates, NUL, markup); a request that
 decodes can be packed as it is logged and decodes back to itself, and shown as JSON; a
 strict prefix of a msgpack object is never an object; the client turns any answer body
@@ -11,7 +11,6 @@ into an error without raising. Example counts are modest: the whole file runs in
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import typing
@@ -109,9 +108,9 @@ def request_fields(draw: st.DrawFn, op: str) -> dict[Any, Any]:
     """A body for ``op``: its valid body with one to three fields set to plausible values
     (a field it lacked included), sometimes one dropped, sometimes a stranger added."""
     cls = wire.REQUESTS[op]
-    hints = typing.get_type_hints(cls)
+    hints = wire.wire_fields(cls)
     fields: dict[Any, Any] = dict(VALID[op])
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = list(hints)
     if names:
         for name in draw(st.lists(st.sampled_from(names), min_size=1, max_size=3, unique=True)):
             fields[name] = draw(plausible(hints[name]))
@@ -241,7 +240,7 @@ def test_an_unknown_operation_is_a_wire_error(op: str, body: Any) -> None:
 @given(body=st.one_of(VALUES, request_fields("join").map(lambda f: {**f, "node_rank": 0, "extra": 1})))
 def test_an_assignment_from_a_reply_decodes_or_raises_wire_error(body: Any) -> None:
     try:
-        wire.Assignment.from_wire(body)
+        wire.assignment_from_wire(body)
     except wire.WireError:
         pass
 

@@ -1,0 +1,428 @@
+"""The records the server and the client share: pure data, standard library only.
+
+What it owns: the one declaration of each record that crosses between the two sides or
+between the server's rings: the error codes with their one HTTP status each, the
+validation error of a body (:class:`WireError`), a job's settings with their one set of
+defaults (:class:`JobSettings`), a node's place in a formed round (:class:`Assignment`),
+and every write request, which is at once the wire record the client sends, the core
+command the server applies and the record its log keeps (:class:`Command` and its
+subclasses; field metadata says which fields the wire map or the log record leave out).
+:mod:`rdzv_client.wire` (which adds msgpack, framing, the read requests and the schema that
+validates decoded bodies) re-exports them, and the server's ``core`` ring uses them
+directly: that is why this module imports nothing but the standard library (a test keeps
+it so), and knows no encoding, no I/O and no clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+~-]{0,199}$")
+# Keys are torch store keys (paths of short names); 4 KiB leaves room for deep prefixes.
+MAX_KEY_BYTES = 4096
+# Bound on the number of keys one multi_* / check / wait request may name.
+MAX_KEYS_PER_REQUEST = 10_000
+# Nodes send their address; 255 is the DNS name limit.
+MAX_ADDR_CHARS = 255
+
+
+class ErrorCode(str, enum.Enum):
+    """Stable wire error codes; each has exactly one HTTP status (see :data:`HTTP_STATUS`)."""
+
+    BAD_REQUEST = "bad_request"
+    INVALID_ID = "invalid_id"
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
+    BODY_TOO_LARGE = "body_too_large"
+    VALUE_TOO_LARGE = "value_too_large"
+    NOT_FOUND = "not_found"
+    JOB_NOT_FOUND = "job_not_found"
+    NODE_NOT_FOUND = "node_not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    SETTINGS_CONFLICT = "settings_conflict"
+    NOT_AN_INTEGER = "not_an_integer"
+    JOB_CLOSED = "job_closed"
+    # The job closed while the node was standby or waiting for a round: it exits gracefully.
+    JOB_CLOSED_IN_LINE = "job_closed_in_line"
+    JOIN_TIMEOUT = "join_timeout"
+    NOT_READY = "not_ready"
+    UNAUTHORIZED = "unauthorized"
+    FORBIDDEN = "forbidden"
+    SHUTTING_DOWN = "shutting_down"
+    # A follower replica of a replicated cluster (--etcd): the body's "leader" names the
+    # leader's URL when one is known; ask it instead (same request id).
+    NOT_LEADER = "not_leader"
+    INTERNAL = "internal"
+    # HTTP-level refusals (answered before a request reaches an operation).
+    HEADERS_TOO_LARGE = "headers_too_large"
+    EXPECTATION_FAILED = "expectation_failed"
+    REQUEST_TIMEOUT = "request_timeout"
+    # The Host is not one of the server's --allowed-hosts (a DNS-rebinding guard).
+    HOST_NOT_ALLOWED = "host_not_allowed"
+    # Limits (see README "Limits"): each refuses the request and changes nothing.
+    TOO_MANY_CONNECTIONS = "too_many_connections"
+    BUFFERS_FULL = "buffers_full"
+    TOO_MANY_JOBS = "too_many_jobs"
+    TOO_MANY_KEYS = "too_many_keys"
+    JOB_STORE_FULL = "job_store_full"
+    TOO_MANY_SESSIONS = "too_many_sessions"
+    SESSION_FULL = "session_full"
+    # The write's log record is larger than the log takes (with --etcd, etcd's request
+    # limit); refused before it was applied: nothing changed.
+    RECORD_TOO_LARGE = "record_too_large"
+    # The log has as many records waiting to be written as it may hold (--max-log-queue,
+    # --max-log-queue-bytes); nothing changed: retry shortly.
+    LOG_QUEUE_FULL = "log_queue_full"
+    # The server's own log failed a write (a full or failing disk): it acknowledges
+    # nothing more and stops; retry once it is back (or at another replica).
+    LOG_FAILED = "log_failed"
+
+
+HTTP_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.BAD_REQUEST: 400,
+    ErrorCode.INVALID_ID: 400,
+    ErrorCode.UNSUPPORTED_MEDIA_TYPE: 415,
+    ErrorCode.BODY_TOO_LARGE: 413,
+    ErrorCode.VALUE_TOO_LARGE: 413,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.JOB_NOT_FOUND: 404,
+    ErrorCode.NODE_NOT_FOUND: 404,
+    ErrorCode.METHOD_NOT_ALLOWED: 405,
+    ErrorCode.SETTINGS_CONFLICT: 409,
+    ErrorCode.NOT_AN_INTEGER: 409,
+    ErrorCode.JOB_CLOSED: 410,
+    ErrorCode.JOB_CLOSED_IN_LINE: 410,
+    ErrorCode.JOIN_TIMEOUT: 408,
+    ErrorCode.NOT_READY: 503,
+    ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.FORBIDDEN: 403,
+    ErrorCode.SHUTTING_DOWN: 503,
+    ErrorCode.NOT_LEADER: 503,
+    ErrorCode.INTERNAL: 500,
+    ErrorCode.HEADERS_TOO_LARGE: 431,
+    ErrorCode.EXPECTATION_FAILED: 417,
+    ErrorCode.REQUEST_TIMEOUT: 408,
+    ErrorCode.HOST_NOT_ALLOWED: 421,
+    ErrorCode.TOO_MANY_CONNECTIONS: 429,
+    ErrorCode.BUFFERS_FULL: 429,
+    ErrorCode.TOO_MANY_JOBS: 429,
+    ErrorCode.TOO_MANY_KEYS: 429,
+    ErrorCode.JOB_STORE_FULL: 413,
+    ErrorCode.TOO_MANY_SESSIONS: 429,
+    ErrorCode.SESSION_FULL: 429,
+    ErrorCode.RECORD_TOO_LARGE: 413,
+    ErrorCode.LOG_QUEUE_FULL: 503,
+    ErrorCode.LOG_FAILED: 503,
+}
+
+
+class WireError(ValueError):
+    """A body that does not decode or does not validate; always rendered as ``bad_request``."""
+
+    code = ErrorCode.BAD_REQUEST
+
+
+def nonnegative(name: str, value: float | None) -> None:
+    """Raise :class:`WireError` unless ``value`` (a duration, seconds) is ``None`` or ``>= 0``."""
+    if value is not None and value < 0:
+        raise WireError(f"field {name!r} must be >= 0, got {value}")
+
+
+#: Field metadata of an inline record (see :func:`inline`) and of its fields a body must carry.
+INLINE_KEY = "inline"
+REQUIRED_KEY = "required"
+
+
+def inline(*, required: tuple[str, ...] = (), default_factory: Callable[[], Any] | None = None) -> Any:
+    """A field holding a record whose fields the wire map and the log record spell in its
+    place, as they always have (a join's settings: ``min_nodes`` ... beside ``node_id``).
+
+    ``required`` names the record's fields a body must carry although the record has
+    defaults for them (a join must say ``min_nodes`` and ``max_nodes``; a create need not)."""
+    metadata = {INLINE_KEY: True, REQUIRED_KEY: required}
+    if default_factory is None:
+        return dataclasses.field(metadata=metadata)
+    return dataclasses.field(default_factory=default_factory, metadata=metadata)
+
+
+#: The most nodes a job may take (``max_nodes``).
+MAX_NODES = 1_000_000
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """A job's settings: what the first node (or a create) proposes and every later node must
+    repeat. The defaults are torch's own, so a torchrun job behaves as with its c10d backend."""
+
+    min_nodes: int = 1
+    max_nodes: int = 1
+    last_call_timeout: float = 30.0  # torch: last_call_timeout 30 s
+    join_timeout: float = 600.0  # torch: join_timeout 600 s
+    heartbeat_ttl: float = 15.0  # torch: heartbeat 5 s x 3 attempts
+
+    def validate(self) -> None:
+        """Raise :class:`WireError` unless 1 <= min_nodes <= max_nodes <= MAX_NODES, the
+        timeouts are >= 0 and the TTL is > 0."""
+        if self.min_nodes < 1 or self.max_nodes < self.min_nodes:
+            raise WireError(
+                f"need 1 <= min_nodes <= max_nodes, got min_nodes={self.min_nodes} max_nodes={self.max_nodes}"
+            )
+        if self.max_nodes > MAX_NODES:
+            raise WireError(f"max_nodes must be at most {MAX_NODES}")
+        nonnegative("last_call_timeout", self.last_call_timeout)
+        nonnegative("join_timeout", self.join_timeout)
+        if self.heartbeat_ttl <= 0:
+            raise WireError(f"heartbeat_ttl must be > 0, got {self.heartbeat_ttl}")
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A node's place in a formed round."""
+
+    round: int
+    node_rank: int
+    num_nodes: int
+    world_size: int
+    nproc_per_node: int
+    global_rank_start: int
+    master_addr: str
+    master_port: int = 0  # node rank 0's offered port; 0 from a server or node that has none
+
+
+def check_id(kind: str, value: object) -> str:
+    """Return ``value`` if it is a valid rdzv_id / node_id, else raise :class:`WireError`."""
+    if not isinstance(value, str) or not ID_PATTERN.match(value):
+        err = WireError(
+            f"{kind} {value!r} is not valid: use 1-200 characters of letters, digits and ._:@+~- "
+            "starting with a letter or digit"
+        )
+        err.code = ErrorCode.INVALID_ID
+        raise err
+    return value
+
+
+def key_ok(name: str, key: bytes) -> None:
+    if len(key) == 0 or len(key) > MAX_KEY_BYTES:
+        raise WireError(f"{name} must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+
+
+def keys_ok(keys: tuple[bytes, ...]) -> None:
+    for k in keys:
+        key_ok("key", k)
+
+
+# --------------------------------------------------------------------------- write requests
+
+
+#: Field metadata: a field the wire map does not carry (a command's ``rdzv_id``: the route
+#: or the frame names the job), and a field the log record does not keep (``rid``, which the
+#: log keeps beside the command, and ``hold``, how long this one request waits).
+WIRE_KEY = "wire"
+LOG_KEY = "log"
+
+
+def wire_only(default: Any) -> Any:
+    """A request field the log record does not keep."""
+    return dataclasses.field(default=default, metadata={LOG_KEY: False})
+
+
+@dataclass(frozen=True)
+class Request:
+    """Base of every operation request. ``op`` names the route ``POST /v1/jobs/{rdzv_id}/<op>``."""
+
+    op: ClassVar[str]
+    #: True when the operation changes state (logged, deduplicated by ``rid``).
+    writes: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class Command(Request):
+    """Base of every change to the server's state, as a value: a write request is one (the
+    client sends it, core applies it, the log records it), and so are the server's own
+    commands (timers, recovery) in ``rdzv_server.core.command``.
+
+    ``rdzv_id`` is not in the wire map (the route or frame names the job)."""
+
+    writes: ClassVar[bool] = True
+    rdzv_id: str = dataclasses.field(metadata={WIRE_KEY: False})
+
+    def to_record(self) -> dict[str, Any]:
+        """The log record: the fields the log keeps, an inline record's (the job settings)
+        spelled in its place, and ``op``."""
+        record: dict[str, Any] = {}
+        for name, inlined in _log_fields(type(self)):
+            value = getattr(self, name)
+            if inlined:
+                record.update(dataclasses.asdict(value))
+            else:
+                record[name] = value
+        record["op"] = self.op
+        return record
+
+
+_LOG_FIELDS: dict[type[Command], tuple[tuple[str, bool], ...]] = {}
+
+
+def _log_fields(cls: type[Command]) -> tuple[tuple[str, bool], ...]:
+    """The fields of ``cls``'s log record, whether each is inline; derived once per class."""
+    fields = _LOG_FIELDS.get(cls)
+    if fields is None:
+        fields = _LOG_FIELDS[cls] = tuple(
+            (f.name, bool(f.metadata.get(INLINE_KEY))) for f in dataclasses.fields(cls) if f.metadata.get(LOG_KEY, True)
+        )
+    return fields
+
+
+# `rid` is [client_id: str, seq: int(, floor: int)]; checked by _convert_rid.
+Rid = tuple[Any, ...] | None
+
+
+#: Who closes a job, as its timeline records it ("": not said).
+CLOSE_CAUSES = ("", "agent", "operator")
+
+
+@dataclass(frozen=True)
+class SetRequest(Command):
+    op: ClassVar[str] = "set"
+    key: bytes
+    value: bytes
+    round: int | None = None
+    rid: Rid = wire_only(None)
+
+    def validate(self) -> None:
+        key_ok("key", self.key)
+
+
+@dataclass(frozen=True)
+class AddRequest(Command):
+    op: ClassVar[str] = "add"
+    key: bytes
+    amount: int
+    round: int | None = None
+    rid: Rid = wire_only(None)
+
+    def validate(self) -> None:
+        key_ok("key", self.key)
+        if not -(2**63) <= self.amount < 2**63:
+            raise WireError("amount must fit in a signed 64-bit integer")
+
+
+@dataclass(frozen=True)
+class CompareSetRequest(Command):
+    op: ClassVar[str] = "compare_set"
+    key: bytes
+    expected: bytes
+    desired: bytes
+    round: int | None = None
+    rid: Rid = wire_only(None)
+
+    def validate(self) -> None:
+        key_ok("key", self.key)
+
+
+@dataclass(frozen=True)
+class AppendRequest(Command):
+    op: ClassVar[str] = "append"
+    key: bytes
+    value: bytes
+    round: int | None = None
+    rid: Rid = wire_only(None)
+
+    def validate(self) -> None:
+        key_ok("key", self.key)
+
+
+@dataclass(frozen=True)
+class MultiSetRequest(Command):
+    op: ClassVar[str] = "multi_set"
+    keys: tuple[bytes, ...]
+    values: tuple[bytes, ...]
+    round: int | None = None
+    rid: Rid = wire_only(None)
+
+    def validate(self) -> None:
+        keys_ok(self.keys)
+        if len(self.keys) != len(self.values):
+            raise WireError(f"multi_set got {len(self.keys)} keys but {len(self.values)} values")
+
+
+@dataclass(frozen=True)
+class DeleteKeyRequest(Command):
+    op: ClassVar[str] = "delete_key"
+    key: bytes
+    round: int | None = None
+    rid: Rid = wire_only(None)
+
+    def validate(self) -> None:
+        key_ok("key", self.key)
+
+
+@dataclass(frozen=True)
+class CreateJobRequest(Command):
+    """Create the job with these settings (idempotent; conflicting settings are a 409)."""
+
+    op: ClassVar[str] = "create"
+    settings: JobSettings = inline(default_factory=JobSettings)
+    rid: Rid = wire_only(None)
+
+    def validate(self) -> None:
+        self.settings.validate()
+
+
+@dataclass(frozen=True)
+class JoinRequest(Command):
+    """Join the job's next round; creates the job from these settings if it does not exist.
+
+    The server holds the request up to ``hold`` seconds for the round to complete.
+    """
+
+    op: ClassVar[str] = "join"
+    node_id: str
+    addr: str
+    nproc_per_node: int
+    settings: JobSettings = inline(required=("min_nodes", "max_nodes"))
+    hold: float = wire_only(0.0)
+    rid: Rid = wire_only(None)
+    #: The port this node's workers would serve their store on if it becomes node rank 0 (0: none).
+    master_port: int = 0
+
+    def validate(self) -> None:
+        check_id("node_id", self.node_id)
+        if not 0 <= self.master_port <= 65535:
+            raise WireError(f"master_port must be 0..65535, got {self.master_port}")
+        if not 0 < len(self.addr) <= MAX_ADDR_CHARS:
+            raise WireError(f"addr must be 1..{MAX_ADDR_CHARS} characters")
+        if not 1 <= self.nproc_per_node <= 65536:
+            raise WireError(f"nproc_per_node must be 1..65536, got {self.nproc_per_node}")
+        self.settings.validate()
+        nonnegative("hold", self.hold)
+
+
+@dataclass(frozen=True)
+class LeaveRequest(Command):
+    """A node leaves gracefully (torchrun agent shutdown): survivors do not restart for it."""
+
+    op: ClassVar[str] = "leave"
+    node_id: str
+    rid: Rid = wire_only(None)
+
+    def validate(self) -> None:
+        check_id("node_id", self.node_id)
+
+
+@dataclass(frozen=True)
+class CloseRequest(Command):
+    """set_closed(): later joins fail with ``job_closed``. ``cause`` says who closes it:
+    ``agent`` (a torchrun agent: its shutdown or set_closed), ``operator`` (rdzvctl)."""
+
+    op: ClassVar[str] = "close"
+    cause: str = ""
+    rid: Rid = wire_only(None)
+
+    def validate(self) -> None:
+        if self.cause not in CLOSE_CAUSES:
+            raise WireError(f"cause must be one of {', '.join(map(repr, CLOSE_CAUSES))}, got {self.cause[:32]!r}")
