@@ -73,6 +73,7 @@ from .process import Timeout, Unavailable
 from .result import Plan, Row, load_average, percentile
 
 if TYPE_CHECKING:
+    from rdzv_client import AsyncClient
     from rdzv_server.storage.etcd_client import EtcdClient
 
 log = logging.getLogger("bench")
@@ -365,15 +366,7 @@ async def _takeovers(backend: ReplicatedBackend, plan: Plan) -> tuple[list[TakeO
     async with AsyncClient(backend.endpoint, retry_budget=budget) as client:
         await asyncio.wait_for(client.create_job(job, min_nodes=1, max_nodes=1), budget)
 
-        async def write() -> None:
-            try:
-                while not stop.is_set():
-                    await client.add(job, "counter", 1)
-                    acks.append(time.monotonic())
-            except Exception as exc:  # noqa: BLE001 - reported by the waits below
-                errors.append(exc)
-
-        writer = asyncio.create_task(write())
+        writer = asyncio.create_task(_add_until(client, job, stop, acks, errors))
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as http:
                 for _ in range(plan.ha_repeats):
@@ -396,6 +389,19 @@ async def _takeovers(backend: ReplicatedBackend, plan: Plan) -> tuple[list[TakeO
             raise RuntimeError(f"the writer failed: {errors[0]!r}") from errors[0]
         counter = await asyncio.wait_for(client.add(job, "counter", 0), budget)
     return done, failures, counter, len(acks)
+
+
+async def _add_until(
+    client: AsyncClient, job: str, stop: asyncio.Event, acks: list[float], errors: list[BaseException]
+) -> None:
+    """Add 1 to the job's counter until ``stop``: each acknowledgement's time.monotonic() goes
+    to ``acks``, the error that ends it to ``errors`` (the callers' waits report it)."""
+    try:
+        while not stop.is_set():
+            await client.add(job, "counter", 1)
+            acks.append(time.monotonic())
+    except Exception as exc:  # noqa: BLE001 - reported by the callers' waits
+        errors.append(exc)
 
 
 async def _until_acked(acks: list[float], count: int, errors: list[BaseException], timeout: float) -> None:
@@ -586,14 +592,6 @@ async def _etcd_faults(
     async with AsyncClient(backend.endpoint, retry_budget=budget) as client:
         await asyncio.wait_for(client.create_job(job, min_nodes=1, max_nodes=1), budget)
 
-        async def write() -> None:
-            try:
-                while not stop.is_set():
-                    await client.add(job, "counter", 1)
-                    acks.append(time.monotonic())
-            except Exception as exc:  # noqa: BLE001 - reported by the waits below
-                errors.append(exc)
-
         async def put() -> None:
             key = f"/rdzv-bench-put-{uuid.uuid4().hex[:8]}".encode()
             while not stop.is_set():
@@ -603,7 +601,7 @@ async def _etcd_faults(
                 except Exception:  # noqa: BLE001 - etcd without quorum: the gap shows it
                     await asyncio.sleep(0.01)
 
-        tasks = [asyncio.create_task(write()), asyncio.create_task(put())]
+        tasks = [asyncio.create_task(_add_until(client, job, stop, acks, errors)), asyncio.create_task(put())]
         try:
             for role in ("follower", "leader"):
                 for _ in range(plan.ha_repeats):
