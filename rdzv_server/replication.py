@@ -12,6 +12,8 @@ A term, start to end (:meth:`Replication._term`):
 1. Recover: read the snapshot and the records after it at one etcd revision, rebuild a
    fresh machine off the loop, and install it as a follower. Every operation now answers
    503 ``not_leader`` naming the leader (clients go there with the same request id).
+   Register as a candidate, read who leads and publish this replica in the registry; only
+   then is it a follower (``/readyz``): a ready replica is always in the cluster view.
 2. Follow and campaign at once: a watch from that revision replays every record the
    leader commits into the live machine (the state stays hot), while the election waits
    for this replica's key to be the oldest.
@@ -152,7 +154,7 @@ class Replication:
         self.election: Election | None = None
         self._registry = (self.prefix + "/replicas/").encode()
         self._runner: asyncio.Task[None] | None = None
-        self._installed = asyncio.Event()  # the first term recovered: start() may return
+        self._installed = asyncio.Event()  # the first term follows and is published: start() may return
         self._stepped_down = asyncio.Event()
         self._published: dict[str, Any] | None = None
         self._closing = False
@@ -219,8 +221,6 @@ class Replication:
         machine = await asyncio.to_thread(service.rebuild, recovered)
         self.applied_index = recovered.last_index
         service.follow(machine)
-        self._set_role("follower")
-        self._installed.set()
         name = json.dumps({"id": self.id, "url": self.url})
         election = Election(self.client, self.prefix, name, ttl_s=self._config.etcd_lease_ttl)
         self.election = election
@@ -228,7 +228,11 @@ class Replication:
         loop = asyncio.get_running_loop()
         try:
             await election.register()
-            await self._publish()
+            current = await election.leader()
+            self.leader = _parse_name(current.name) if current is not None else None
+            # A follower is ready (/readyz) only once the cluster view lists it and it names the leader.
+            await self._become("follower")
+            self._installed.set()
             follower = loop.create_task(self._follow(revision + 1), name="rdzv-follow")
             tasks += [follower, loop.create_task(self._watch_leader(election), name="rdzv-leader-watch")]
             tasks.append(loop.create_task(self._publish_loop(), name="rdzv-publish"))
@@ -316,9 +320,8 @@ class Replication:
         )
         self.leader = {"id": self.id, "url": self.url}
         await self._service.lead(replicated, f"replica {self.id} took over as leader")
-        self._set_role("leader")  # serving: /readyz says so only now
+        await self._become("leader")  # serving and published: /readyz says so only now
         log.info("Replica %s leads from record %d (%s).", self.id, head, self.url)
-        await self._publish()
         lost = asyncio.ensure_future(election.lost.wait())
         stepped = asyncio.ensure_future(self._stepped_down.wait())
         try:
@@ -361,6 +364,14 @@ class Replication:
             self.role = role
             self.role_since = time.time()
 
+    async def _become(self, role: str) -> None:
+        """Publish this replica's entry with ``role``, then take the role: whoever sees the role
+        (``/readyz``, the ready line) finds it in the registry too (``GET /v1/cluster``)."""
+        since = time.time()
+        await self._publish({**self._entry(), "role": role, "since": since})
+        self.role = role
+        self.role_since = since
+
     def _entry(self) -> dict[str, Any]:
         return {
             "id": self.id,
@@ -371,12 +382,13 @@ class Replication:
             "applied_index": self.applied_index,
         }
 
-    async def _publish(self) -> None:
-        """Put this replica's registry entry, attached to its election lease (gone with it)."""
+    async def _publish(self, entry: dict[str, Any] | None = None) -> None:
+        """Put this replica's registry entry (``entry``, else its current one), attached to its
+        election lease (gone with it)."""
         election = self.election
         if election is None or not election.lease_id:
             return
-        self._published = self._entry()
+        self._published = entry if entry is not None else self._entry()
         await self.client.txn([], [Put(self._registry + self.id.encode(), json.dumps(self._published).encode(), election.lease_id)])
 
     async def _publish_loop(self) -> None:

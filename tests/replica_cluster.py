@@ -59,7 +59,7 @@ class ReplicaCluster:
     def start(self) -> ReplicaCluster:
         for replica in self.replicas:
             replica.start()
-        self.wait_for_leader()
+        self.wait_until_settled()
         return self
 
     @property
@@ -84,6 +84,23 @@ class ReplicaCluster:
             time.sleep(0.05)
         logs = "\n".join(f"--- replica {i}:\n{r.log_text()[-3000:]}" for i, r in enumerate(self.replicas))
         raise AssertionError(f"no replica led within {timeout} s; roles {self.roles()}\n{logs}")
+
+    def wait_until_settled(self, timeout: float = 30.0) -> int:
+        """The leader's index once every replica is ready, one leads and each other one follows
+        and names it (each one in the cluster view too: a replica is ready only once it is)."""
+        deadline = time.monotonic() + timeout
+        docs: list[dict[str, object] | None] = []
+        while time.monotonic() < deadline:
+            docs = [readyz(r.url) for r in self.replicas]
+            leaders = [i for i, doc in enumerate(docs) if doc is not None and doc.get("role") == "leader"]
+            if len(leaders) == 1:
+                url = self.replicas[leaders[0]].url
+                followers = [doc for i, doc in enumerate(docs) if i != leaders[0]]
+                if all(d is not None and d.get("role") == "follower" and d.get("leader") == url for d in followers):
+                    return leaders[0]
+            time.sleep(0.05)
+        logs = "\n".join(f"--- replica {i}:\n{r.log_text()[-3000:]}" for i, r in enumerate(self.replicas))
+        raise AssertionError(f"the replicas did not settle within {timeout} s; /readyz {docs}\n{logs}")
 
     def close(self) -> None:
         for replica in self.replicas:

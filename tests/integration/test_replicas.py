@@ -277,7 +277,7 @@ def test_losing_etcds_leader_member_under_load_changes_no_replicas_role(tmp_path
 
 
 def test_a_follower_names_the_leader_and_the_cluster_view_shows_every_replica(replicas: ReplicaCluster) -> None:
-    leader = replicas.wait_for_leader()
+    leader = replicas.wait_until_settled()  # every replica ready: each one is in the view
     follower = next(r for i, r in enumerate(replicas.replicas) if i != leader)
     status, body = post_add(follower, "some-job")
     assert status == 503 and body["error"] == "not_leader", body
