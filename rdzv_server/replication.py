@@ -46,6 +46,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .config import ServerConfig
+from .core.error import NotReady
 from .storage.election import Election, LeaderKey
 from .storage.etcd_client import (
     EtcdAuthError,
@@ -393,7 +394,15 @@ class Replication:
         return self.applied_index
 
     async def view(self) -> dict[str, Any]:
-        """The cluster as this replica sees it: ``GET /v1/cluster``."""
+        """The cluster as this replica sees it: ``GET /v1/cluster``. Raises NotReady when etcd
+        does not answer."""
+        try:
+            return await self._view()
+        except EtcdError as exc:
+            message = f"etcd did not answer ({exc}); check that its members run and this replica can reach them"
+            raise NotReady(message) from exc
+
+    async def _view(self) -> dict[str, Any]:
         if self.role == "leader":
             self.applied_index = self._service.log_index()
         registry = await self.client.range(self._registry, prefix_end(self._registry))

@@ -50,7 +50,7 @@ from .core.error import (
     ShuttingDown,
 )
 from .core.event import Cause, JobEvent
-from .core.machine import Outcome, StateMachine, events_topic, key_topic, round_topic, watch_topic
+from .core.machine import Entry, Outcome, StateMachine, events_topic, key_topic, round_topic, watch_topic
 from .core.rendezvous import Departure, Job, departure_cause
 from .core.store import KeyValueStore
 from .replication import start_replication
@@ -534,6 +534,49 @@ class Service:
         value = fn()
         await self._sync()
         return value
+
+    # -- queries (what the API reads; it never reaches into the machine or the replica) -----
+
+    async def job_summaries(self, readable: Callable[[str], bool]) -> list[dict[str, Any]]:
+        """One summary per job that ``readable(rdzv_id)`` allows. Raises as :meth:`read`."""
+        return await self.read(lambda: [e.job.summary() for e in self.machine.jobs.values() if readable(e.job.rdzv_id)])
+
+    async def job_document(self, rdzv_id: str) -> dict[str, Any]:
+        """Job ``rdzv_id``'s membership document. Raises as :meth:`read`, or NotFound."""
+        return await self.read(lambda: self.machine.job(rdzv_id).describe(self.now()))
+
+    def jobs(self) -> list[Entry]:
+        """Every job held, as it stands in memory now (metrics: no durability wait)."""
+        return list(self.machine.jobs.values())
+
+    def session_usage(self) -> tuple[int, int]:
+        """Clients remembered for exactly-once retries, and the bytes of results kept for them."""
+        return len(self.machine.sessions), self.machine.session_bytes
+
+    @property
+    def replicated(self) -> bool:
+        """Whether this server is one replica of a cluster (``--etcd``)."""
+        return self.replication is not None
+
+    def lease_valid(self) -> bool:
+        """Whether this replica's election lease is surely alive (the one server: always)."""
+        return self.replication is None or self.replication.lease_valid()
+
+    def leader_url(self) -> str | None:
+        """The URL of the replica etcd names leader (this one's own included); None if none, or single."""
+        leader = self.replication.leader if self.replication is not None else None
+        return leader["url"] if leader is not None else None
+
+    def applied_index(self) -> int:
+        """The index of the last record this server applied (a leader: appended)."""
+        if self.replication is None or self.role == "leader":
+            return self.log_index()
+        return self.replication.applied_index
+
+    async def cluster_view(self) -> dict[str, Any]:
+        """``GET /v1/cluster`` of a replica. Raises NotReady when etcd does not answer."""
+        assert self.replication is not None, "the one server's view is the API's to draw"
+        return await self.replication.view()
 
     async def long_poll(
         self, check: Callable[[], T | None], topics: Callable[[], Iterable[Hashable]], hold: float
