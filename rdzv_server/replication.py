@@ -46,7 +46,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .config import ServerConfig
-from .core.error import NotReady
+from .core.error import NotLeader, NotReady, RdzvError
+from .role import RoleName, transition
 from .storage.election import Election, LeaderKey
 from .storage.etcd_client import (
     EtcdAuthError,
@@ -110,15 +111,15 @@ def etcd_client(config: ServerConfig) -> EtcdClient:
     return EtcdClient(list(config.etcd), ssl_context=tls, username=user, password=password)
 
 
-async def start_replication(service: Service) -> Replication:
-    """Connect to etcd as ``service.config`` says and start this replica (see :meth:`Replication.start`)."""
+def join(service: Service) -> Replication:
+    """This replica's role for ``service``, with an etcd client as ``service.config`` says; the
+    service starts it (see :meth:`Replication.start`)."""
     config = service.config
     port = service.bound_port if service.bound_port is not None else config.port
     url = config.advertise_url or default_url(config, port)
     replica_id = config.replica_id or f"{socket.gethostname()}:{port}"
     client = etcd_client(config)
     replication = Replication(service, config, client, url=url, replica_id=replica_id)
-    service.replication = replication
     log.info(
         "Replica %s (%s) joins the cluster under %s in etcd at %s.", replica_id, url, config.etcd_prefix,
         ", ".join(config.etcd),
@@ -131,12 +132,12 @@ async def start_replication(service: Service) -> Replication:
         config.max_body_bytes,
         MAX_RECORD_BYTES,
     )
-    await replication.start()
     return replication
 
 
 class Replication:
-    """This replica's part in the cluster; see the module docstring. ``start`` then ``close``."""
+    """This replica's part in the cluster, the service's :class:`~.role.Role` with ``--etcd``;
+    see the module docstring. ``start`` then ``close``."""
 
     def __init__(self, service: Service, config: ServerConfig, client: EtcdClient, *, url: str, replica_id: str) -> None:
         self._service = service
@@ -145,7 +146,7 @@ class Replication:
         self.prefix = config.etcd_prefix.rstrip("/")
         self.url = url
         self.id = replica_id
-        self.role = "candidate"
+        self.role = RoleName.CANDIDATE  # changed only by _set_role
         self.role_since = time.time()
         self.started = time.time()
         self.applied_index = 0
@@ -188,14 +189,36 @@ class Replication:
                 await task
         await self.client.close()
 
-    def step_down(self, reason: str) -> None:
+    def step_down(self, reason: str) -> bool:
         """The service saw the log fail (an append not committed): end this term."""
-        if self.role == "leader":
+        if self.role is RoleName.LEADER:
             log.warning("Replica %s steps down: %s", self.id, reason)
         self._stepped_down.set()
+        return True
 
     def lease_valid(self) -> bool:
         return self.election is not None and self.election.lease_valid()
+
+    @property
+    def replicated(self) -> bool:
+        return True
+
+    def leader_url(self) -> str | None:
+        leader = self.leader
+        return leader["url"] if leader is not None else None
+
+    def unavailable(self) -> RdzvError:
+        """``not_leader``, naming the leader to retry at (unless that is this replica itself)."""
+        leader = self.leader
+        url = leader["url"] if leader is not None and leader["url"] != self.url else None
+        where = f"the leader is {url}" if url else "no replica leads right now (an election is under way)"
+        return NotLeader(f"replica {self.id} is not the leader; {where}: retry there", url)
+
+    def commit_failed(self) -> RdzvError:
+        """A write whose append failed answers ``not_leader``: the client retries at the leader with
+        the same request id, and the write applies once (committed or not, the new leader's
+        sessions know)."""
+        return self.unavailable()
 
     # -- terms --------------------------------------------------------------------------------
 
@@ -220,7 +243,7 @@ class Replication:
         machine = await asyncio.to_thread(service.rebuild, recovered)
         self.applied_index = recovered.last_index
         service.follow(machine)
-        self._set_role("follower")
+        self._set_role(RoleName.FOLLOWER)
         self._installed.set()
         name = json.dumps({"id": self.id, "url": self.url})
         election = Election(self.client, self.prefix, name, ttl_s=self._config.etcd_lease_ttl)
@@ -241,8 +264,8 @@ class Replication:
             for task in tasks:
                 with contextlib.suppress(BaseException):
                     await task
-            was_leading = self.role == "leader"
-            self._set_role("candidate")
+            was_leading = self.role is RoleName.LEADER
+            self._set_role(RoleName.CANDIDATE)
             await service.stop_leading()
             if was_leading:
                 log.warning("Replica %s no longer leads.", self.id)
@@ -317,7 +340,7 @@ class Replication:
         )
         self.leader = {"id": self.id, "url": self.url}
         await self._service.lead(replicated, f"replica {self.id} took over as leader")
-        self._set_role("leader")  # serving: /readyz says so only now
+        self._set_role(RoleName.LEADER)  # serving: /readyz says so only now
         log.info("Replica %s leads from record %d (%s).", self.id, head, self.url)
         await self._publish()
         lost = asyncio.ensure_future(election.lost.wait())
@@ -357,16 +380,17 @@ class Replication:
 
     # -- registry and the cluster view -----------------------------------------------------
 
-    def _set_role(self, role: str) -> None:
-        if role != self.role:
-            self.role = role
+    def _set_role(self, role: RoleName) -> None:
+        """The one place this replica's role changes. Raises IllegalRoleChange (role.py's table)."""
+        old, self.role = self.role, transition(self.role, role)
+        if role is not old:
             self.role_since = time.time()
 
     def _entry(self) -> dict[str, Any]:
         return {
             "id": self.id,
             "url": self.url,
-            "role": self.role,
+            "role": self.role.value,
             "since": self.role_since,
             "started": self.started,
             "applied_index": self.applied_index,
@@ -391,7 +415,7 @@ class Replication:
 
     def applied(self) -> int:
         """The index of the last record this replica applied (leader: appended)."""
-        return self.applied_index
+        return self._service.log_index() if self.role is RoleName.LEADER else self.applied_index
 
     async def view(self) -> dict[str, Any]:
         """The cluster as this replica sees it: ``GET /v1/cluster``. Raises NotReady when etcd
@@ -403,7 +427,7 @@ class Replication:
             raise NotReady(message) from exc
 
     async def _view(self) -> dict[str, Any]:
-        if self.role == "leader":
+        if self.role is RoleName.LEADER:
             self.applied_index = self._service.log_index()
         registry = await self.client.range(self._registry, prefix_end(self._registry))
         replicas = {}

@@ -261,7 +261,8 @@ async def readyz(request: web.Request) -> web.Response:
 async def cluster(request: web.Request) -> web.Response:
     """``GET /v1/cluster``: the replicas, which one leads and since when, and etcd's members."""
     svc = request.app[SERVICE]
-    if not svc.replicated:
+    view = await svc.cluster_view()  # etcd silent: NotReady, a 503
+    if view is None:  # the one server
         me = {
             "id": f"{socket.gethostname()}:{svc.bound_port or svc.config.port}",
             "url": f"{request.scheme}://{request.host}",
@@ -272,7 +273,7 @@ async def cluster(request: web.Request) -> web.Response:
         }
         leader = {"id": me["id"], "url": me["url"], "since": me["since"]}
         return encode(request, {"mode": "single", "this": me["id"], "leader": leader, "replicas": [me], "etcd": None})
-    return encode(request, await svc.cluster_view())  # etcd silent: NotReady, a 503
+    return encode(request, view)
 
 
 async def metrics(request: web.Request) -> web.Response:
