@@ -336,8 +336,9 @@ class Service:
         self._last_append = None
 
     def log_index(self) -> int:
-        """The index of the last record appended to the log (0 without one that counts)."""
-        return int(getattr(self._log, "last_index", 0))
+        """The index of the last record appended to the replicated log (0 without one: the one
+        server's log does not count records)."""
+        return self._replicated.last_index if self._replicated is not None else 0
 
     def rebuild(self, recovered: Recovered) -> StateMachine:
         """Runs in a thread: a fresh machine rebuilt from ``recovered``, touched by nothing else
