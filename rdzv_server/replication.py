@@ -48,6 +48,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .config import ServerConfig
+from .core.error import NotLeader, NotReady, RdzvError
+from .role import RoleName, transition
 from .storage.election import Election, LeaderKey
 from .storage.etcd_client import (
     EtcdAuthError,
@@ -80,9 +82,10 @@ LEADER_WATCH_PAUSE_S = 0.5
 # longer than a take-over would take.
 APPEND_TIMEOUT_LEASE_FRACTION = 0.5
 # ... but never less than this: etcd's own leader election (its leader member lost) takes
-# 1-2.5 s at etcd's default --election-timeout, and an append must outlast it, or losing one
-# etcd member would cost the leadership (bench --only ha: writes paused at most 1.6 s).
-MIN_APPEND_TIMEOUT_S = 3.0
+# 1-2.5 s at etcd's default --election-timeout (sometimes two rounds), and an append must
+# outlast it with room for a loaded host, or losing one etcd member would cost the
+# leadership (bench --only ha: writes paused at most 1.6 s).
+MIN_APPEND_TIMEOUT_S = 4.0
 # A lease a resign could not revoke is tried again this often, this many times (each try
 # itself waits for etcd's answer up to the client's request timeout).
 STALE_LEASE_RETRY_S = 0.2
@@ -111,15 +114,15 @@ def etcd_client(config: ServerConfig) -> EtcdClient:
     return EtcdClient(list(config.etcd), ssl_context=tls, username=user, password=password)
 
 
-async def start_replication(service: Service) -> Replication:
-    """Connect to etcd as ``service.config`` says and start this replica (see :meth:`Replication.start`)."""
+def join(service: Service) -> Replication:
+    """This replica's role for ``service``, with an etcd client as ``service.config`` says; the
+    service starts it (see :meth:`Replication.start`)."""
     config = service.config
     port = service.bound_port if service.bound_port is not None else config.port
     url = config.advertise_url or default_url(config, port)
     replica_id = config.replica_id or f"{socket.gethostname()}:{port}"
     client = etcd_client(config)
     replication = Replication(service, config, client, url=url, replica_id=replica_id)
-    service.replication = replication
     log.info(
         "Replica %s (%s) joins the cluster under %s in etcd at %s.", replica_id, url, config.etcd_prefix,
         ", ".join(config.etcd),
@@ -132,12 +135,12 @@ async def start_replication(service: Service) -> Replication:
         config.max_body_bytes,
         MAX_RECORD_BYTES,
     )
-    await replication.start()
     return replication
 
 
 class Replication:
-    """This replica's part in the cluster; see the module docstring. ``start`` then ``close``."""
+    """This replica's part in the cluster, the service's :class:`~.role.Role` with ``--etcd``;
+    see the module docstring. ``start`` then ``close``."""
 
     def __init__(self, service: Service, config: ServerConfig, client: EtcdClient, *, url: str, replica_id: str) -> None:
         self._service = service
@@ -146,7 +149,7 @@ class Replication:
         self.prefix = config.etcd_prefix.rstrip("/")
         self.url = url
         self.id = replica_id
-        self.role = "candidate"
+        self.role = RoleName.CANDIDATE  # changed only by _set_role
         self.role_since = time.time()
         self.started = time.time()
         self.applied_index = 0
@@ -189,14 +192,36 @@ class Replication:
                 await task
         await self.client.close()
 
-    def step_down(self, reason: str) -> None:
+    def step_down(self, reason: str) -> bool:
         """The service saw the log fail (an append not committed): end this term."""
-        if self.role == "leader":
+        if self.role is RoleName.LEADER:
             log.warning("Replica %s steps down: %s", self.id, reason)
         self._stepped_down.set()
+        return True
 
     def lease_valid(self) -> bool:
         return self.election is not None and self.election.lease_valid()
+
+    @property
+    def replicated(self) -> bool:
+        return True
+
+    def leader_url(self) -> str | None:
+        leader = self.leader
+        return leader["url"] if leader is not None else None
+
+    def unavailable(self) -> RdzvError:
+        """``not_leader``, naming the leader to retry at (unless that is this replica itself)."""
+        leader = self.leader
+        url = leader["url"] if leader is not None and leader["url"] != self.url else None
+        where = f"the leader is {url}" if url else "no replica leads right now (an election is under way)"
+        return NotLeader(f"replica {self.id} is not the leader; {where}: retry there", url)
+
+    def commit_failed(self) -> RdzvError:
+        """A write whose append failed answers ``not_leader``: the client retries at the leader with
+        the same request id, and the write applies once (committed or not, the new leader's
+        sessions know)."""
+        return self.unavailable()
 
     # -- terms --------------------------------------------------------------------------------
 
@@ -231,7 +256,7 @@ class Replication:
             current = await election.leader()
             self.leader = _parse_name(current.name) if current is not None else None
             # A follower is ready (/readyz) only once the cluster view lists it and it names the leader.
-            await self._become("follower")
+            await self._become(RoleName.FOLLOWER)
             self._installed.set()
             follower = loop.create_task(self._follow(revision + 1), name="rdzv-follow")
             tasks += [follower, loop.create_task(self._watch_leader(election), name="rdzv-leader-watch")]
@@ -244,8 +269,8 @@ class Replication:
             for task in tasks:
                 with contextlib.suppress(BaseException):
                     await task
-            was_leading = self.role == "leader"
-            self._set_role("candidate")
+            was_leading = self.role is RoleName.LEADER
+            self._set_role(RoleName.CANDIDATE)
             await service.stop_leading()
             if was_leading:
                 log.warning("Replica %s no longer leads.", self.id)
@@ -320,7 +345,7 @@ class Replication:
         )
         self.leader = {"id": self.id, "url": self.url}
         await self._service.lead(replicated, f"replica {self.id} took over as leader")
-        await self._become("leader")  # serving and published: /readyz says so only now
+        await self._become(RoleName.LEADER)  # serving and published: /readyz says so only now
         log.info("Replica %s leads from record %d (%s).", self.id, head, self.url)
         lost = asyncio.ensure_future(election.lost.wait())
         stepped = asyncio.ensure_future(self._stepped_down.wait())
@@ -359,24 +384,27 @@ class Replication:
 
     # -- registry and the cluster view -----------------------------------------------------
 
-    def _set_role(self, role: str) -> None:
-        if role != self.role:
-            self.role = role
+    def _set_role(self, role: RoleName) -> None:
+        """The one place this replica's role changes. Raises IllegalRoleChange (role.py's table)."""
+        old, self.role = self.role, transition(self.role, role)
+        if role is not old:
             self.role_since = time.time()
 
-    async def _become(self, role: str) -> None:
+    async def _become(self, role: RoleName) -> None:
         """Publish this replica's entry with ``role``, then take the role: whoever sees the role
-        (``/readyz``, the ready line) finds it in the registry too (``GET /v1/cluster``)."""
+        (``/readyz``, the ready line) finds it in the registry too (``GET /v1/cluster``).
+        Raises IllegalRoleChange, as :meth:`_set_role` does, before publishing anything."""
+        transition(self.role, role)
         since = time.time()
-        await self._publish({**self._entry(), "role": role, "since": since})
-        self.role = role
+        await self._publish({**self._entry(), "role": role.value, "since": since})
+        self._set_role(role)
         self.role_since = since
 
     def _entry(self) -> dict[str, Any]:
         return {
             "id": self.id,
             "url": self.url,
-            "role": self.role,
+            "role": self.role.value,
             "since": self.role_since,
             "started": self.started,
             "applied_index": self.applied_index,
@@ -402,11 +430,19 @@ class Replication:
 
     def applied(self) -> int:
         """The index of the last record this replica applied (leader: appended)."""
-        return self.applied_index
+        return self._service.log_index() if self.role is RoleName.LEADER else self.applied_index
 
     async def view(self) -> dict[str, Any]:
-        """The cluster as this replica sees it: ``GET /v1/cluster``."""
-        if self.role == "leader":
+        """The cluster as this replica sees it: ``GET /v1/cluster``. Raises NotReady when etcd
+        does not answer."""
+        try:
+            return await self._view()
+        except EtcdError as exc:
+            message = f"etcd did not answer ({exc}); check that its members run and this replica can reach them"
+            raise NotReady(message) from exc
+
+    async def _view(self) -> dict[str, Any]:
+        if self.role is RoleName.LEADER:
             self.applied_index = self._service.log_index()
         registry = await self.client.range(self._registry, prefix_end(self._registry))
         replicas = {}

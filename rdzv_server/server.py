@@ -48,6 +48,7 @@ from .api.auth import TokenError, TokenTable, bearer_token, load_tokens
 from .api.connection import FD_RESERVE, LINGER, Closing, ConnectionTable, http_factory
 from .api.stream import StreamServer
 from .config import ServerConfig
+from .replication import join
 from .service import Service
 
 log = logging.getLogger("rdzv_server")
@@ -260,7 +261,7 @@ async def _start(svc: Service) -> SystemExit | None:
 async def serve(config: ServerConfig, stop: asyncio.Event) -> None:
     tokens = _tokens(config)
     tls = tls_context(config)
-    svc = Service(config)
+    svc = Service(config, join if config.etcd else None)
     svc.on_fatal = lambda exc: stop.set()
     app = create_app(svc, tokens)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=DRAIN_TIMEOUT, access_log=None)

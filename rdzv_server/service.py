@@ -14,13 +14,15 @@ Rules:
   time, so deadlines neither fire nor stretch because the server was down; heartbeat
   times are reset on recovery (each node gets one full TTL of grace).
 - The timer only detects; what it decides is applied as ordinary logged commands.
-- With ``--etcd`` the service is one replica (:mod:`.replication` drives it): a follower's
-  machine changes only by replaying committed records, every operation answers
-  ``not_leader``; :meth:`lead` makes it the leader over the replicated log (heartbeats
-  reset, deadlines scheduled) and :meth:`stop_leading` ends that, dropping nothing that
-  was acknowledged (only committed records were).
+- Whether it runs alone, follows or leads is its :class:`~.role.Role`'s business, asked
+  through that one interface (:class:`~.role.Single` for the one server; with ``--etcd`` the
+  ``join`` given to it, :mod:`.replication`'s, which drives it): a follower's machine changes
+  only by replaying committed records, every operation answers ``not_leader``; :meth:`lead`
+  makes it the leader over the replicated log (heartbeats reset, deadlines scheduled) and
+  :meth:`stop_leading` ends that, dropping nothing that was acknowledged (only committed
+  records were).
 
-What it must not know: HTTP, the wire format (the API translates).
+What it must not know: HTTP, the wire format (the API translates), etcd (the replication's).
 """
 
 from __future__ import annotations
@@ -35,25 +37,22 @@ import random
 import time
 from collections.abc import Callable, Coroutine, Hashable, Iterable, Iterator
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from .config import ServerConfig
 from .core import command as c
 from .core.error import (
-    LogFailed,
     LogQueueFull,
-    NotLeader,
-    NotReady,
     RdzvError,
     RecordTooLarge,
     SettingsConflict,
     ShuttingDown,
 )
 from .core.event import Cause, JobEvent
-from .core.machine import Outcome, StateMachine, events_topic, key_topic, round_topic, watch_topic
+from .core.machine import Entry, Outcome, StateMachine, events_topic, key_topic, round_topic, watch_topic
 from .core.rendezvous import Departure, Job, departure_cause
 from .core.store import KeyValueStore
-from .replication import start_replication
+from .role import Role, Single
 from .storage import (
     FileLog,
     FsyncPolicy,
@@ -67,9 +66,6 @@ from .storage import (
     ReplicatedLog,
     StorageError,
 )
-
-if TYPE_CHECKING:
-    from .replication import Replication
 
 log = logging.getLogger("rdzv_server")
 
@@ -149,8 +145,13 @@ class Waiters:
 class Service:
     """The running server minus HTTP. Create, ``await start()``, serve, ``await stop()``."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, join: Callable[[Service], Role] | None = None) -> None:
+        """``join`` makes this service's replica role (``--etcd``: :func:`.replication.join`).
+        Raises ValueError for ``--etcd`` without one."""
+        if config.etcd and join is None:
+            raise ValueError("with --etcd the service needs a replica role: Service(config, replication.join)")
         self.config = config
+        self._join = join
         # Fresh machines for the live state, recovery and snapshot builds, all made alike; a
         # partial of the class pickles, so a snapshot builder process can use it. No limits
         # until recovery is done: a logged command applies again whatever today's limits.
@@ -164,7 +165,7 @@ class Service:
         self.waiters = Waiters()
         self.ready = False  # serving operations (the leader, or the one server)
         self.recovered = False  # a state machine is installed (a replica may follow)
-        self.replication: Replication | None = None  # with --etcd
+        self._role: Role = Single(self.log_index)
         self.started_at = time.time()
         self.bound_port: int | None = None  # the port listened on (server.py sets it before start)
         self.recovered_records = 0
@@ -207,7 +208,7 @@ class Service:
     @property
     def role(self) -> str:
         """``single`` (no --etcd), else this replica's ``leader``, ``follower`` or ``candidate``."""
-        return "single" if self.replication is None else self.replication.role
+        return self._role.role.value
 
     async def start(self) -> None:
         """Recover from the data directory (if any), then start the timer and report ready.
@@ -222,8 +223,9 @@ class Service:
         says what to do.
         """
         started = time.monotonic()
-        if self.config.etcd:
-            self.replication = await start_replication(self)
+        if self._join is not None:
+            self._role = self._join(self)
+            await self._role.start()
             self.recovery_seconds = time.monotonic() - started
             return
         data_dir = self.config.resolved_data_dir()
@@ -320,7 +322,7 @@ class Service:
         What is in memory may hold commands the log never took, so the replication rebuilds
         the machine from etcd before anything is served again. Idempotent."""
         self.ready = False
-        self.waiters.fail_all(self._not_leader())
+        self.waiters.fail_all(self._role.unavailable())
         for handle in self._lost.values():
             handle.cancel()
         self._lost.clear()
@@ -334,16 +336,9 @@ class Service:
         self._last_append = None
 
     def log_index(self) -> int:
-        """The index of the last record appended to the log (0 without one that counts)."""
-        return int(getattr(self._log, "last_index", 0))
-
-    def _not_leader(self) -> NotLeader:
-        replication = self.replication
-        leader = replication.leader if replication is not None else None
-        url = leader["url"] if leader is not None and leader["url"] != getattr(replication, "url", None) else None
-        where = f"the leader is {url}" if url else "no replica leads right now (an election is under way)"
-        name = replication.id if replication is not None else "this server"
-        return NotLeader(f"replica {name} is not the leader; {where}: retry there", url)
+        """The index of the last record appended to the replicated log (0 without one: the one
+        server's log does not count records)."""
+        return self._replicated.last_index if self._replicated is not None else 0
 
     def rebuild(self, recovered: Recovered) -> StateMachine:
         """Runs in a thread: a fresh machine rebuilt from ``recovered``, touched by nothing else
@@ -368,8 +363,7 @@ class Service:
     async def close(self) -> None:
         """After in-flight requests drained: stop the timer, flush and close the log."""
         self.begin_stop()
-        if self.replication is not None:
-            await self.replication.close()  # resigns: another replica takes over at once
+        await self._role.close()  # a replica resigns: another takes over at once
         if self._timer_task is not None:
             self._timer_task.cancel()
             try:
@@ -392,14 +386,12 @@ class Service:
     def _check_ready(self) -> None:
         if self._stopping:
             raise ShuttingDown("the server is shutting down; retry shortly")
-        replication = self.replication
-        if replication is not None and not (self.ready and replication.lease_valid()):
-            # A leader whose lease estimate ran out (paused past it, or etcd electing a new
+        if not (self.ready and self._role.lease_valid()):
+            # Recovering (the one server: not_ready), or following (a replica: not_leader). A
+            # leader whose lease estimate ran out (paused past it, or etcd electing a new
             # leader) answers nothing, but does not step down: etcd's answer to its keepalive
             # decides, and a lease etcd kept makes it serve again at once (election.py).
-            raise self._not_leader()
-        if not self.ready:
-            raise NotReady("the server is still recovering its log; retry shortly")
+            raise self._role.unavailable()
 
     async def write(self, command: c.Command, rid: tuple[Any, ...] | None = None) -> dict[str, Any]:
         """Apply, log, await durability, wake. Raises RdzvError having changed nothing.
@@ -453,21 +445,16 @@ class Service:
         try:
             await asyncio.shield(fut)
         except LogFailedError as exc:
-            if self.replication is None:
-                raise LogFailed(
-                    "the server's log failed to write this change (see the server's log: a full or failing disk?), "
-                    "so it acknowledges nothing more and stops; retry once it is restarted"
-                ) from exc
-            raise self._not_leader() from exc
+            raise self._role.commit_failed() from exc
 
     def _log_failed(self, exc: BaseException) -> None:
         """The log refused or lost an append. Memory now holds a change the log does not, so
         no request may be answered from it any more: a replica stops serving in this very
         step (and its term ends: it rebuilds from etcd), the one server stops for good."""
-        if self.replication is not None:
-            self._stop_serving(f"an append was not committed: {exc}")
-            self.replication.step_down(f"an append was not committed: {exc}")
-        else:
+        reason = f"an append was not committed: {exc}"
+        if self._role.step_down(reason):
+            self._stop_serving(reason)
+        else:  # no term to end: the one server
             self._fatal(exc)
 
     def _durable(self, log_: Log, rdzv_id: str, outcome: Outcome, fut: asyncio.Future[None]) -> None:
@@ -534,6 +521,46 @@ class Service:
         value = fn()
         await self._sync()
         return value
+
+    # -- queries (what the API reads; it never reaches into the machine or the replica) -----
+
+    async def job_summaries(self, readable: Callable[[str], bool]) -> list[dict[str, Any]]:
+        """One summary per job that ``readable(rdzv_id)`` allows. Raises as :meth:`read`."""
+        return await self.read(lambda: [e.job.summary() for e in self.machine.jobs.values() if readable(e.job.rdzv_id)])
+
+    async def job_document(self, rdzv_id: str) -> dict[str, Any]:
+        """Job ``rdzv_id``'s membership document. Raises as :meth:`read`, or NotFound."""
+        return await self.read(lambda: self.machine.job(rdzv_id).describe(self.now()))
+
+    def jobs(self) -> list[Entry]:
+        """Every job held, as it stands in memory now (metrics: no durability wait)."""
+        return list(self.machine.jobs.values())
+
+    def session_usage(self) -> tuple[int, int]:
+        """Clients remembered for exactly-once retries, and the bytes of results kept for them."""
+        return len(self.machine.sessions), self.machine.session_bytes
+
+    @property
+    def replicated(self) -> bool:
+        """Whether this server is one replica of a cluster (``--etcd``)."""
+        return self._role.replicated
+
+    def lease_valid(self) -> bool:
+        """Whether this replica's election lease is surely alive (the one server: always)."""
+        return self._role.lease_valid()
+
+    def leader_url(self) -> str | None:
+        """The URL of the replica etcd names leader (this one's own included); None if none, or single."""
+        return self._role.leader_url()
+
+    def applied_index(self) -> int:
+        """The index of the last record this server applied (a leader: appended)."""
+        return self._role.applied()
+
+    async def cluster_view(self) -> dict[str, Any] | None:
+        """``GET /v1/cluster`` of a replica; None for the one server (the API draws it).
+        Raises NotReady when etcd does not answer."""
+        return await self._role.view()
 
     async def long_poll(
         self, check: Callable[[], T | None], topics: Callable[[], Iterable[Hashable]], hold: float

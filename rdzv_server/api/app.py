@@ -54,7 +54,6 @@ from rdzv_client import wire
 
 from ..core.error import Forbidden
 from ..service import Service
-from ..storage.etcd_client import EtcdError
 from .auth import OPEN, Grant, TokenTable, bearer_token
 from .codec import decode, encode
 from .error import error_middleware
@@ -181,7 +180,7 @@ async def operation(request: web.Request) -> web.Response:
 
 async def list_jobs(request: web.Request) -> web.Response:
     svc, grant = request.app[SERVICE], _grant(request)
-    jobs = await svc.read(lambda: [e.job.summary() for e in svc.machine.jobs.values() if grant.allows(False, e.job.rdzv_id)])
+    jobs = await svc.job_summaries(lambda rdzv_id: grant.allows(False, rdzv_id))
     return encode(request, {"jobs": jobs})
 
 
@@ -204,7 +203,7 @@ def _readable_job(request: web.Request) -> str:
 async def show_job(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     rdzv_id = _readable_job(request)
-    return encode(request, await svc.read(lambda: svc.machine.job(rdzv_id).describe(svc.now())))
+    return encode(request, await svc.job_document(rdzv_id))
 
 
 async def job_events(request: web.Request) -> web.Response:
@@ -241,20 +240,19 @@ async def readyz(request: web.Request) -> web.Response:
     ``?role=leader`` asks for the leader only (a load balancer that sends traffic there)."""
     svc = request.app[SERVICE]
     # A candidate between terms (etcd unreachable, a lost lease) has no state it keeps current.
-    following = svc.replication is not None and svc.recovered and not svc.stopping and svc.role == "follower"
-    if svc.role == "leader" and svc.replication is not None and not svc.replication.lease_valid():
+    following = svc.recovered and not svc.stopping and svc.role == "follower"
+    if svc.role == "leader" and not svc.lease_valid():
         # Paused past its lease, say, or etcd electing its own leader: another replica may lead
         # by now, unless etcd confirms the lease at the next keepalive.
         message = "this replica's election lease may have expired: it serves nothing until etcd confirms it"
         return encode(request, wire.error_body(wire.ErrorCode.NOT_READY, message), status=503)
     if not (svc.ready or following):
-        why = "recovering the log" if svc.replication is None else "this replica neither leads nor follows (etcd?)"
+        why = "this replica neither leads nor follows (etcd?)" if svc.replicated else "recovering the log"
         return encode(request, wire.error_body(wire.ErrorCode.NOT_READY, why), status=503)
     body: dict[str, Any] = {"status": "ready", "role": svc.role, "recovery_seconds": round(svc.recovery_seconds, 3)}
-    if svc.replication is not None:
-        leader = svc.replication.leader
-        body["leader"] = leader["url"] if leader is not None else None
-        body["applied_index"] = svc.log_index() if svc.role == "leader" else svc.replication.applied_index
+    if svc.replicated:
+        body["leader"] = svc.leader_url()
+        body["applied_index"] = svc.applied_index()
         if request.query.get("role") == "leader" and svc.role != "leader":
             return encode(request, wire.error_body(wire.ErrorCode.NOT_LEADER, "this replica follows", leader=body["leader"]), status=503)
     return encode(request, body)
@@ -263,7 +261,8 @@ async def readyz(request: web.Request) -> web.Response:
 async def cluster(request: web.Request) -> web.Response:
     """``GET /v1/cluster``: the replicas, which one leads and since when, and etcd's members."""
     svc = request.app[SERVICE]
-    if svc.replication is None:
+    view = await svc.cluster_view()  # etcd silent: NotReady, a 503
+    if view is None:  # the one server
         me = {
             "id": f"{socket.gethostname()}:{svc.bound_port or svc.config.port}",
             "url": f"{request.scheme}://{request.host}",
@@ -274,11 +273,6 @@ async def cluster(request: web.Request) -> web.Response:
         }
         leader = {"id": me["id"], "url": me["url"], "since": me["since"]}
         return encode(request, {"mode": "single", "this": me["id"], "leader": leader, "replicas": [me], "etcd": None})
-    try:
-        view = await svc.replication.view()
-    except EtcdError as exc:
-        message = f"etcd did not answer ({exc}); check that its members run and this replica can reach them"
-        return encode(request, wire.error_body(wire.ErrorCode.NOT_READY, message), status=503)
     return encode(request, view)
 
 

@@ -168,7 +168,7 @@ class _StateCollector:
         self.svc = svc
 
     def collect(self) -> Any:
-        jobs = self.svc.machine.jobs.values()
+        jobs = self.svc.jobs()
         by_state: dict[str, int] = {"open": 0, "complete": 0, "closed": 0}
         nodes = GaugeMetricFamily("rdzv_nodes", "Nodes known to the server, by role or liveness.", labels=["status"])
         counts: dict[str, int] = {}
@@ -199,17 +199,18 @@ class _StateCollector:
 
     def _limits(self) -> Any:
         """Each state limit beside its use: the fullest job for the per-job quotas."""
-        machine, config = self.svc.machine, self.svc.config
-        stores = [e.kv for e in machine.jobs.values()]
+        config = self.svc.config
+        stores = [e.kv for e in self.svc.jobs()]
+        sessions, session_bytes = self.svc.session_usage()
         rows = (
             ("rdzv_jobs_held", "Jobs held (every state).", len(stores), "max_jobs"),
             ("rdzv_job_keys_max", "Keys of the job that holds the most.", max((kv.keys for kv in stores), default=0),
              "max_keys_per_job"),
             ("rdzv_job_bytes_max", "Bytes of keys and values of the job that holds the most.",
              max((kv.bytes for kv in stores), default=0), "max_job_bytes"),
-            ("rdzv_sessions", "Clients whose writes are remembered for exactly-once retries.", len(machine.sessions),
+            ("rdzv_sessions", "Clients whose writes are remembered for exactly-once retries.", sessions,
              "max_sessions"),
-            ("rdzv_session_bytes", "Bytes of write results kept for retries.", machine.session_bytes,
+            ("rdzv_session_bytes", "Bytes of write results kept for retries.", session_bytes,
              "max_session_bytes"),
         )
         for name, text, value, flag in rows:

@@ -159,6 +159,11 @@ class ReplicatedLog(Log, Protocol):
     left waiting on it would hang until its own timeout.
     """
 
+    @property
+    def last_index(self) -> int:
+        """The index of the last record appended (committed or still pending)."""
+        ...
+
     def abandon(self, reason: str) -> None:
         """Stop at once, writing nothing more: fail every pending append (the one in flight
         included) with :class:`~.error.LogFailedError` naming ``reason``, refuse later ones

@@ -39,6 +39,7 @@ from rdzv_server.config import ServerConfig
 from rdzv_client.record import JobSettings
 from rdzv_server.core import command as c
 from rdzv_server.core.error import NotLeader
+from rdzv_server.replication import join
 from rdzv_server.service import Service
 from rdzv_server.storage.etcd_client import EtcdClient, prefix_end
 
@@ -132,7 +133,7 @@ async def test_a_failed_append_stops_serving_in_the_same_step(etcd3: EtcdCluster
     config = ServerConfig(
         etcd=tuple(etcd3.client_urls), etcd_prefix=prefix, etcd_lease_ttl=LEASE_TTL_S, replica_id="inproc", no_auth=True
     )
-    svc = Service(config)
+    svc = Service(config, join)
     etcd = EtcdClient(etcd3.client_urls)
     await svc.start()
     try:
