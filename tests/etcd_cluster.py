@@ -36,7 +36,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,17 @@ def require_etcd() -> str:
     if binary is None:
         pytest.skip(ETCD_MISSING)
     return binary
+
+
+@contextlib.contextmanager
+def running_etcd(size: int) -> Iterator[EtcdCluster]:
+    """A started cluster of ``size`` members, closed on exit; skips the test without etcd."""
+    require_etcd()
+    cluster = EtcdCluster(size).start()
+    try:
+        yield cluster
+    finally:
+        cluster.close()
 
 
 def _free_ports(count: int) -> list[int]:

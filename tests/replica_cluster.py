@@ -105,3 +105,9 @@ class ReplicaCluster:
     def close(self) -> None:
         for replica in self.replicas:
             replica.close()
+
+    def __enter__(self) -> ReplicaCluster:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

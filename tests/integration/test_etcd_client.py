@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from etcd_cluster import EtcdCluster, require_etcd
+from etcd_cluster import EtcdCluster, require_etcd, running_etcd
 from server_process import TLSFiles
 
 from rdzv_server.storage.etcd_client import (
@@ -238,10 +238,8 @@ def etcd_short_tokens(root_password: str) -> Iterator[EtcdCluster]:
 
 @pytest.fixture(scope="module")
 def etcd_no_auth() -> Iterator[EtcdCluster]:
-    require_etcd()
-    cluster = EtcdCluster(1).start()
-    yield cluster
-    cluster.close()
+    with running_etcd(1) as cluster:
+        yield cluster
 
 
 @pytest.fixture
@@ -349,10 +347,8 @@ async def test_credentials_for_an_etcd_without_auth_warn_and_go_on_without_a_tok
 @pytest.fixture
 def etcd3() -> Iterator[EtcdCluster]:
     """Three members of its own: each test kills or pauses one."""
-    require_etcd()
-    cluster = EtcdCluster(3).start()
-    yield cluster
-    cluster.close()
+    with running_etcd(3) as cluster:
+        yield cluster
 
 
 def followers_first(cluster: EtcdCluster) -> tuple[int, list[str]]:

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
-from etcd_cluster import EtcdCluster, require_etcd
+from etcd_cluster import EtcdCluster, require_etcd, running_etcd
 
 from rdzv_server.storage.election import DEFAULT_LEASE_TTL_S, Election
 from rdzv_server.storage.error import SnapshotBuildError
@@ -121,10 +121,8 @@ def replayed(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def etcd1() -> Iterator[EtcdCluster]:
-    require_etcd()
-    cluster = EtcdCluster(1).start()
-    yield cluster
-    cluster.close()
+    with running_etcd(1) as cluster:
+        yield cluster
 
 
 @pytest.fixture
@@ -539,10 +537,8 @@ async def test_a_batch_sent_again_after_its_answer_was_lost_counts_as_committed_
 @pytest.fixture
 def etcd3() -> Iterator[EtcdCluster]:
     """Three members of its own: each test kills or pauses one."""
-    require_etcd()
-    cluster = EtcdCluster(3).start()
-    yield cluster
-    cluster.close()
+    with running_etcd(3) as cluster:
+        yield cluster
 
 
 def member_urls(cluster: EtcdCluster, first: int) -> list[str]:

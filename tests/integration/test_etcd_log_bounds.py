@@ -19,7 +19,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-from etcd_cluster import EtcdCluster, require_etcd
+from etcd_cluster import EtcdCluster, require_etcd, running_etcd
 
 from rdzv_server.storage.election import Election
 from rdzv_server.storage.error import LogClosedError, LogFailedError, LogQueueFullError, RecordTooLargeError
@@ -32,10 +32,8 @@ STEP_S = 10.0
 
 @pytest.fixture
 def etcd1() -> Iterator[EtcdCluster]:
-    require_etcd()
-    cluster = EtcdCluster(1).start()  # its own: some tests here stop it
-    yield cluster
-    cluster.close()
+    with running_etcd(1) as cluster:  # its own: some tests here stop it
+        yield cluster
 
 
 @pytest.fixture

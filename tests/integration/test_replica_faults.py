@@ -29,7 +29,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from etcd_cluster import EtcdCluster, require_etcd
+from etcd_cluster import EtcdCluster, require_etcd, running_etcd
 from replica_cluster import LEASE_TTL_S, ReplicaCluster, readyz
 from server_process import ServerProcess
 
@@ -51,17 +51,14 @@ MiB = 1024 * 1024
 
 @pytest.fixture(scope="module")
 def etcd3() -> Iterator[EtcdCluster]:
-    require_etcd()
-    cluster = EtcdCluster(3).start()
-    yield cluster
-    cluster.close()
+    with running_etcd(3) as cluster:
+        yield cluster
 
 
 @pytest.fixture
 def replicas(etcd3: EtcdCluster, tmp_path: Path) -> Iterator[ReplicaCluster]:
-    cluster = ReplicaCluster(etcd3, tmp_path).start()
-    yield cluster
-    cluster.close()
+    with ReplicaCluster(etcd3, tmp_path).start() as cluster:
+        yield cluster
 
 
 def new_job(client: Client) -> str:

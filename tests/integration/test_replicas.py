@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from etcd_cluster import EtcdCluster, require_etcd
+from etcd_cluster import EtcdCluster, require_etcd, running_etcd
 from replica_cluster import LEASE_TTL_S, ReplicaCluster, readyz
 from server_process import ServerProcess, TLSFiles
 
@@ -51,17 +51,14 @@ RETRY_BUDGET_S = 60.0
 
 @pytest.fixture(scope="module")
 def etcd3() -> Iterator[EtcdCluster]:
-    require_etcd()
-    cluster = EtcdCluster(3).start()
-    yield cluster
-    cluster.close()
+    with running_etcd(3) as cluster:
+        yield cluster
 
 
 @pytest.fixture
 def replicas(etcd3: EtcdCluster, tmp_path: Path) -> Iterator[ReplicaCluster]:
-    cluster = ReplicaCluster(etcd3, tmp_path).start()
-    yield cluster
-    cluster.close()
+    with ReplicaCluster(etcd3, tmp_path).start() as cluster:
+        yield cluster
 
 
 def new_job(client: Client) -> str:
