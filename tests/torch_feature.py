@@ -38,7 +38,5 @@ def torchrun_command() -> list[str]:
     """How a test starts a torchrun agent with this torch, as a user would: plain ``torchrun``
     where torch finds the backend by itself, else ``rdzv-torchrun`` (both as ``python -m``, so
     that the test's own interpreter runs them)."""
-    import sys
-
     module = "torch.distributed.run" if READS_ENTRY_POINTS else "rdzv_client.launcher"
     return [sys.executable, "-m", module]
