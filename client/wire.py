@@ -249,7 +249,9 @@ def _converter(hint: Any) -> Convert:
                 raise WireError(f"field {name!r} must be a list, not {type(value).__name__}")
             if len(value) > MAX_KEYS_PER_REQUEST:
                 raise WireError(f"field {name!r} names more than {MAX_KEYS_PER_REQUEST} items")
-            return tuple(item(f"{name}[{i}]", v) for i, v in enumerate(value))
+            if item is _as_any:
+                return tuple(value)
+            return tuple([item(f"{name}[{i}]", v) for i, v in enumerate(value)])
 
         return items
     raise TypeError(f"unsupported field type {hint!r}")  # a bug in this module, not bad input
@@ -299,7 +301,8 @@ def _build_schema(cls: type[Any]) -> _Schema:
             inline.append((f.name, record, tuple(inner)))
             continue
         has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-        fields[f.name] = _Field(f.name, hints[f.name], _converter(hints[f.name]), not has_default)
+        convert = _FIELD_CONVERTERS.get(f.name) or _converter(hints[f.name])
+        fields[f.name] = _Field(f.name, hints[f.name], convert, not has_default)
     return _Schema(fields, tuple(inline), callable(getattr(cls, "validate", None)))
 
 
@@ -315,6 +318,16 @@ def from_mapping(cls: type[T], body: object, **given: Any) -> T:
     Raises :class:`WireError` on a non-mapping body, an unknown or missing field, a wrong
     type, a negative duration, an oversize key or an illegal id.
     """
+    decode = _decoders.get(cls)
+    if decode is None:
+        decode = _decoders[cls] = _compile_decoder(cls, _schema(cls))
+    return decode(body, given)  # type: ignore[no-any-return]
+
+
+def _check(cls: type[T], body: object, given: dict[str, Any]) -> T:
+    """The reference decoder, field by field through the converters: every body that the
+    compiled decoder does not accept at first sight comes here, so each error is raised in
+    one place and reads the same whichever path found it."""
     if not isinstance(body, dict):
         raise WireError(f"body must be a map, not {type(body).__name__}")
     schema = _schema(cls)
@@ -333,6 +346,75 @@ def from_mapping(cls: type[T], body: object, **given: Any) -> T:
     if schema.validates:
         obj.validate()  # type: ignore[attr-defined]
     return obj
+
+
+_decoders: dict[type[Any], Callable[[object, dict[str, Any]], Any]] = {}
+
+# A value the compiled decoder takes as it is: the converter would return it unchanged.
+_ACCEPT: dict[Any, str] = {
+    bytes: "type({v}) is bytes",
+    str: "type({v}) is str and {v}.isascii()",  # non-ASCII text goes through _text_ok
+    bool: "type({v}) is bool",
+    int: "type({v}) is int and -9223372036854775808 <= {v} < 9223372036854775808",
+}
+
+
+def _accept(hint: Any, v: str) -> str | None:
+    test = _ACCEPT.get(hint)
+    if test is not None:
+        return test.format(v=v)
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        args = typing.get_args(hint)
+        inner = [a for a in args if a is not type(None)]
+        if type(None) in args and len(inner) == 1 and (test := _accept(inner[0], v)) is not None:
+            return f"{v} is None or ({test})"
+    return None
+
+
+_NO_DEFAULT = object()
+
+
+def _field_default(cls: type[Any], name: str) -> Any:
+    """Field ``name``'s plain default (what the dataclass assigns when it is absent), or
+    ``_NO_DEFAULT`` for a default factory."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return _NO_DEFAULT if f.default is dataclasses.MISSING else f.default
+
+
+def _compile_decoder(cls: type[T], schema: _Schema) -> Callable[[object, dict[str, Any]], T]:
+    """The decoder of record ``cls``, generated from its one declaration (the schema) as
+    straight-line code: a body of the right shape whose every value is already of its type
+    costs a few comparisons and the dataclass's own ``__init__``. Anything else (a missing or
+    unknown field, a value to convert or refuse) is handed, untouched, to :func:`_check`, so
+    the two paths cannot disagree on what they accept."""
+    if schema.inline or any(_field_default(cls, name) is _NO_DEFAULT for name, f in schema.fields.items() if not f.required):
+        # a join or create (rare; regrouping settings is the reference's job), or a default factory
+        return lambda body, given: _check(cls, body, given)
+    env: dict[str, Any] = {"cls": cls, "check": _check, "keys": frozenset(schema.fields), "missing": object()}
+    lines = [
+        "def decode(body, given):",
+        "    if type(body) is not dict or not body.keys() <= keys:",
+        "        return check(cls, body, given)",
+    ]
+    args = []
+    for i, (name, f) in enumerate(schema.fields.items()):
+        v, accept = f"v{i}", _accept(f.hint, f"v{i}")
+        env[f"c{i}"], env[f"d{i}"] = f.convert, _field_default(cls, name)
+        lines.append(f"    {v} = body.get({name!r}, missing)")
+        if f.required:
+            lines += [f"    if {v} is missing:", "        return check(cls, body, given)"]
+            lines.append(f"    if not ({accept}):" if accept else "    if True:")
+        else:  # absent: the dataclass's own default, as the reference leaves it
+            lines += [f"    if {v} is missing:", f"        {v} = d{i}"]
+            lines.append(f"    elif not ({accept}):" if accept else "    else:")
+        lines.append(f"        {v} = c{i}({name!r}, {v})")
+        args.append(f"{name}={v}")
+    lines.append(f"    obj = cls({', '.join(args)}, **given)")
+    if schema.validates:
+        lines.append("    obj.validate()")
+    lines.append("    return obj")
+    exec(compile("\n".join(lines), f"<decoder of {cls.__name__}>", "exec"), env)
+    return env["decode"]  # type: ignore[no-any-return]
 
 
 def to_mapping(obj: Any) -> dict[str, Any]:
@@ -376,6 +458,19 @@ def _rid_check(rid: tuple[Any, ...] | None) -> None:
 
 
 def _convert_rid(value: object) -> tuple[Any, ...] | None:
+    """A request id as the request keeps it (a tuple), or :class:`WireError`."""
+    if type(value) is list and len(value) == 3:  # what every client sends: taken at first sight when plainly well formed
+        client_id, seq, floor = value
+        if (
+            type(client_id) is str and type(seq) is int and type(floor) is int
+            and 0 < len(client_id) <= MAX_CLIENT_ID_CHARS and client_id.isascii() and 0 <= floor <= seq < 2**63
+        ):  # fmt: skip
+            return (client_id, seq, floor)
+    return _checked_rid(value)
+
+
+def _checked_rid(value: object) -> tuple[Any, ...] | None:
+    """The definition of a well-formed request id, checked rule by rule."""
     if value is None:
         return None
     if not isinstance(value, (list, tuple)):
@@ -383,6 +478,10 @@ def _convert_rid(value: object) -> tuple[Any, ...] | None:
     rid = tuple(value)
     _rid_check(rid)
     return rid
+
+
+# Fields whose check is more than their type: every write's request id (`rid`) has one shape.
+_FIELD_CONVERTERS: dict[str, Convert] = {"rid": lambda _name, value: _convert_rid(value)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -513,9 +612,6 @@ def decode_request(op: str, body: object, rdzv_id: str = "") -> Request:
     cls = REQUESTS.get(op)
     if cls is None:
         raise WireError(f"unknown operation {op!r}")
-    if isinstance(body, dict) and "rid" in body:
-        body = dict(body)
-        body["rid"] = _convert_rid(body["rid"])
     if cls.writes:
         return from_mapping(cls, body, rdzv_id=rdzv_id)
     return from_mapping(cls, body)
