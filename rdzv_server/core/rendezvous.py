@@ -182,7 +182,6 @@ class Job:
     members: list[str] = field(default_factory=list)  # last formed round, node_rank order
     last_call_deadline: float | None = None
     arrivals: int = 0
-    version: int = 0  # bumped on every membership change: wakes watchers
     idle_since: float | None = None
     closed_at: float | None = None
     departed: OrderedDict[str, str] = field(default_factory=OrderedDict)
@@ -743,7 +742,7 @@ class Job:
             "members": list(self.members),
             "last_call_deadline": self.last_call_deadline,
             "arrivals": self.arrivals,
-            "version": self.version,
+            "version": 0,  # read by releases before this one (they restore it, and nothing reads it)
             "idle_since": self.idle_since,
             "closed_at": self.closed_at,
             "departed": list(self.departed.items()),
@@ -763,7 +762,6 @@ class Job:
         job.members = list(data["members"])
         job.last_call_deadline = data["last_call_deadline"]
         job.arrivals = data["arrivals"]
-        job.version = data["version"]
         job.idle_since = data["idle_since"]
         job.closed_at = data["closed_at"]
         job.departed = OrderedDict((k, v) for k, v in data["departed"])

@@ -343,7 +343,7 @@ def test_round_forms_from_candidates_by_arrival() -> None:
     assert cl.ranks() == {"d": 0, "b": 1, "c": 2, "a": 3}
 
 
-def test_retried_join_of_a_candidate_changes_nothing_but_the_version() -> None:
+def test_retried_join_of_a_candidate_changes_nothing() -> None:
     cl = Cluster()
     cl.join("a", 0.0)
     node = copy.deepcopy(cl.job.nodes["a"])
@@ -1518,6 +1518,17 @@ def outcome_of(call: Any, *args: Any) -> Any:
         return call(*args)
     except Exception as exc:  # noqa: BLE001 - compared by type and text
         return (type(exc), str(exc))
+
+
+def test_a_snapshot_of_an_earlier_release_with_a_job_version_restores_to_the_same_state() -> None:
+    cl = busy_cluster()
+    data = copy.deepcopy(cl.sm.to_snapshot())
+    for job, _kv in data["jobs"]:
+        job["version"] = 17  # earlier releases counted membership changes here; nothing read it
+    restored = StateMachine(max_value_bytes=MAX_VALUE_BYTES, job_ttl=JOB_TTL)
+    restored.restore(data)
+    assert restored.to_snapshot() == cl.sm.to_snapshot()
+    assert_same_behaviour(cl.sm, restored, 20.0)
 
 
 def test_restore_reproduces_snapshot_describe_and_assignments() -> None:
