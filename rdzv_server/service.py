@@ -39,6 +39,7 @@ from collections.abc import Callable, Coroutine, Hashable, Iterable, Iterator
 from dataclasses import asdict
 from typing import Any, TypeVar
 
+from .clock import SYSTEM_CLOCK, Clock
 from .config import ServerConfig
 from .core import command as c
 from .core.error import (
@@ -70,6 +71,10 @@ from .storage import (
 log = logging.getLogger("rdzv_server")
 
 T = TypeVar("T")
+
+#: What the synchronous half of an operation gives: its value, and the append whose
+#: durability it still waits on (None: it may be sent at once). See :meth:`Service.submit`.
+Answer = tuple[T, "asyncio.Future[None] | None"]
 
 # Node long-polls are held between this fraction and all of their hold (see _node_hold).
 HOLD_JITTER = 0.75
@@ -145,13 +150,17 @@ class Waiters:
 class Service:
     """The running server minus HTTP. Create, ``await start()``, serve, ``await stop()``."""
 
-    def __init__(self, config: ServerConfig, join: Callable[[Service], Role] | None = None) -> None:
-        """``join`` makes this service's replica role (``--etcd``: :func:`.replication.join`).
-        Raises ValueError for ``--etcd`` without one."""
+    def __init__(
+        self, config: ServerConfig, join: Callable[[Service], Role] | None = None, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
+        """``join`` makes this service's replica role (``--etcd``: :func:`.replication.join`);
+        ``clock`` is where the server clock reads elapsed time (tests pass a fake one and call
+        :meth:`check_deadlines` after moving it). Raises ValueError for ``--etcd`` without a join."""
         if config.etcd and join is None:
             raise ValueError("with --etcd the service needs a replica role: Service(config, replication.join)")
         self.config = config
         self._join = join
+        self._clock = clock
         # Fresh machines for the live state, recovery and snapshot builds, all made alike; a
         # partial of the class pickles, so a snapshot builder process can use it. No limits
         # until recovery is done: a logged command applies again whatever today's limits.
@@ -174,7 +183,7 @@ class Service:
         self._replicated: ReplicatedLog | None = None  # the log while this replica leads
         self._last_append: asyncio.Future[None] | None = None
         self._clock_base = 0.0
-        self._mono_base = time.monotonic()
+        self._mono_base = clock.monotonic()
         self._heap: list[tuple[float, str]] = []
         self._scheduled: dict[str, float] = {}
         self._timer_wake = asyncio.Event()
@@ -197,7 +206,13 @@ class Service:
     # -- clock ---------------------------------------------------------------------------
 
     def now(self) -> float:
-        return self._clock_base + (time.monotonic() - self._mono_base)
+        """The server clock: seconds, monotonic, resumed across restarts from the last logged time."""
+        return self._clock_base + (self._clock.monotonic() - self._mono_base)
+
+    def check_deadlines(self) -> None:
+        """Have the timer look at the deadlines now (after a fake clock was moved; the real
+        clock needs no call: the timer sleeps until the earliest deadline)."""
+        self._timer_wake.set()
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -222,11 +237,11 @@ class Service:
         not repair on its own, an I/O error): the process must not serve, and the message
         says what to do.
         """
-        started = time.monotonic()
+        started = self._clock.monotonic()
         if self._join is not None:
             self._role = self._join(self)
             await self._role.start()
-            self.recovery_seconds = time.monotonic() - started
+            self.recovery_seconds = self._clock.monotonic() - started
             return
         data_dir = self.config.resolved_data_dir()
         if data_dir is not None:
@@ -262,7 +277,7 @@ class Service:
                     recovered.truncated_bytes,
                     data_dir,
                 )
-        self.recovery_seconds = time.monotonic() - started
+        self.recovery_seconds = self._clock.monotonic() - started
         await self._serve(c.Restarted(""))
         log.info(
             "Recovered %d jobs (%d log records) in %.3f s from %s.",
@@ -276,7 +291,7 @@ class Service:
         """Take up serving over the installed machine and log: the clock continues from the last
         logged time, each node gets one full TTL of grace, every deadline is scheduled."""
         self._clock_base = self.machine.clock
-        self._mono_base = time.monotonic()
+        self._mono_base = self._clock.monotonic()
         self.machine.reset_heartbeats(self.now())
         self._heap.clear()
         self._scheduled.clear()
@@ -394,7 +409,21 @@ class Service:
             raise self._role.unavailable()
 
     async def write(self, command: c.Command, rid: tuple[Any, ...] | None = None) -> dict[str, Any]:
-        """Apply, log, await durability, wake. Raises RdzvError having changed nothing.
+        """Apply, log, await durability, wake (:meth:`submit`, then its durability). Raises
+        RdzvError having changed nothing, or as :meth:`settled` once applied."""
+        result, pending = self.submit(command, rid)
+        if pending is not None:
+            await self._committed(pending)
+        return result
+
+    def submit(self, command: c.Command, rid: tuple[Any, ...] | None = None) -> Answer[dict[str, Any]]:
+        """The synchronous half of :meth:`write`: apply and append now, nothing awaited.
+
+        Returns the result and None when it may be sent at once (its record is durable
+        already: the memory log, a replayed request whose effects are), else the append it
+        waits on: send the result once that future is done and :meth:`settled` does not
+        raise. Raises RdzvError having changed nothing; ``role.commit_failed()`` when the
+        append has already failed.
 
         The effects of an applied command (waking waiters, scheduling its job's deadlines, a
         snapshot) follow from its record becoming durable, in :meth:`_durable`, whatever
@@ -408,9 +437,8 @@ class Service:
         record = {"cmd": command.to_record(), "now": now, "rid": list(rid) if rid else None}
         self._admit(command, record)
         outcome: Outcome = self.machine.apply(command, now, rid)
-        if outcome.replayed:
-            await self._sync()  # its effects came with the first application
-            return outcome.result
+        if outcome.replayed:  # its effects came with the first application
+            return outcome.result, self._pending(self._last_append)
         log_ = self._log
         try:
             fut = log_.append(record)
@@ -422,8 +450,7 @@ class Service:
             self._durable(log_, command.rdzv_id, outcome, fut)
         else:
             fut.add_done_callback(functools.partial(self._durable, log_, command.rdzv_id, outcome))
-        await self._committed(fut)
-        return outcome.result
+        return outcome.result, self._pending(fut)
 
     def _admit(self, command: c.Command, record: dict[str, Any]) -> None:
         """Refuse, before anything is applied, a record the log cannot take or should not queue now."""
@@ -439,13 +466,34 @@ class Service:
             raise LogQueueFull(f"{exc} Nothing was applied: retry shortly.") from exc
 
     async def _committed(self, fut: asyncio.Future[None]) -> None:
-        """Wait for ``fut`` (an append); a replica's failed append answers ``not_leader``: the
-        client retries at the leader with the same request id, and the write applies once
-        (committed or not, the new leader's sessions know)."""
+        """Wait for ``fut`` (an append), then raise as :meth:`settled` does. Cancelling the
+        wait does not cancel the append."""
+        await asyncio.wait((fut,))
+        self.settled(fut)
+
+    def settled(self, fut: asyncio.Future[None]) -> None:
+        """Raise what the done append ``fut`` means for the requests that waited on it: a
+        replica's failed append answers ``not_leader`` (the client retries at the leader
+        with the same request id, and the write applies once: committed or not, the new
+        leader's sessions know); any other failure as itself; a cancelled append
+        CancelledError (the request is not answered)."""
         try:
-            await asyncio.shield(fut)
+            fut.result()
         except LogFailedError as exc:
             raise self._role.commit_failed() from exc
+
+    def _pending(self, fut: asyncio.Future[None] | None) -> asyncio.Future[None] | None:
+        """``fut`` while it is not done or did not succeed (the caller waits or settles it);
+        None once it succeeded. Raises as :meth:`settled` for an append that failed with
+        LogFailedError, so the common failure answers at once."""
+        if fut is None or not fut.done() or fut.cancelled():
+            return fut
+        failure = fut.exception()
+        if failure is None:
+            return None
+        if isinstance(failure, LogFailedError):
+            raise self._role.commit_failed() from failure
+        return fut
 
     def _log_failed(self, exc: BaseException) -> None:
         """The log refused or lost an append. Memory now holds a change the log does not, so
@@ -484,9 +532,9 @@ class Service:
         return task
 
     async def _sync(self) -> None:
-        """Return once every record appended so far is durable; raise as :meth:`_committed`
+        """Return once every record appended so far is durable; raise as :meth:`settled`
         does if the last one failed (even long ago: what it carried is in memory only)."""
-        fut = self._last_append
+        fut = self._pending(self._last_append)
         if fut is not None:
             await self._committed(fut)
 
@@ -517,10 +565,18 @@ class Service:
     # -- reads ---------------------------------------------------------------------------
 
     async def read(self, fn: Callable[[], T]) -> T:
+        """``fn()``, answered once every record appended so far is durable."""
+        value, pending = self.read_now(fn)
+        if pending is not None:
+            await self._committed(pending)
+        return value
+
+    def read_now(self, fn: Callable[[], T]) -> Answer[T]:
+        """The synchronous half of :meth:`read`: ``fn()`` now, and the append to wait on
+        (see :meth:`submit`). Raises NotReady (not serving), as :meth:`settled`, or as ``fn``."""
         self._check_ready()
         value = fn()
-        await self._sync()
-        return value
+        return value, self._pending(self._last_append)
 
     # -- queries (what the API reads; it never reaches into the machine or the replica) -----
 
@@ -569,6 +625,16 @@ class Service:
         value = await self.waiters.wait_for(check, topics, min(hold, self.config.max_hold))
         await self._sync()
         return value
+
+    def poll_now(self, check: Callable[[], T | None], hold: float) -> Answer[T | None] | None:
+        """The synchronous half of :meth:`long_poll`: its answer when it would not park
+        (``check()`` holds, or ``hold`` is spent), else None (call :meth:`long_poll`). Raises
+        as :meth:`read_now`."""
+        self._check_ready()
+        value = check()
+        if value is None and min(hold, self.config.max_hold) > 0:
+            return None
+        return value, self._pending(self._last_append)
 
     # -- operations the API calls ----------------------------------------------------------
 
