@@ -81,6 +81,10 @@ HOLD_JITTER = 0.75
 # A leader that logged nothing for this long logs a Tick (while it holds any job), so that a
 # take-over resumes the clock at most this far behind where the old leader's stood.
 TICK_EVERY_S = 1.0
+# A store write touches a job's keys and its last use, which can only move the job's next
+# deadline (its collection) later: while the job has a wake-up pending (which reschedules
+# when it fires), a store write needs no new one.
+STORE_WRITES = frozenset({c.Set, c.Add, c.CompareSet, c.Append, c.MultiSet, c.DeleteKey})
 # A timer command the service refused (the log's queue full, say) is tried again this much
 # later, not at once: the deadline it serves is already due, and retrying in the same pass
 # would spin the event loop.
@@ -447,9 +451,9 @@ class Service:
             raise
         self._last_append = fut
         if fut.done():
-            self._durable(log_, command.rdzv_id, outcome, fut)
+            self._durable(log_, command, outcome, fut)
         else:
-            fut.add_done_callback(functools.partial(self._durable, log_, command.rdzv_id, outcome))
+            fut.add_done_callback(functools.partial(self._durable, log_, command, outcome))
         return outcome.result, self._pending(fut)
 
     def _admit(self, command: c.Command, record: dict[str, Any]) -> None:
@@ -505,15 +509,17 @@ class Service:
         else:  # no term to end: the one server
             self._fatal(exc)
 
-    def _durable(self, log_: Log, rdzv_id: str, outcome: Outcome, fut: asyncio.Future[None]) -> None:
+    def _durable(self, log_: Log, command: c.Command, outcome: Outcome, fut: asyncio.Future[None]) -> None:
         """A record's append to ``log_`` finished: on success the command's effects, else a stop."""
         failure = fut.exception() if not fut.cancelled() else asyncio.CancelledError("log append cancelled")
         if failure is not None:
             if log_ is self._log:  # (a log already dropped at a step-down was dealt with then)
                 self._log_failed(failure)
             return
-        self.waiters.wake(outcome.wakes)
-        self._schedule(rdzv_id)
+        if outcome.wakes:
+            self.waiters.wake(outcome.wakes)
+        if type(command) not in STORE_WRITES or command.rdzv_id not in self._scheduled:
+            self._schedule(command.rdzv_id)
         if outcome.events:
             self.on_events(outcome.events)
         self._maybe_snapshot()

@@ -58,6 +58,8 @@ import logging
 import socket
 from typing import Any, cast
 
+import msgpack
+
 from rdzv_client import frame, wire
 
 from ..service import Service
@@ -83,6 +85,10 @@ _PREFACE_LEN = len(_PREFACE)
 _HEADER_LEN = frame.HEADER_LEN
 _frame_end = frame.frame_end
 _MAX_TAG = 2**63
+_FRAME_HEADER = wire.FRAME_HEADER
+# wire.frame's bytes from one Packer (the loop's thread only): msgpack.packb builds a Packer,
+# with its buffer, per call, which costs more than encoding a reply.
+_pack_reply = msgpack.Packer(use_bin_type=True).pack
 _SHAPE = "a request frame is [tag: int 0..2**63-1, op: str, rdzv_id: str, fields: map]"
 
 
@@ -379,16 +385,18 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
 
     def _send(self, tag: int, status: int, body: dict[str, Any]) -> None:
         if self._replying and self._transport is not None:
+            packed = _pack_reply([tag, status, body])
             if self._replies is not None:
-                self._replies.append(wire.frame([tag, status, body]))
+                self._replies.append(_FRAME_HEADER.pack(len(packed)))
+                self._replies.append(packed)
             else:
-                self._transport.write(wire.frame([tag, status, body]))
+                self._transport.write(_FRAME_HEADER.pack(len(packed)) + packed)
 
     def _flush_replies(self) -> None:
         """Write the replies held back while a read's frames were served, in one write."""
         replies, self._replies = self._replies, None
         if replies and self._replying and self._transport is not None:
-            self._transport.write(replies[0] if len(replies) == 1 else b"".join(replies))
+            self._transport.write(b"".join(replies))
 
     # -- closing ---------------------------------------------------------------------------
 
