@@ -5,13 +5,17 @@ long-polls (:class:`Waiters`), the deadline timer, and the fast-path death detec
 nodes whose watch connection drops.
 
 Rules:
-- Every write goes through :meth:`Service.write`: apply (synchronous, nothing awaited),
-  append its record to the log, await durability, then wake the waiters it satisfies and
-  reschedule the job's timer. A reply is sent only after its record is durable.
+- Every write goes through :meth:`Service.submit` (:meth:`Service.write` awaits it): apply
+  (synchronous, nothing awaited), append its record to the log; once the record is durable,
+  wake the waiters it satisfies and reschedule the job's timer. A reply is sent only after
+  its record is durable.
+- Each operation has a synchronous half (:meth:`submit`, :meth:`read_now`, :meth:`poll_now`)
+  that answers with its value and the append it still waits on (None: send it now), so the
+  stream serves what does not park without a task; the coroutines are built on them.
 - Reads answer only after every record applied so far is durable (:meth:`_sync`), so no
   client ever observes a write that a crash could still take back.
 - The server clock is monotonic and continues across restarts from the last logged
-  time, so deadlines neither fire nor stretch because the server was down; heartbeat
+  time; elapsed time is read only from the :class:`~.clock.Clock` given (a fake one in tests), so deadlines neither fire nor stretch because the server was down; heartbeat
   times are reset on recovery (each node gets one full TTL of grace).
 - The timer only detects; what it decides is applied as ordinary logged commands.
 - Whether it runs alone, follows or leads is its :class:`~.role.Role`'s business, asked
