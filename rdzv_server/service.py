@@ -1,8 +1,9 @@
 """Wiring: config -> storage -> core -> api; the clock, waiters, timers, shutdown.
 
 What it owns: the one :class:`StateMachine`, the durable log, the server clock, parked
-long-polls (:class:`Waiters`), the deadline timer, and the fast-path death detection for
-nodes whose watch connection drops.
+long-polls (their table is :mod:`.waiter`'s), the deadline timer (its schedule is
+:mod:`.deadline`'s), and the fast-path death detection for nodes whose watch connection
+drops.
 
 Rules:
 - Every write goes through :meth:`Service.submit` (:meth:`Service.write` awaits it): apply
@@ -35,7 +36,6 @@ import asyncio
 import contextlib
 import functools
 import gc
-import heapq
 import logging
 import random
 import time
@@ -57,6 +57,7 @@ from .core.event import Cause, JobEvent
 from .core.machine import Entry, Outcome, StateMachine, events_topic, key_topic, round_topic, watch_topic
 from .core.rendezvous import Departure, Job, departure_cause
 from .core.store import KeyValueStore
+from .deadline import Deadlines
 from .role import Role, Single
 from .storage import (
     FileLog,
@@ -71,6 +72,7 @@ from .storage import (
     ReplicatedLog,
     StorageError,
 )
+from .waiter import Waiters
 
 log = logging.getLogger("rdzv_server")
 
@@ -93,66 +95,6 @@ STORE_WRITES = frozenset({c.Set, c.Add, c.CompareSet, c.Append, c.MultiSet, c.De
 # later, not at once: the deadline it serves is already due, and retrying in the same pass
 # would spin the event loop.
 TIMER_RETRY_S = 0.5
-
-
-class Waiters:
-    """Parked long-polls, keyed by topic; a write wakes exactly the topics it touched."""
-
-    def __init__(self) -> None:
-        self._by_topic: dict[Hashable, set[asyncio.Future[None]]] = {}
-        self._closed: BaseException | None = None
-
-    def __len__(self) -> int:
-        return sum(len(s) for s in self._by_topic.values())
-
-    def reopen(self) -> None:
-        """Park long-polls again after :meth:`fail_all` (a replica that leads again)."""
-        self._closed = None
-
-    def wake(self, topics: Iterable[Hashable]) -> None:
-        for topic in topics:
-            for fut in self._by_topic.pop(topic, ()):
-                if not fut.done():
-                    fut.set_result(None)
-
-    def fail_all(self, exc: BaseException) -> None:
-        self._closed = exc
-        for futs in self._by_topic.values():
-            for fut in futs:
-                if not fut.done():
-                    fut.set_exception(exc)
-        self._by_topic.clear()
-
-    async def wait_for(
-        self, check: Callable[[], T | None], topics: Callable[[], Iterable[Hashable]], hold: float
-    ) -> T | None:
-        """Return ``check()`` once it is not None, re-checking on every wake; None after ``hold`` s."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + hold
-        while True:
-            value = check()
-            if value is not None:
-                return value
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return None
-            if self._closed is not None:
-                raise self._closed
-            fut: asyncio.Future[None] = loop.create_future()
-            registered = list(topics())
-            for topic in registered:
-                self._by_topic.setdefault(topic, set()).add(fut)
-            try:
-                await asyncio.wait_for(fut, remaining)
-            except asyncio.TimeoutError:
-                pass
-            finally:
-                for topic in registered:
-                    futs = self._by_topic.get(topic)
-                    if futs is not None:
-                        futs.discard(fut)
-                        if not futs:
-                            del self._by_topic[topic]
 
 
 class Service:
@@ -192,9 +134,7 @@ class Service:
         self._last_append: asyncio.Future[None] | None = None
         self._clock_base = 0.0
         self._mono_base = clock.monotonic()
-        self._heap: list[tuple[float, str]] = []
-        self._scheduled: dict[str, float] = {}
-        self._timer_wake = asyncio.Event()
+        self._deadlines = Deadlines()
         self._timer_task: asyncio.Task[None] | None = None
         self._ticker: asyncio.Task[None] | None = None  # a leader's (see TICK_EVERY_S)
         self._snapshotting = False
@@ -220,7 +160,7 @@ class Service:
     def check_deadlines(self) -> None:
         """Have the timer look at the deadlines now (after a fake clock was moved; the real
         clock needs no call: the timer sleeps until the earliest deadline)."""
-        self._timer_wake.set()
+        self._deadlines.changed.set()
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -301,8 +241,7 @@ class Service:
         self._clock_base = self.machine.clock
         self._mono_base = self._clock.monotonic()
         self.machine.reset_heartbeats(self.now())
-        self._heap.clear()
-        self._scheduled.clear()
+        self._deadlines.clear()
         for rdzv_id in list(self.machine.jobs):
             self._schedule(rdzv_id)
         self.waiters.reopen()
@@ -522,7 +461,7 @@ class Service:
             return
         if outcome.wakes:
             self.waiters.wake(outcome.wakes)
-        if type(command) not in STORE_WRITES or command.rdzv_id not in self._scheduled:
+        if type(command) not in STORE_WRITES or command.rdzv_id not in self._deadlines:
             self._schedule(command.rdzv_id)
         if outcome.events:
             self.on_events(outcome.events)
@@ -829,33 +768,23 @@ class Service:
             self._schedule_at(rdzv_id, deadline)
 
     def _schedule_at(self, rdzv_id: str, deadline: float) -> None:
-        current = self._scheduled.get(rdzv_id)
-        if current is not None and current <= deadline:
-            return  # an earlier wake-up is pending; it reschedules when it fires
-        self._scheduled[rdzv_id] = deadline
-        heapq.heappush(self._heap, (deadline, rdzv_id))
-        if self._heap[0] == (deadline, rdzv_id):
-            self._timer_wake.set()
+        self._deadlines.wake_at(rdzv_id, deadline)
 
     async def _run_timer(self) -> None:
+        deadlines = self._deadlines
         while True:
-            self._timer_wake.clear()
-            if self._heap:
-                delay = max(0.0, self._heap[0][0] - self.now())
-                try:
-                    await asyncio.wait_for(self._timer_wake.wait(), delay)
-                    continue
-                except asyncio.TimeoutError:
-                    pass
-            else:
-                await self._timer_wake.wait()
+            deadlines.changed.clear()
+            earliest = deadlines.earliest()
+            if earliest is None:
+                await deadlines.changed.wait()
                 continue
+            try:
+                await asyncio.wait_for(deadlines.changed.wait(), max(0.0, earliest - self.now()))
+                continue
+            except asyncio.TimeoutError:
+                pass
             now = self.now()
-            while self._heap and self._heap[0][0] <= now:
-                deadline, rdzv_id = heapq.heappop(self._heap)
-                if self._scheduled.get(rdzv_id) != deadline:
-                    continue  # superseded by an earlier one that already ran
-                del self._scheduled[rdzv_id]
+            for rdzv_id in deadlines.due(now):
                 applied = False
                 try:
                     for command in self.machine.due(rdzv_id, now):
