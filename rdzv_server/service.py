@@ -1,17 +1,22 @@
 """Wiring: config -> storage -> core -> api; the clock, waiters, timers, shutdown.
 
 What it owns: the one :class:`StateMachine`, the durable log, the server clock, parked
-long-polls (:class:`Waiters`), the deadline timer, and the fast-path death detection for
-nodes whose watch connection drops.
+long-polls (their table is :mod:`.waiter`'s), the deadline timer (its schedule is
+:mod:`.deadline`'s), and the fast-path death detection for nodes whose watch connection
+drops.
 
 Rules:
-- Every write goes through :meth:`Service.write`: apply (synchronous, nothing awaited),
-  append its record to the log, await durability, then wake the waiters it satisfies and
-  reschedule the job's timer. A reply is sent only after its record is durable.
+- Every write goes through :meth:`Service.submit` (:meth:`Service.write` awaits it): apply
+  (synchronous, nothing awaited), append its record to the log; once the record is durable,
+  wake the waiters it satisfies and reschedule the job's timer. A reply is sent only after
+  its record is durable.
+- Each operation has a synchronous half (:meth:`submit`, :meth:`read_now`, :meth:`poll_now`)
+  that answers with its value and the append it still waits on (None: send it now), so the
+  stream serves what does not park without a task; the coroutines are built on them.
 - Reads answer only after every record applied so far is durable (:meth:`_sync`), so no
   client ever observes a write that a crash could still take back.
 - The server clock is monotonic and continues across restarts from the last logged
-  time, so deadlines neither fire nor stretch because the server was down; heartbeat
+  time; elapsed time is read only from the :class:`~.clock.Clock` given (a fake one in tests), so deadlines neither fire nor stretch because the server was down; heartbeat
   times are reset on recovery (each node gets one full TTL of grace).
 - The timer only detects; what it decides is applied as ordinary logged commands.
 - Whether it runs alone, follows or leads is its :class:`~.role.Role`'s business, asked
@@ -31,7 +36,6 @@ import asyncio
 import contextlib
 import functools
 import gc
-import heapq
 import logging
 import random
 import time
@@ -39,6 +43,7 @@ from collections.abc import Callable, Coroutine, Hashable, Iterable, Iterator
 from dataclasses import asdict
 from typing import Any, TypeVar
 
+from .clock import SYSTEM_CLOCK, Clock
 from .config import ServerConfig
 from .core import command as c
 from .core.error import (
@@ -52,6 +57,7 @@ from .core.event import Cause, JobEvent
 from .core.machine import Entry, Outcome, StateMachine, events_topic, key_topic, round_topic, watch_topic
 from .core.rendezvous import Departure, Job, JobSummary, JobView, departure_cause
 from .core.store import KeyValueStore
+from .deadline import Deadlines
 from .role import Role, Single
 from .storage import (
     FileLog,
@@ -66,92 +72,45 @@ from .storage import (
     ReplicatedLog,
     StorageError,
 )
+from .waiter import Waiters
 
 log = logging.getLogger("rdzv_server")
 
 T = TypeVar("T")
+
+#: What the synchronous half of an operation gives: its value, and the append whose
+#: durability it still waits on (None: it may be sent at once). See :meth:`Service.submit`.
+Answer = tuple[T, "asyncio.Future[None] | None"]
 
 # Node long-polls are held between this fraction and all of their hold (see _node_hold).
 HOLD_JITTER = 0.75
 # A leader that logged nothing for this long logs a Tick (while it holds any job), so that a
 # take-over resumes the clock at most this far behind where the old leader's stood.
 TICK_EVERY_S = 1.0
+# A store write touches a job's keys and its last use, which can only move the job's next
+# deadline (its collection) later: while the job has a wake-up pending (which reschedules
+# when it fires), a store write needs no new one.
+STORE_WRITES = frozenset({c.Set, c.Add, c.CompareSet, c.Append, c.MultiSet, c.DeleteKey})
 # A timer command the service refused (the log's queue full, say) is tried again this much
 # later, not at once: the deadline it serves is already due, and retrying in the same pass
 # would spin the event loop.
 TIMER_RETRY_S = 0.5
 
 
-class Waiters:
-    """Parked long-polls, keyed by topic; a write wakes exactly the topics it touched."""
-
-    def __init__(self) -> None:
-        self._by_topic: dict[Hashable, set[asyncio.Future[None]]] = {}
-        self._closed: BaseException | None = None
-
-    def __len__(self) -> int:
-        return sum(len(s) for s in self._by_topic.values())
-
-    def reopen(self) -> None:
-        """Park long-polls again after :meth:`fail_all` (a replica that leads again)."""
-        self._closed = None
-
-    def wake(self, topics: Iterable[Hashable]) -> None:
-        for topic in topics:
-            for fut in self._by_topic.pop(topic, ()):
-                if not fut.done():
-                    fut.set_result(None)
-
-    def fail_all(self, exc: BaseException) -> None:
-        self._closed = exc
-        for futs in self._by_topic.values():
-            for fut in futs:
-                if not fut.done():
-                    fut.set_exception(exc)
-        self._by_topic.clear()
-
-    async def wait_for(
-        self, check: Callable[[], T | None], topics: Callable[[], Iterable[Hashable]], hold: float
-    ) -> T | None:
-        """Return ``check()`` once it is not None, re-checking on every wake; None after ``hold`` s."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + hold
-        while True:
-            value = check()
-            if value is not None:
-                return value
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return None
-            if self._closed is not None:
-                raise self._closed
-            fut: asyncio.Future[None] = loop.create_future()
-            registered = list(topics())
-            for topic in registered:
-                self._by_topic.setdefault(topic, set()).add(fut)
-            try:
-                await asyncio.wait_for(fut, remaining)
-            except asyncio.TimeoutError:
-                pass
-            finally:
-                for topic in registered:
-                    futs = self._by_topic.get(topic)
-                    if futs is not None:
-                        futs.discard(fut)
-                        if not futs:
-                            del self._by_topic[topic]
-
-
 class Service:
     """The running server minus HTTP. Create, ``await start()``, serve, ``await stop()``."""
 
-    def __init__(self, config: ServerConfig, join: Callable[[Service], Role] | None = None) -> None:
-        """``join`` makes this service's replica role (``--etcd``: :func:`.replication.join`).
-        Raises ValueError for ``--etcd`` without one."""
+    def __init__(
+        self, config: ServerConfig, join: Callable[[Service], Role] | None = None, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
+        """``join`` makes this service's replica role (``--etcd``: :func:`.replication.join`);
+        ``clock`` is where the server clock reads elapsed time (tests pass a fake one and call
+        :meth:`check_deadlines` after moving it). Raises ValueError for ``--etcd`` without a join."""
         if config.etcd and join is None:
             raise ValueError("with --etcd the service needs a replica role: Service(config, replication.join)")
         self.config = config
         self._join = join
+        self._clock = clock
         # Fresh machines for the live state, recovery and snapshot builds, all made alike; a
         # partial of the class pickles, so a snapshot builder process can use it. No limits
         # until recovery is done: a logged command applies again whatever today's limits.
@@ -174,10 +133,8 @@ class Service:
         self._replicated: ReplicatedLog | None = None  # the log while this replica leads
         self._last_append: asyncio.Future[None] | None = None
         self._clock_base = 0.0
-        self._mono_base = time.monotonic()
-        self._heap: list[tuple[float, str]] = []
-        self._scheduled: dict[str, float] = {}
-        self._timer_wake = asyncio.Event()
+        self._mono_base = clock.monotonic()
+        self._deadlines = Deadlines()
         self._timer_task: asyncio.Task[None] | None = None
         self._ticker: asyncio.Task[None] | None = None  # a leader's (see TICK_EVERY_S)
         self._snapshotting = False
@@ -197,7 +154,13 @@ class Service:
     # -- clock ---------------------------------------------------------------------------
 
     def now(self) -> float:
-        return self._clock_base + (time.monotonic() - self._mono_base)
+        """The server clock: seconds, monotonic, resumed across restarts from the last logged time."""
+        return self._clock_base + (self._clock.monotonic() - self._mono_base)
+
+    def check_deadlines(self) -> None:
+        """Have the timer look at the deadlines now (after a fake clock was moved; the real
+        clock needs no call: the timer sleeps until the earliest deadline)."""
+        self._deadlines.changed.set()
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -222,11 +185,11 @@ class Service:
         not repair on its own, an I/O error): the process must not serve, and the message
         says what to do.
         """
-        started = time.monotonic()
+        started = self._clock.monotonic()
         if self._join is not None:
             self._role = self._join(self)
             await self._role.start()
-            self.recovery_seconds = time.monotonic() - started
+            self.recovery_seconds = self._clock.monotonic() - started
             return
         data_dir = self.config.resolved_data_dir()
         if data_dir is not None:
@@ -262,7 +225,7 @@ class Service:
                     recovered.truncated_bytes,
                     data_dir,
                 )
-        self.recovery_seconds = time.monotonic() - started
+        self.recovery_seconds = self._clock.monotonic() - started
         await self._serve(c.Restarted(""))
         log.info(
             "Recovered %d jobs (%d log records) in %.3f s from %s.",
@@ -276,10 +239,9 @@ class Service:
         """Take up serving over the installed machine and log: the clock continues from the last
         logged time, each node gets one full TTL of grace, every deadline is scheduled."""
         self._clock_base = self.machine.clock
-        self._mono_base = time.monotonic()
+        self._mono_base = self._clock.monotonic()
         self.machine.reset_heartbeats(self.now())
-        self._heap.clear()
-        self._scheduled.clear()
+        self._deadlines.clear()
         for rdzv_id in list(self.machine.jobs):
             self._schedule(rdzv_id)
         self.waiters.reopen()
@@ -394,7 +356,21 @@ class Service:
             raise self._role.unavailable()
 
     async def write(self, command: c.Command, rid: tuple[Any, ...] | None = None) -> dict[str, Any]:
-        """Apply, log, await durability, wake. Raises RdzvError having changed nothing.
+        """Apply, log, await durability, wake (:meth:`submit`, then its durability). Raises
+        RdzvError having changed nothing, or as :meth:`settled` once applied."""
+        result, pending = self.submit(command, rid)
+        if pending is not None:
+            await self._committed(pending)
+        return result
+
+    def submit(self, command: c.Command, rid: tuple[Any, ...] | None = None) -> Answer[dict[str, Any]]:
+        """The synchronous half of :meth:`write`: apply and append now, nothing awaited.
+
+        Returns the result and None when it may be sent at once (its record is durable
+        already: the memory log, a replayed request whose effects are), else the append it
+        waits on: send the result once that future is done and :meth:`settled` does not
+        raise. Raises RdzvError having changed nothing; ``role.commit_failed()`` when the
+        append has already failed.
 
         The effects of an applied command (waking waiters, scheduling its job's deadlines, a
         snapshot) follow from its record becoming durable, in :meth:`_durable`, whatever
@@ -408,9 +384,8 @@ class Service:
         record = {"cmd": command.to_record(), "now": now, "rid": list(rid) if rid else None}
         self._admit(command, record)
         outcome: Outcome = self.machine.apply(command, now, rid)
-        if outcome.replayed:
-            await self._sync()  # its effects came with the first application
-            return outcome.result
+        if outcome.replayed:  # its effects came with the first application
+            return outcome.result, self._pending(self._last_append)
         log_ = self._log
         try:
             fut = log_.append(record)
@@ -419,11 +394,10 @@ class Service:
             raise
         self._last_append = fut
         if fut.done():
-            self._durable(log_, command.rdzv_id, outcome, fut)
+            self._durable(log_, command, outcome, fut)
         else:
-            fut.add_done_callback(functools.partial(self._durable, log_, command.rdzv_id, outcome))
-        await self._committed(fut)
-        return outcome.result
+            fut.add_done_callback(functools.partial(self._durable, log_, command, outcome))
+        return outcome.result, self._pending(fut)
 
     def _admit(self, command: c.Command, record: dict[str, Any]) -> None:
         """Refuse, before anything is applied, a record the log cannot take or should not queue now."""
@@ -439,13 +413,34 @@ class Service:
             raise LogQueueFull(f"{exc} Nothing was applied: retry shortly.") from exc
 
     async def _committed(self, fut: asyncio.Future[None]) -> None:
-        """Wait for ``fut`` (an append); a replica's failed append answers ``not_leader``: the
-        client retries at the leader with the same request id, and the write applies once
-        (committed or not, the new leader's sessions know)."""
+        """Wait for ``fut`` (an append), then raise as :meth:`settled` does. Cancelling the
+        wait does not cancel the append."""
+        await asyncio.wait((fut,))
+        self.settled(fut)
+
+    def settled(self, fut: asyncio.Future[None]) -> None:
+        """Raise what the done append ``fut`` means for the requests that waited on it: a
+        replica's failed append answers ``not_leader`` (the client retries at the leader
+        with the same request id, and the write applies once: committed or not, the new
+        leader's sessions know); any other failure as itself; a cancelled append
+        CancelledError (the request is not answered)."""
         try:
-            await asyncio.shield(fut)
+            fut.result()
         except LogFailedError as exc:
             raise self._role.commit_failed() from exc
+
+    def _pending(self, fut: asyncio.Future[None] | None) -> asyncio.Future[None] | None:
+        """``fut`` while it is not done or did not succeed (the caller waits or settles it);
+        None once it succeeded. Raises as :meth:`settled` for an append that failed with
+        LogFailedError, so the common failure answers at once."""
+        if fut is None or not fut.done() or fut.cancelled():
+            return fut
+        failure = fut.exception()
+        if failure is None:
+            return None
+        if isinstance(failure, LogFailedError):
+            raise self._role.commit_failed() from failure
+        return fut
 
     def _log_failed(self, exc: BaseException) -> None:
         """The log refused or lost an append. Memory now holds a change the log does not, so
@@ -457,15 +452,17 @@ class Service:
         else:  # no term to end: the one server
             self._fatal(exc)
 
-    def _durable(self, log_: Log, rdzv_id: str, outcome: Outcome, fut: asyncio.Future[None]) -> None:
+    def _durable(self, log_: Log, command: c.Command, outcome: Outcome, fut: asyncio.Future[None]) -> None:
         """A record's append to ``log_`` finished: on success the command's effects, else a stop."""
         failure = fut.exception() if not fut.cancelled() else asyncio.CancelledError("log append cancelled")
         if failure is not None:
             if log_ is self._log:  # (a log already dropped at a step-down was dealt with then)
                 self._log_failed(failure)
             return
-        self.waiters.wake(outcome.wakes)
-        self._schedule(rdzv_id)
+        if outcome.wakes:
+            self.waiters.wake(outcome.wakes)
+        if type(command) not in STORE_WRITES or command.rdzv_id not in self._deadlines:
+            self._schedule(command.rdzv_id)
         if outcome.events:
             self.on_events(outcome.events)
         self._maybe_snapshot()
@@ -484,9 +481,9 @@ class Service:
         return task
 
     async def _sync(self) -> None:
-        """Return once every record appended so far is durable; raise as :meth:`_committed`
+        """Return once every record appended so far is durable; raise as :meth:`settled`
         does if the last one failed (even long ago: what it carried is in memory only)."""
-        fut = self._last_append
+        fut = self._pending(self._last_append)
         if fut is not None:
             await self._committed(fut)
 
@@ -517,10 +514,18 @@ class Service:
     # -- reads ---------------------------------------------------------------------------
 
     async def read(self, fn: Callable[[], T]) -> T:
+        """``fn()``, answered once every record appended so far is durable."""
+        value, pending = self.read_now(fn)
+        if pending is not None:
+            await self._committed(pending)
+        return value
+
+    def read_now(self, fn: Callable[[], T]) -> Answer[T]:
+        """The synchronous half of :meth:`read`: ``fn()`` now, and the append to wait on
+        (see :meth:`submit`). Raises NotReady (not serving), as :meth:`settled`, or as ``fn``."""
         self._check_ready()
         value = fn()
-        await self._sync()
-        return value
+        return value, self._pending(self._last_append)
 
     # -- queries (what the API reads; it never reaches into the machine or the replica) -----
 
@@ -569,6 +574,16 @@ class Service:
         value = await self.waiters.wait_for(check, topics, min(hold, self.config.max_hold))
         await self._sync()
         return value
+
+    def poll_now(self, check: Callable[[], T | None], hold: float) -> Answer[T | None] | None:
+        """The synchronous half of :meth:`long_poll`: its answer when it would not park
+        (``check()`` holds, or ``hold`` is spent), else None (call :meth:`long_poll`). Raises
+        as :meth:`read_now`."""
+        self._check_ready()
+        value = check()
+        if value is None and min(hold, self.config.max_hold) > 0:
+            return None
+        return value, self._pending(self._last_append)
 
     # -- operations the API calls ----------------------------------------------------------
 
@@ -753,33 +768,23 @@ class Service:
             self._schedule_at(rdzv_id, deadline)
 
     def _schedule_at(self, rdzv_id: str, deadline: float) -> None:
-        current = self._scheduled.get(rdzv_id)
-        if current is not None and current <= deadline:
-            return  # an earlier wake-up is pending; it reschedules when it fires
-        self._scheduled[rdzv_id] = deadline
-        heapq.heappush(self._heap, (deadline, rdzv_id))
-        if self._heap[0] == (deadline, rdzv_id):
-            self._timer_wake.set()
+        self._deadlines.wake_at(rdzv_id, deadline)
 
     async def _run_timer(self) -> None:
+        deadlines = self._deadlines
         while True:
-            self._timer_wake.clear()
-            if self._heap:
-                delay = max(0.0, self._heap[0][0] - self.now())
-                try:
-                    await asyncio.wait_for(self._timer_wake.wait(), delay)
-                    continue
-                except asyncio.TimeoutError:
-                    pass
-            else:
-                await self._timer_wake.wait()
+            deadlines.changed.clear()
+            earliest = deadlines.earliest()
+            if earliest is None:
+                await deadlines.changed.wait()
                 continue
+            try:
+                await asyncio.wait_for(deadlines.changed.wait(), max(0.0, earliest - self.now()))
+                continue
+            except asyncio.TimeoutError:
+                pass
             now = self.now()
-            while self._heap and self._heap[0][0] <= now:
-                deadline, rdzv_id = heapq.heappop(self._heap)
-                if self._scheduled.get(rdzv_id) != deadline:
-                    continue  # superseded by an earlier one that already ran
-                del self._scheduled[rdzv_id]
+            for rdzv_id in deadlines.due(now):
                 applied = False
                 try:
                     for command in self.machine.due(rdzv_id, now):

@@ -17,8 +17,11 @@ Rules:
   (``wire.HELLO_OP``); an operation before it, or a wrong token, is answered with a tag-0
   ``401 unauthorized`` frame and the connection is closed. The hello's grant then covers
   every request on the connection (a read-only token gets ``403 forbidden`` for writes).
-- Every valid request runs as its own task; replies are written in completion order. The
-  replies of the requests one read brings that answer at once go out in one write.
+- A valid request is served at once (:func:`.operation.start_operation`), inside the read
+  that brought it: one that does not wait is answered there, one that waits for its log
+  append is answered from that append's completion, and only one that parks (a long-poll)
+  runs as a task. Replies are written in completion order; the replies of the requests one
+  read brings that answer at once go out in one write.
 - The connection closing (EOF or reset) cancels every request in flight, as aiohttp's
   ``handler_cancellation`` does for HTTP: a node's dropped watch is how the service
   notices fast that it died.
@@ -40,8 +43,8 @@ Rules:
   within ``auth_timeout`` of its first byte (else ``[0, 408, request_timeout]`` and close).
 
 This is the hot path: nothing here logs, copies or allocates per request beyond the
-decoded request, its task and its reply frame; the limits cost one stored time per read
-unless a frame spans reads.
+decoded request and its reply frame (plus a future for a request that waits); the limits
+cost one stored time per read unless a frame spans reads.
 
 What it must not know: HTTP, what the operations do.
 """
@@ -50,11 +53,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
-import sys
-from collections.abc import Coroutine, Generator
 from typing import Any, cast
+
+import msgpack
 
 from rdzv_client import frame, wire
 
@@ -62,7 +66,7 @@ from ..service import Service
 from .auth import Grant, TokenTable
 from .connection import Closing, ConnectionTable, TrackedConnection
 from .metric import Metrics
-from .operation import run_operation
+from .operation import Durable, Reply, start_operation
 
 log = logging.getLogger("rdzv_server.api")
 
@@ -81,7 +85,10 @@ _PREFACE_LEN = len(_PREFACE)
 _HEADER_LEN = frame.HEADER_LEN
 _frame_end = frame.frame_end
 _MAX_TAG = 2**63
-_EAGER_TASKS = sys.version_info >= (3, 12)
+_FRAME_HEADER = wire.FRAME_HEADER
+# wire.frame's bytes from one Packer (the loop's thread only): msgpack.packb builds a Packer,
+# with its buffer, per call, which costs more than encoding a reply.
+_pack_reply = msgpack.Packer(use_bin_type=True).pack
 _SHAPE = "a request frame is [tag: int 0..2**63-1, op: str, rdzv_id: str, fields: map]"
 
 
@@ -118,7 +125,9 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
         self._writing_paused = False
         self._reading_paused = False
         self._replies: list[bytes] | None = None  # while a read's frames are served: their replies
-        self.in_flight: set[asyncio.Task[None]] = set()
+        # What waits: a parked request's task, or the future a request waiting for its append
+        # completes when it has answered (cancelled: it will not answer).
+        self.in_flight: set[asyncio.Future[Any]] = set()
         self.closed: asyncio.Future[None] = self._loop.create_future()
 
     # -- transport events ------------------------------------------------------------------
@@ -311,36 +320,9 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
                     self._metrics.auth_failed("missing")
                     self._fail(401, wire.ErrorCode.UNAUTHORIZED, f"send {wire.HELLO_OP!r} with the token first")
                 else:
-                    self._start(self._serve(tag, op, rdzv_id, fields))
+                    self._serve(tag, op, rdzv_id, fields)
                 return
         self._send(_tag_of(msg), 400, wire.error_body(wire.ErrorCode.BAD_REQUEST, _SHAPE))
-
-    def _start(self, coro: Coroutine[Any, Any, None]) -> None:
-        """Run a request's first step now; only a request that has to wait is tracked as a task.
-
-        Most store operations never wait (their log append or read is already durable):
-        they are answered here, without another pass of the event loop (~15 us a request).
-        Python 3.12 does this itself (an eager task); before it, the first step runs outside
-        any task, which is safe there because nothing on the path asks for the current task
-        (3.12's ``asyncio.wait_for`` does, hence the native eager task from 3.12 on).
-        """
-        if _EAGER_TASKS:
-            task = asyncio.Task(coro, loop=self._loop, eager_start=True)  # type: ignore[call-arg,unused-ignore]
-            if task.done():
-                if not task.cancelled() and task.exception() is not None:
-                    log.error("Answering a stream request failed.", exc_info=task.exception())
-                return
-        else:
-            try:
-                blocked_on = coro.send(None)
-            except StopIteration:
-                return
-            except Exception:
-                log.exception("Answering a stream request failed.")
-                return
-            task = self._loop.create_task(_carry_on(coro, blocked_on))
-        self.in_flight.add(task)
-        task.add_done_callback(self._finished)
 
     def _hello(self, tag: int, fields: dict[str, Any]) -> None:
         """Authenticate the connection (see wire: "stream protocol"): a wrong token closes it."""
@@ -355,32 +337,66 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
         self._table.trust(self)
         self._send(tag, 200, {"access": grant.access.value})
 
-    async def _serve(self, tag: int, op: str, rdzv_id: str, fields: dict[str, Any]) -> None:
+    def _serve(self, tag: int, op: str, rdzv_id: str, fields: dict[str, Any]) -> None:
+        """Answer now, or once the request's append is durable, or from its task if it parks."""
         assert self._grant is not None  # checked by _request
-        status, body = await run_operation(self._svc, self._metrics, self._grant, op, rdzv_id, fields)
-        self._send(tag, status, body)
+        started = start_operation(self._svc, self._metrics, self._grant, op, rdzv_id, fields)
+        if type(started) is tuple:
+            self._send(tag, started[0], started[1])
+            return
+        waiting: asyncio.Future[Any]
+        if type(started) is Durable:
+            waiting = self._loop.create_future()
+            started.append.add_done_callback(functools.partial(self._durable, tag, started, waiting))
+            waiting.add_done_callback(self._finished)
+        else:
+            waiting = self._loop.create_task(started)  # type: ignore[arg-type]  # (the coroutine)
+            waiting.add_done_callback(functools.partial(self._parked, tag))
+        self.in_flight.add(waiting)
 
-    def _finished(self, task: asyncio.Task[None]) -> None:
-        self.in_flight.discard(task)
+    def _durable(self, tag: int, durable: Durable, waiting: asyncio.Future[None], append: asyncio.Future[None]) -> None:
+        """The append a request waited on is done: answer it (unless the connection closed)."""
+        if waiting.done():
+            return  # cancelled: the connection closed, or the server is closing it
+        if append.cancelled():
+            waiting.cancel()  # as a task awaiting it would end: nothing to answer
+            return
+        status, body = durable.reply()
+        self._send(tag, status, body)
+        waiting.set_result(None)
+
+    def _parked(self, tag: int, task: asyncio.Task[Reply]) -> None:
+        """A parked request's task ended: answer it (a cancelled one is not answered)."""
+        if not task.cancelled():
+            failure = task.exception()
+            if failure is None:
+                status, body = task.result()
+                self._send(tag, status, body)
+            else:  # (never expected: the operation maps every failure to a reply)
+                log.error("Answering a stream request failed.", exc_info=failure)
+        self._finished(task)
+
+    def _finished(self, waiting: asyncio.Future[Any]) -> None:
+        self.in_flight.discard(waiting)
         if not self.in_flight:
             self.last_active = self._loop.time()  # idle from now, not from the request's arrival
-        if not task.cancelled() and task.exception() is not None:
-            log.error("Answering a stream request failed.", exc_info=task.exception())
         if self._reading_paused:
             self._parse_buffer()
 
     def _send(self, tag: int, status: int, body: dict[str, Any]) -> None:
         if self._replying and self._transport is not None:
+            packed = _pack_reply([tag, status, body])
             if self._replies is not None:
-                self._replies.append(wire.frame([tag, status, body]))
+                self._replies.append(_FRAME_HEADER.pack(len(packed)))
+                self._replies.append(packed)
             else:
-                self._transport.write(wire.frame([tag, status, body]))
+                self._transport.write(_FRAME_HEADER.pack(len(packed)) + packed)
 
     def _flush_replies(self) -> None:
         """Write the replies held back while a read's frames were served, in one write."""
         replies, self._replies = self._replies, None
         if replies and self._replying and self._transport is not None:
-            self._transport.write(replies[0] if len(replies) == 1 else b"".join(replies))
+            self._transport.write(b"".join(replies))
 
     # -- closing ---------------------------------------------------------------------------
 
@@ -409,40 +425,6 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
     def abort(self) -> None:
         if self._transport is not None:
             self._transport.abort()
-
-
-class _Resume:
-    """Awaiting it carries on a coroutine that :meth:`StreamConnection._start` stepped once.
-
-    It hands the task what the coroutine waits on and relays what the task sends or throws
-    back (a cancellation included), as ``await`` would have from the coroutine's start.
-    """
-
-    __slots__ = ("_blocked_on", "_coro")
-
-    def __init__(self, coro: Coroutine[Any, Any, None], blocked_on: Any) -> None:
-        self._coro = coro
-        self._blocked_on = blocked_on
-
-    def __await__(self) -> Generator[Any, Any, None]:
-        coro, waiting = self._coro, self._blocked_on
-        while True:
-            try:
-                sent = yield waiting
-            except BaseException as exc:  # noqa: BLE001 (relayed: the coroutine decides what it means)
-                try:
-                    waiting = coro.throw(exc)
-                except StopIteration:
-                    return
-            else:
-                try:
-                    waiting = coro.send(sent)
-                except StopIteration:
-                    return
-
-
-async def _carry_on(coro: Coroutine[Any, Any, None], blocked_on: Any) -> None:
-    await _Resume(coro, blocked_on)
 
 
 class StreamServer:

@@ -28,6 +28,9 @@ class MemoryLog:
         self._last_index = 0
         self._cut_index = 0
         self._closed = False
+        # One Packer: msgpack.packb builds one (with its buffer) per call, which costs more
+        # than encoding a record. The loop's thread only, as every append.
+        self._pack = msgpack.Packer(use_bin_type=True).pack
 
     @property
     def records_since_snapshot(self) -> int:
@@ -45,7 +48,7 @@ class MemoryLog:
         """
         if self._closed:
             raise LogClosedError("The in-memory log is closed; cannot append.")
-        msgpack.packb(record, use_bin_type=True)
+        self._pack(record)
         self._last_index += 1
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         future.set_result(None)

@@ -1,0 +1,83 @@
+"""Parked long-polls: who waits for what, and waking exactly them.
+
+What it owns: :class:`Waiters`, the futures of parked long-polls keyed by topic (a key, a
+job's round, its watch view, its timeline: ``core.machine``'s ``*_topic``). The service
+wakes the topics an applied, durable command names; a woken poll checks its condition
+again and parks again if it still does not hold, so a spurious wake costs a check, never a
+wrong answer. :meth:`Waiters.fail_all` answers every parked poll at once (shutdown, a
+step-down) and refuses new ones until :meth:`Waiters.reopen`.
+
+Rules: a poll is parked on every topic its condition depends on, registered before it
+parks and removed when it ends, however it ends (answered, timed out, cancelled); every
+wait is bounded by its hold.
+
+What it must not know: what the topics mean, the state machine, the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Hashable, Iterable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class Waiters:
+    """Parked long-polls, keyed by topic; a write wakes exactly the topics it touched."""
+
+    def __init__(self) -> None:
+        self._by_topic: dict[Hashable, set[asyncio.Future[None]]] = {}
+        self._closed: BaseException | None = None
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self._by_topic.values())
+
+    def reopen(self) -> None:
+        """Park long-polls again after :meth:`fail_all` (a replica that leads again)."""
+        self._closed = None
+
+    def wake(self, topics: Iterable[Hashable]) -> None:
+        for topic in topics:
+            for fut in self._by_topic.pop(topic, ()):
+                if not fut.done():
+                    fut.set_result(None)
+
+    def fail_all(self, exc: BaseException) -> None:
+        self._closed = exc
+        for futs in self._by_topic.values():
+            for fut in futs:
+                if not fut.done():
+                    fut.set_exception(exc)
+        self._by_topic.clear()
+
+    async def wait_for(
+        self, check: Callable[[], T | None], topics: Callable[[], Iterable[Hashable]], hold: float
+    ) -> T | None:
+        """Return ``check()`` once it is not None, re-checking on every wake; None after ``hold`` s."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + hold
+        while True:
+            value = check()
+            if value is not None:
+                return value
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None
+            if self._closed is not None:
+                raise self._closed
+            fut: asyncio.Future[None] = loop.create_future()
+            registered = list(topics())
+            for topic in registered:
+                self._by_topic.setdefault(topic, set()).add(fut)
+            try:
+                await asyncio.wait_for(fut, remaining)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                for topic in registered:
+                    futs = self._by_topic.get(topic)
+                    if futs is not None:
+                        futs.discard(fut)
+                        if not futs:
+                            del self._by_topic[topic]
