@@ -1,13 +1,14 @@
 """The seam below client policy: one exchange with one server, no retries, no interpretation.
 
 What it owns:
-- :class:`Transport`, what the client asks of a transport: an operation (``call``), a
-  read-only page (``fetch``, the JSON GETs) and ``aclose``;
-- :class:`AiohttpTransport`: everything over HTTP, for :class:`AsyncClient`;
-- :class:`SocketTransport`: blocking sockets for the threaded :class:`Client`. Operations
-  travel as stream-protocol frames (see ``wire``, "stream protocol") over pooled
-  connections, one request in flight per connection; the JSON pages over HTTP/1.1. Its
-  methods are coroutines that never suspend, so the client drives them without a loop.
+- :class:`Transport`, what :class:`AsyncClient` asks of a transport: an operation
+  (``call``), a read-only page (``fetch``, the JSON GETs) and ``aclose``; and
+  :class:`BlockingTransport`, the same three as plain blocking methods (``close`` for
+  ``aclose``) for the threaded :class:`Client`, which is generated from AsyncClient;
+- :class:`AiohttpTransport` (a ``Transport``): everything over HTTP;
+- :class:`SocketTransport` (a ``BlockingTransport``): blocking sockets, shared by threads.
+  Operations travel as stream-protocol frames (see ``wire``, "stream protocol") over pooled
+  connections, one request in flight per connection; the JSON pages over HTTP/1.1.
 
 An ``https://`` endpoint means TLS, for both protocols: the stream protocol's frames travel
 inside TLS exactly as they do over plain TCP. Both transports use the one
@@ -104,7 +105,7 @@ class TransportError(Exception):
 
 
 class Transport(Protocol):
-    """What the client needs from a transport; see the module rules."""
+    """What :class:`AsyncClient` needs from a transport; see the module rules."""
 
     async def call(self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], timeout: float) -> Answer:
         """Send operation ``op`` of job ``rdzv_id`` with its request ``fields``; wait up to ``timeout`` s."""
@@ -115,6 +116,22 @@ class Transport(Protocol):
         ...
 
     async def aclose(self) -> None: ...
+
+
+class BlockingTransport(Protocol):
+    """:class:`Transport` for the threaded client: the same exchanges, blocking the calling thread."""
+
+    def call(self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], timeout: float) -> Answer:
+        """Send operation ``op`` of job ``rdzv_id`` with its request ``fields``; wait up to ``timeout`` s."""
+        ...
+
+    def fetch(self, endpoint: Endpoint, path: str, timeout: float) -> Answer:
+        """GET ``path`` (a JSON page such as ``/v1/jobs`` or ``/healthz``)."""
+        ...
+
+    def close(self) -> None:
+        """Close every connection; calls in flight raise :class:`ClientClosedError`."""
+        ...
 
 
 def http_answer(status: int, content_type: str, data: bytes, max_bytes: int) -> Answer:
@@ -290,7 +307,7 @@ class _Stale(Exception):
 
 
 class SocketTransport:
-    """:class:`Transport` over blocking sockets, shared by any number of threads.
+    """:class:`BlockingTransport` over blocking sockets, shared by any number of threads.
 
     Operations travel over the stream protocol, inside TLS for ``https://`` endpoints (the
     handshake is part of opening a pooled connection); the JSON pages over HTTP/1.1 (HTTPS).
@@ -320,7 +337,7 @@ class SocketTransport:
 
     # -- the seam --------------------------------------------------------------------------
 
-    async def call(self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], timeout: float) -> Answer:
+    def call(self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], timeout: float) -> Answer:
         tag = next(self._tags)
         payload = wire.frame([tag, op, rdzv_id, fields])
         try:
@@ -328,10 +345,10 @@ class SocketTransport:
         except _Stale:
             return self._exchange(endpoint, tag, payload, timeout, fresh=True)
 
-    async def fetch(self, endpoint: Endpoint, path: str, timeout: float) -> Answer:
+    def fetch(self, endpoint: Endpoint, path: str, timeout: float) -> Answer:
         return self._http(endpoint, "GET", path, None, self._json_headers, timeout)
 
-    async def aclose(self) -> None:
+    def close(self) -> None:
         """Close every connection, idle or in use; calls in flight raise :class:`ClientClosedError`."""
         with self._lock:
             self._closed = True

@@ -448,8 +448,31 @@ async def test_join_timeout_from_the_server_ends_join() -> None:
 # --------------------------------------------------------------------------- sync client guards
 
 
+class BlockingScriptedTransport:
+    """:class:`ScriptedTransport` for the blocking client: the same script, plain methods."""
+
+    def __init__(self, *steps: Step) -> None:
+        self.script = ScriptedTransport(*steps)
+        self.closed = False
+
+    @property
+    def sent(self) -> list[tuple[str, dict[str, Any] | None, float]]:
+        return self.script.sent
+
+    def call(self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], timeout: float) -> Answer:
+        self.script.sent.append((endpoint.url + wire.op_path(rdzv_id, op), fields, timeout))
+        return self.script._next()
+
+    def fetch(self, endpoint: Endpoint, path: str, timeout: float) -> Answer:
+        self.script.sent.append((endpoint.url + path, None, timeout))
+        return self.script._next()
+
+    def close(self) -> None:
+        self.closed = True
+
+
 def test_sync_client_calls_after_close_raise_and_close_is_idempotent() -> None:
-    t = ScriptedTransport(ok(count=3))
+    t = BlockingScriptedTransport(ok(count=3))
     c = Client("a", transport=t)
     assert c.num_keys("job") == 3
     c.close()
@@ -459,20 +482,32 @@ def test_sync_client_calls_after_close_raise_and_close_is_idempotent() -> None:
         c.num_keys("job")
 
 
-class _Suspend:
-    def __await__(self) -> Iterator[None]:
-        yield  # what awaiting an unfinished future does
+def test_sync_client_retries_with_the_same_rid_and_fails_over() -> None:
+    """The generated client keeps the policy: one rid for every retry, failover, the backoff's pauses."""
+    pauses: list[float] = []
+    t = BlockingScriptedTransport(TransportError("reset"), failed(wire.ErrorCode.NOT_READY), ok(value=5), ok(value=6))
+    c = Client("a:1,b:2", transport=t, rng=random.Random(1), sleep=pauses.append)
+    assert c.add("job", "k", 5) == 5
+    assert c.add("job", "k", 1) == 6
+    urls = [url for url, _, _ in t.sent]
+    assert urls == ["http://a:1/v1/jobs/job/add", "http://b:2/v1/jobs/job/add", "http://a:1/v1/jobs/job/add",
+                    "http://a:1/v1/jobs/job/add"]
+    rids = [fields["rid"] for _, fields, _ in t.sent if fields is not None]
+    assert rids[0] == rids[1] == rids[2] and rids[3][:2] != rids[0][:2] and rids[0][0] == c.client_id
+    assert len(pauses) == 2 and all(0 <= p <= 0.1 for p in pauses)
 
 
-class SuspendingTransport(ScriptedTransport):
-    async def call(self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], timeout: float) -> Answer:
-        await _Suspend()
-        return ok(count=1)
+def test_sync_client_retries_stop_at_the_budget() -> None:
+    t = BlockingScriptedTransport(*[failed(wire.ErrorCode.NOT_READY)] * 10_000)
+    with pytest.raises(RdzvConnectionError) as info:
+        Client("a:1", transport=t, retry_budget=0.2).num_keys("job")
+    assert info.value.code is wire.ErrorCode.NOT_READY and len(t.sent) > 1
 
 
-def test_sync_client_reports_a_transport_that_suspends() -> None:
-    with Client("a", transport=SuspendingTransport()) as c, pytest.raises(RuntimeError, match="suspend"):
-        c.num_keys("job")
+def test_sync_client_re_polls_a_long_poll_until_found() -> None:
+    t = BlockingScriptedTransport(ok(found=False, value=None), ok(found=True, value=b"v"))
+    assert Client("a", transport=t, sleep=lambda _: None).get("job", "k", timeout=5) == b"v"
+    assert len(t.sent) == 2
 
 
 @pytest.fixture
@@ -544,7 +579,7 @@ def test_socket_transport_refused_is_a_transport_error() -> None:
         port = s.getsockname()[1]  # bound, then closed: nobody listens there
     t = SocketTransport()
     with pytest.raises(TransportError):
-        asyncio.run(t.call(Endpoint("127.0.0.1", port), "job", "num_keys", {}, 1.0))
+        t.call(Endpoint("127.0.0.1", port), "job", "num_keys", {}, 1.0)
 
 
 # --------------------------------------------------------------------------- rdzvctl tables
