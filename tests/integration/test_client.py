@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
+from waiting import parked_long_polls, wait_for_parked
 
 from rdzv_client import (
     AsyncClient,
@@ -130,7 +131,7 @@ def test_a_blocking_get_is_woken_by_a_set_from_another_client(server: Any, clien
     waiter = threading.Thread(target=lambda: got.append(client.get(job, "late", timeout=20)))
     start = time.monotonic()
     waiter.start()
-    time.sleep(0.3)
+    wait_for_parked(server, 1)
     with Client(server.endpoint) as other:
         other.set(job, "late", "here")
     waiter.join(timeout=10)
@@ -138,15 +139,15 @@ def test_a_blocking_get_is_woken_by_a_set_from_another_client(server: Any, clien
     assert time.monotonic() - start < 3.0  # woken, not timed out
 
 
-async def test_async_wait_and_multi_get_are_woken_by_sets(aclient: AsyncClient) -> None:
+async def test_async_wait_and_multi_get_are_woken_by_sets(server: Any, aclient: AsyncClient) -> None:
     job = new_job()
     await aclient.create_job(job, min_nodes=1, max_nodes=1)
     waiting = asyncio.ensure_future(aclient.wait(job, ["p", "q"], timeout=20))
     fetching = asyncio.ensure_future(aclient.multi_get(job, ["p", "q"], timeout=20))
-    await asyncio.sleep(0.2)
+    await asyncio.to_thread(wait_for_parked, server, 2)
     assert not waiting.done()
-    await aclient.set(job, "p", "1")
-    await asyncio.sleep(0.1)
+    await aclient.set(job, "p", "1")  # applied when acknowledged: a woken waiter would be gone
+    assert await asyncio.to_thread(parked_long_polls, server) == 2
     assert not waiting.done()
     await aclient.set(job, "q", "2")
     await asyncio.wait_for(waiting, 5)
@@ -242,7 +243,7 @@ def test_calls_retry_through_a_server_restart_and_acknowledged_writes_survive(du
             return t
 
         held = call(lambda: c.get(job, "after", timeout=30))  # a long-poll open across the kill
-        time.sleep(0.3)
+        wait_for_parked(durable_server, 1)
         durable_server.close()  # SIGKILL (and release the fixture's pipe to it)
         write = call(lambda: c.add(job, "n", 1))  # sent while nothing listens: retried
         time.sleep(0.3)

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from waiting import wait_for_parked
 
 from rdzv_client import Client
 
@@ -151,13 +152,14 @@ def test_events_follow_prints_new_events_and_ends_when_the_job_is_gone(server_fa
     job = f"ctl-{uuid.uuid4().hex[:10]}"
     with Client(srv.endpoint) as c:
         c.create_job(job, min_nodes=1, max_nodes=1)
+        # A job with a node is not idle: it outlives the follow's start, however slow.
+        c.join(job, node_id="node-a", addr="10.9.9.9", nproc_per_node=1, min_nodes=1, max_nodes=1, timeout=10)
         follow = subprocess.Popen(
             [sys.executable, "-m", "rdzv_client.ctl", "--endpoint", srv.endpoint, "events", job, "--follow"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
-        time.sleep(1.0)
-        c.join(job, node_id="node-a", addr="10.9.9.9", nproc_per_node=1, min_nodes=1, max_nodes=1, timeout=10)
-        c.leave(job, "node-a")  # the job is idle again: collected 2 s later
+        wait_for_parked(srv, 1)  # following: its events long-poll is parked, the join printed
+        c.leave(job, "node-a")  # a new event; the job is idle again: collected 2 s later
     out, err = follow.communicate(timeout=30)
     assert follow.returncode == 0, err
     assert "node_joined" in out and "10.9.9.9" in out and "left" in out
@@ -244,7 +246,7 @@ def test_watch_ends_on_ctrl_c_with_exit_0_and_no_traceback(server: Any, client: 
     client.create_job(job, min_nodes=1, max_nodes=1)
     watch = start_watch(server.endpoint, job, "--interval", "25")
     read_first_frame(watch)
-    time.sleep(0.3)  # parked in the events long-poll
+    wait_for_parked(server, 1)  # parked in the events long-poll
     watch.send_signal(signal.SIGINT)
     try:
         _, err = watch.communicate(timeout=30)

@@ -19,6 +19,7 @@ from typing import Any
 
 from raw_stream import FrameReader
 from server_process import ServerProcess
+from waiting import wait_for_parked
 
 from rdzv_client import AsyncClient, Client, wire
 
@@ -67,7 +68,7 @@ async def test_a_crashed_agent_shows_in_the_metrics_with_its_cause_and_how_fast_
         assert (await client.job(job))["pending_reason"] is None
 
         watch = open_watch(server, job, "crashing", assignments[0].round)
-        await asyncio.sleep(0.2)
+        await asyncio.to_thread(wait_for_parked, server, 1)  # the watch is parked: the node is on it
         watch.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         watch.close()  # the agent's process died: its kernel resets the connection
         deadline = time.monotonic() + 10
@@ -108,7 +109,7 @@ def test_the_events_api_pages_and_long_polls_a_jobs_timeline(server: ServerProce
         assert get_json(server, f"/v1/jobs/{job}/events?since=x")[1]["error"] == "bad_request"
 
         def join_later() -> None:
-            time.sleep(0.5)
+            wait_for_parked(server, 1)  # the events long-poll below
             with Client(server.endpoint) as other, contextlib.suppress(Exception):
                 other.join(job, node_id="late", addr="late.host", nproc_per_node=1, min_nodes=2, max_nodes=2,
                            timeout=1)

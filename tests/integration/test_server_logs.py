@@ -14,6 +14,7 @@ from typing import Any
 
 from server_process import ServerProcess
 from test_server_events import open_watch
+from waiting import wait_for_parked, wait_until
 
 from rdzv_client import Client, NotFoundError
 
@@ -39,7 +40,7 @@ def test_json_logs_name_the_job_node_and_cause_of_a_dropped_watch(tmp_path: Path
                 heartbeat_ttl=60.0, timeout=20,
             )
             watch = open_watch(srv, job, "crashing", assignment.round)
-            time.sleep(0.2)
+            wait_for_parked(srv, 1)  # the watch is parked: the node is on that connection
             watch.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             watch.close()  # the agent died: its kernel resets the watch connection
             deadline = time.monotonic() + 15
@@ -51,7 +52,9 @@ def test_json_logs_name_the_job_node_and_cause_of_a_dropped_watch(tmp_path: Path
                 time.sleep(0.1)
             else:
                 raise AssertionError(f"job {job} was not collected; the log:\n{srv.log_text()}")
-        time.sleep(0.2)  # the collection's log line follows its apply
+        # The collection's log line follows its apply.
+        wait_until(lambda: any(r.get("job") == job and "collected" in r["message"] for r in json_lines(srv)),
+                   what=f"the log line of job {job}'s collection")
         records = json_lines(srv)
     finally:
         srv.close()

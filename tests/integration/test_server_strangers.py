@@ -35,6 +35,7 @@ import msgpack
 import pytest
 from raw_stream import read_until_eof, stream_frames
 from server_process import ServerProcess
+from waiting import wait_until
 
 from rdzv_client import AsyncClient, Client, wire
 from rdzv_server.api.header import DATA_POLICY, SECURITY_HEADERS
@@ -237,8 +238,12 @@ def test_an_answer_to_a_connection_refused_at_the_door_carries_the_security_head
         opened.append(sock)
         hello = frame([1, wire.HELLO_OP, "", {"token": srv.token}])
         sock.sendall(wire.STREAM_PREFACE + hello + frame([2, "get", job, {"key": "never", "timeout": PATIENCE}]))
-    time.sleep(0.5)
-    version, status, headers, body = parse(exchange(srv.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"))
+
+    def refused() -> tuple[str, int, dict[str, str], Any] | None:  # once both connections count
+        answer = parse(exchange(srv.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"))
+        return answer if answer[1] == 429 else None
+
+    version, status, headers, body = wait_until(refused, what="a third connection refused at the door")
     assert (version, status, body["error"]) == ("HTTP/1.1", 429, "too_many_connections")
     assert_hardened(headers)
 

@@ -30,10 +30,10 @@ from typing import Any
 
 import msgpack
 import pytest
-from raw_stream import read_until_eof, stream_frames
+from raw_stream import FrameReader, read_until_eof, stream_frames
 from server_process import ServerProcess, TLSFiles
 
-from rdzv_client import AsyncClient, Client, RdzvConnectionError, RdzvTimeoutError, wire
+from rdzv_client import AsyncClient, Client, RdzvConnectionError, wire
 
 # --read-timeout and --idle-timeout of the deadline server, s.
 SHORT = 1.0
@@ -348,20 +348,20 @@ def test_a_tls_connection_over_the_limit_is_answered_then_closed(tmp_path: Path,
     srv.start()
     try:
         job = new_job()
-        with Client(srv.url, ca_file=tls_files.ca) as client:
-            client.create_job(job, min_nodes=1, max_nodes=1)
-            waiting: list[BaseException] = []
-
-            def hold() -> None:  # a long-poll: the one connection is busy, never shed
-                try:
-                    client.get(job, "never", timeout=PATIENCE)
-                except RdzvTimeoutError as exc:
-                    waiting.append(exc)
-
-            holder = threading.Thread(target=hold, daemon=True)
-            holder.start()
+        # A long-poll on the one connection the server allows: it is busy, never shed. Held on a
+        # raw TLS stream so that the test can end it by closing that connection (a client's next
+        # request would need a second connection, refused until the long-poll timed out).
+        with raw(srv, client_ssl(tls_files)) as holder:
+            holder.sendall(
+                wire.STREAM_PREFACE
+                + frame([1, wire.HELLO_OP, "", {"token": srv.token}])
+                + frame([2, "create", job, {"min_nodes": 1, "max_nodes": 1}])
+                + frame([3, "get", job, {"key": b"never", "timeout": PATIENCE}])
+            )
+            replies = FrameReader(holder)
+            assert [replies.recv()[:2] for _ in range(2)] == [[1, 200], [2, 200]]  # the get is parked
             answers = []
-            for _ in range(int(PATIENCE / 0.1)):  # until the long-poll holds the connection
+            for _ in range(int(PATIENCE / 0.1)):  # until the server counts the long-poll's connection
                 with raw(srv, client_ssl(tls_files)) as sock:
                     sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
                     answers.append(http_answer(read_until_eof(sock)))
@@ -370,8 +370,10 @@ def test_a_tls_connection_over_the_limit_is_answered_then_closed(tmp_path: Path,
                 threading.Event().wait(0.1)
             status, body = answers[-1]
             assert status == 429 and body["error"] == "too_many_connections", answers
-            client.set(job, "never", "now")  # ends the long-poll (on a connection of its own)
-            holder.join(PATIENCE)
+        # The long-poll's connection is closed: its place is free again.
+        with Client(srv.url, ca_file=tls_files.ca, retry_budget=PATIENCE) as client:
+            client.set(job, "never", "now")
+            assert client.get(job, "never", timeout=1) == b"now"
     finally:
         srv.close()
 

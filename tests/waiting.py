@@ -1,0 +1,95 @@
+"""Bounded waits on the event a test expects, instead of fixed sleeps.
+
+A test that needs "the server has parked my long-poll" or "the log says X" waits for exactly
+that, polling cheaply, and fails with a message naming what never happened once ``timeout``
+has passed. The timeout only bounds a broken run; a passing run waits as long as the event
+takes and no longer. Nothing here asserts how fast anything is.
+
+- :func:`wait_until` / :func:`wait_until_async`: until a predicate returns a true value
+  (which is returned).
+- :func:`parked_long_polls` / :func:`wait_for_parked`: the server's ``rdzv_waiters`` gauge
+  (``GET /metrics``), and a wait until it reaches a count.
+- :func:`wait_for_log`: until a server's log holds a text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from server_process import ServerProcess
+
+T = TypeVar("T")
+
+# Far longer than any event a passing test waits for on a loaded 2-core runner.
+PATIENCE = 15.0
+# How often a condition is polled: cheap for the server, short against the events awaited.
+INTERVAL = 0.02
+
+
+def wait_until(
+    predicate: Callable[[], T], *, timeout: float = PATIENCE, interval: float = INTERVAL, what: str = ""
+) -> T:
+    """``predicate()``'s first true value, polled every ``interval`` s; AssertionError naming
+    ``what`` (and the last value seen) when none came within ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"not within {timeout} s: {what or predicate!r} (last: {value!r})")
+        time.sleep(interval)
+
+
+async def wait_until_async(
+    predicate: Callable[[], Awaitable[T]], *, timeout: float = PATIENCE, interval: float = INTERVAL, what: str = ""
+) -> T:
+    """:func:`wait_until` for an async predicate, without blocking the event loop."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"not within {timeout} s: {what or predicate!r} (last: {value!r})")
+        await asyncio.sleep(interval)
+
+
+def _metrics_text(srv: ServerProcess) -> str:
+    context = None
+    if srv.tls is not None:
+        context = ssl.create_default_context(cafile=str(srv.tls.ca))
+    with urllib.request.urlopen(srv.url + "/metrics", timeout=PATIENCE, context=context) as answer:
+        return str(answer.read().decode())
+
+
+def metric(srv: ServerProcess, name: str) -> float:
+    """The value of the unlabelled sample ``name`` in ``srv``'s ``/metrics``."""
+    lines = [line for line in _metrics_text(srv).splitlines() if line.startswith(name + " ")]
+    assert len(lines) == 1, f"{name} is not one unlabelled sample in /metrics: {lines}"
+    return float(lines[0].split()[1])
+
+
+def parked_long_polls(srv: ServerProcess) -> int:
+    """The server's ``rdzv_waiters`` gauge: the long-polls it holds right now."""
+    return int(metric(srv, "rdzv_waiters"))
+
+
+def wait_for_parked(srv: ServerProcess, count: int, *, timeout: float = PATIENCE) -> None:
+    """Until ``srv`` holds at least ``count`` parked long-polls."""
+    wait_until(lambda: parked_long_polls(srv) >= count, timeout=timeout, what=f"{count} long-polls parked on the server")
+
+
+def wait_for_log(srv: ServerProcess, text: str, *, timeout: float = PATIENCE) -> str:
+    """Until ``srv``'s log holds ``text``; returns the whole log."""
+    def found() -> str:
+        log = srv.log_text()
+        return log if text in log else ""
+
+    return wait_until(found, timeout=timeout, what=f"{text!r} in the log")
