@@ -27,6 +27,9 @@ Rules it keeps (on top of :mod:`rdzv_client.transport`'s):
   connection at once (safe: a write's rid makes it apply once).
 - A request whose answer does not come within its timeout closes the connection: a server
   silent that long is stuck (or the path is), and the other requests on it would wait as long.
+- Over TLS (``https://``) the blocking transport keeps the base class's one connection per
+  call in flight: a blocking ``SSLSocket`` cannot be read by the reader thread while another
+  thread writes (one OpenSSL object). The asyncio transport pipelines over TLS too.
 - JSON pages (``fetch``) are not operations: they travel over HTTP as before, on short-lived
   connections.
 
@@ -48,6 +51,7 @@ from .error import ClientClosedError, RdzvConnectionError, ServerError
 from .tls import is_tls_misconfiguration, tls_failure
 from .transport import (
     DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_CONNECTION_LIMIT,
     DEFAULT_MAX_RESPONSE_BYTES,
     DEFAULT_READ_BUFSIZE,
     AiohttpTransport,
@@ -178,12 +182,17 @@ class PipelinedSocketTransport(SocketTransport):
         tls: ssl.SSLContext | None = None,
     ) -> None:
         super().__init__(
-            connection_limit=1, max_response_bytes=max_response_bytes, connect_timeout=connect_timeout,
+            connection_limit=DEFAULT_CONNECTION_LIMIT, max_response_bytes=max_response_bytes,
+            connect_timeout=connect_timeout,
             token=token, tls=tls,
         )  # fmt: skip
         self._links: dict[Endpoint, _Link] = {}
 
     def _exchange(self, endpoint: Endpoint, tag: int, payload: bytes, timeout: float, *, fresh: bool) -> Answer:
+        if endpoint.scheme == "https":
+            # A blocking SSLSocket must not be read in one thread while another writes (one
+            # OpenSSL object): over TLS each call keeps a connection of its own, as before.
+            return super()._exchange(endpoint, tag, payload, timeout, fresh=fresh)
         link, reused = self._link(endpoint, timeout, fresh)
         slot = link.expect(tag)
         if slot is None:  # ended between the lookup and now: it was stale for this request
@@ -399,6 +408,19 @@ class AsyncStreamTransport:
         if self._closed:
             link.end(ClientClosedError("this rdzv client is closed"))
         return link
+
+    async def connect(self, endpoint: Endpoint, timeout: float = DEFAULT_CONNECT_TIMEOUT) -> None:
+        """Open the connection to ``endpoint`` now (preface and hello sent), ahead of the first request."""
+        await self._link(endpoint, timeout, False)
+
+    def abort(self) -> None:
+        """Drop every connection at once, as the kernel does for a process that dies (the
+        bench's killed agents): requests in flight and later calls raise ClientClosedError,
+        and nothing reconnects."""
+        self._closed = True
+        for link in list(self._links.values()):
+            if link.transport is not None:
+                link.transport.abort()
 
     async def fetch(self, endpoint: Endpoint, path: str, timeout: float) -> Answer:
         if self._http is None:
