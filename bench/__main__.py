@@ -4,10 +4,13 @@
     python -m bench --quick         # every measurement, small (about 3 minutes)
     python -m bench --only formation,store --backends rdzv-server,c10d --sizes 8,64,256
     python -m bench --only ha --quick   # replicas over etcd vs the single server, and etcd faults (~1 minute)
+    python -m bench --only scale --sizes 4096,16384   # one job of thousands of simulated agents
 
 Measurements (one module each): ``formation`` (bench.formation), ``store``
 (bench.store), ``rerdzv`` (bench.rerdzv), ``server`` (bench.server_cost), ``ha``
-(bench.ha: replicas over a 3-member etcd against the single server). Results go to
+(bench.ha: replicas over a 3-member etcd against the single server), ``scale`` (bench.scale:
+one job of thousands of asyncio agents; only when asked for, with ``--only scale``, and its
+last line is then the JSON ``{"scale": [...]}``). Results go to
 ``--out`` (default ``bench/out``): ``results.json``, ``*.png``, ``bench.log`` and
 ``logs/`` (every service's own log). The exit status is 0 when the run completed, even
 with missed targets (the table says which); 2 for bad arguments.
@@ -16,6 +19,7 @@ with missed targets (the table says which); 2 for bad arguments.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import platform
 import signal
@@ -30,7 +34,15 @@ from .result import Plan, Row, load_average
 
 log = logging.getLogger("bench")
 
-MEASUREMENTS = ("formation", "store", "rerdzv", "server", "ha")
+MEASUREMENTS = ("formation", "store", "rerdzv", "server", "ha", "scale")
+#: What runs without --only: scale needs thousands of descriptors and minutes of its own.
+DEFAULT_ONLY = ("formation", "store", "rerdzv", "server", "ha")
+#: bench.scale's job sizes (issue 17); --sizes overrides them too.
+FULL_SCALE_SIZES = (4096, 16384)
+QUICK_SCALE_SIZES = (1024,)
+#: bench.scale: how long the server's CPU is sampled while every agent heartbeats.
+FULL_SCALE_SECONDS = 30.0
+QUICK_SCALE_SECONDS = 5.0
 #: N=128 is where formation is compared with c10d (the 20x target).
 FULL_SIZES = (8, 64, 128, 256, 1024, 4096)
 QUICK_SIZES = (8, 64)
@@ -81,9 +93,16 @@ def _count(least: int, most: int):  # type: ignore[no-untyped-def]
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description="Benchmark rdzv-server against torch's c10d and etcd-v2 rendezvous backends.")
     p.add_argument("--quick", action="store_true", help="a small smoke run of every measurement (~3 min)")
-    p.add_argument("--only", type=_csv(str, MEASUREMENTS), default=MEASUREMENTS, help="measurements: " + ",".join(MEASUREMENTS))
+    p.add_argument(
+        "--only", type=_csv(str, MEASUREMENTS), default=DEFAULT_ONLY,
+        help="measurements: " + ",".join(MEASUREMENTS) + " (default: all but scale)",
+    )  # fmt: skip
     p.add_argument("--backends", type=_csv(str, BACKEND_NAMES), default=BACKEND_NAMES, help="backends: " + ",".join(BACKEND_NAMES))
-    p.add_argument("--sizes", type=_csv(int), default=None, help="formation sizes N (default 8,64,128,256,1024,4096; quick 8,64)")
+    p.add_argument(
+        "--sizes", type=_csv(int), default=None,
+        help="formation sizes N (default 8,64,128,256,1024,4096; quick 8,64); scale: agents (default 4096,16384; quick 1024)",
+    )  # fmt: skip
+    p.add_argument("--scale-seconds", type=float, default=None, help="scale: s of heartbeats sampled (default 30; quick 5)")
     p.add_argument("--rerdzv-sizes", type=_csv(int), default=None, help="re-rendezvous sizes (default 8,64,256,1024; quick 8)")
     p.add_argument("--ha-clients", type=_csv(int, least=1), default=None, help="ha: concurrent writers per step (default 1,16,64)")
     p.add_argument("--ha-sizes", type=_csv(int, least=1), default=None, help="ha: formation sizes N (default 8,64; quick 8)")
@@ -123,6 +142,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         ha_repeats=args.ha_repeats or (QUICK_HA_REPEATS if quick else FULL_HA_REPEATS),
         ha_ops=QUICK_HA_OPS if quick else FULL_HA_OPS,
         ha_etcd_election_ms=args.ha_etcd_election_ms,
+        scale_sizes=tuple(args.sizes or (QUICK_SCALE_SIZES if quick else FULL_SCALE_SIZES)),
+        scale_seconds=args.scale_seconds or (QUICK_SCALE_SECONDS if quick else FULL_SCALE_SECONDS),
     )
 
 
@@ -155,6 +176,10 @@ def run(plan: Plan) -> tuple[list[Row], dict[str, object]]:
             if "rdzv-server" not in plan.backends:
                 continue
             got, data = server_cost.measure(plan)
+        elif name == "scale":
+            from . import scale
+
+            got, data = scale.measure(plan)
         else:
             from . import ha
 
@@ -208,6 +233,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\nno plots ({exc}; bash bench/setup.sh installs matplotlib)")
     print(f"\nwrote {plan.out_dir / 'results.json'}, " + ", ".join(str(p) for p in pictures))
     print(f"took {meta['seconds']:.0f} s (load average {meta['load_before']:.1f} -> {meta['load_after']:.1f})")
+    if "scale" in raw:
+        from .scale import summary
+
+        print(json.dumps(summary(raw["scale"])))  # type: ignore[arg-type]
     return 0
 
 

@@ -21,7 +21,7 @@ STATUSES = ("ok", "timeout", "unavailable", "error", "skipped", "never", "unsupp
 class Row:
     """One figure of the report."""
 
-    measurement: str  # formation | store | rerdzv | server | ha
+    measurement: str  # formation | store | rerdzv | server | ha | scale
     backend: str  # the backend's label
     metric: str  # e.g. "formation time", "set p50", "detect (kill)"
     n: int | None  # nodes, clients or jobs x nodes: what the figure scales with
@@ -65,6 +65,8 @@ class Plan:
     ha_repeats: int  # leader kills per TTL
     ha_ops: int  # round-trip samples per operation
     ha_etcd_election_ms: int = 0  # etcd's --election-timeout (heartbeat a tenth of it); 0: etcd's default
+    scale_sizes: tuple[int, ...] = ()  # agents in the one job of bench.scale
+    scale_seconds: float = 30.0  # how long bench.scale samples the server's CPU under heartbeats
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -21,7 +21,9 @@ window torch's own free-port pick leaves. The handler's watch thread keeps one l
 open per node while its round runs: it is the heartbeat, the fast death signal (the
 server sees the connection drop when the process dies) and the source of
 ``num_nodes_waiting()``, which the agent calls every 0.1 s and which therefore costs
-nothing.
+nothing. The watch and every other request of the node (join, leave, close, the store)
+travel pipelined on one stream connection (:func:`node_client`): one descriptor per node
+on the server.
 
 How long a node waits in line is the server's decision (it knows the node's role): a
 candidate or waiting node gets ``join_timeout`` (torch's ``RendezvousTimeoutError``); a
@@ -68,7 +70,8 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from . import wire
-from .client import Client
+from .client import Client, _tls_context, _tls_endpoints
+from .credential import find_token
 from .error import (
     ConflictError,
     JobClosedError,
@@ -77,6 +80,7 @@ from .error import (
     RdzvError,
     RdzvTimeoutError,
 )
+from .pipeline import PipelinedSocketTransport
 
 log = logging.getLogger("rdzv_client")
 
@@ -284,7 +288,7 @@ class RdzvServerHandler(RendezvousHandler):
         host = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in socket.gethostname())[:100] or "node"
         self._node_id = params.get("node_id") or f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         wire.check_id("node_id", self._node_id)
-        self._client = client or Client(endpoint, retry_budget=self._close_timeout, **client_options(params))
+        self._client = client or node_client(endpoint, self._close_timeout, client_options(params))
         self._num_waiting = 0
         self._closed = False
         self._reservation: PortReservation | None = None  # the offered master port, while in line
@@ -570,25 +574,38 @@ def _launch_config_nproc() -> int | None:
     return None
 
 
-# Each handler keeps one long-poll open; handlers sharing a process share one client.
-SHARED_CLIENT_CONNECTIONS = 8192
+def node_client(endpoint: str, retry_budget: float, options: Mapping[str, Any]) -> Client:
+    """A :class:`Client` whose operations all travel on one pipelined stream connection per
+    endpoint (:class:`PipelinedSocketTransport`): the watch thread's long-poll, the agent's
+    calls and its store share it, so the server holds one descriptor per node.
+
+    ``options`` are :func:`client_options`'s. Raises ValueError (``CredentialError``,
+    ``TLSConfigError``) for a token or TLS file that cannot be used, or TLS files without TLS.
+    """
+    tls = bool(options.get("tls"))
+    context = _tls_context(
+        _tls_endpoints(endpoint, tls), options.get("ca_file"), options.get("cert_file"), options.get("key_file")
+    )
+    transport = PipelinedSocketTransport(token=find_token(None, options.get("token_file")), tls=context)
+    return Client(endpoint, retry_budget=retry_budget, tls=tls, transport=transport)
+
+
+# torchrun makes one handler per process: one client, so one connection, per agent.
 _shared_clients: dict[tuple[str, int, tuple[tuple[str, Any], ...]], Client] = {}
 _shared_lock = threading.Lock()
 
 
 def _shared_client(endpoint: str, retry_budget: float, options: Mapping[str, Any]) -> Client:
-    """One client (one connection pool) per endpoint and client options per process.
+    """One client (one pipelined connection per endpoint) per endpoint and client options per process.
 
-    torchrun makes one handler per process; tools that simulate many nodes in one
-    process (benchmarks, tests) then share idle connections instead of one pool per node.
+    torchrun makes one handler per process; tools that simulate many nodes in one process
+    (the bench's thread-per-node path, tests) then share that connection too.
     """
     key = (endpoint, os.getpid(), tuple(sorted(options.items())))
     with _shared_lock:
         client = _shared_clients.get(key)
         if client is None:
-            client = _shared_clients[key] = Client(
-                endpoint, retry_budget=retry_budget, connection_limit=SHARED_CLIENT_CONNECTIONS, **options
-            )
+            client = _shared_clients[key] = node_client(endpoint, retry_budget, options)
         return client
 
 
