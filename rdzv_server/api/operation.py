@@ -62,6 +62,10 @@ async def _join(svc: Service, rdzv_id: str, req: c.Join) -> dict[str, Any]:
     return await svc.join(req, req.rid, req.hold)
 
 
+async def _refuse(svc: Service, rdzv_id: str, req: c.Refuse) -> dict[str, Any]:
+    return await svc.refuse(req, req.rid)
+
+
 async def _await_round(svc: Service, rdzv_id: str, req: wire.AwaitRoundRequest) -> dict[str, Any]:
     return await svc.await_round(rdzv_id, req.node_id, req.round, req.hold)
 
@@ -89,6 +93,7 @@ OPERATIONS: dict[str, Handler] = {
     "watch": _watch,
     "leave": _write,
     "close": _write,
+    "refuse": _refuse,
 }
 assert set(OPERATIONS) == set(wire.REQUESTS), "every wire operation needs a handler"
 

@@ -137,6 +137,8 @@ class Node:
     # The port the node offers for its workers' store should it become node rank 0 (0: none).
     master_port: int = 0
     next_port: int | None = None
+    host: str = ""  # the node's host name when it is not addr (cordons match either)
+    topology: str = ""  # its topology path (RDZV_TOPOLOGY): node ranks follow it
 
     @property
     def pending(self) -> bool:

@@ -1,0 +1,144 @@
+"""Fleet control in core (issue 16): the cordon table, admission through it, refusals in the
+timeline, the deaths automatic quarantine counts, and that all of it replays and survives a
+snapshot. Driven in memory through the one apply path with a fake clock."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from rdzv_client.record import JobSettings, WireError
+from rdzv_server.core import command as c
+from rdzv_server.core.cordon import MAX_DEATHS_PER_HOST, CordonTable
+from rdzv_server.core.error import HostCordoned
+from rdzv_server.core.machine import StateMachine
+
+JOB = "job"
+
+
+class Log:
+    """A machine plus the records it applied, to replay them into a fresh one."""
+
+    def __init__(self) -> None:
+        self.sm = StateMachine(max_value_bytes=1024, job_ttl=1000.0)
+        self.records: list[dict[str, Any]] = []
+
+    def apply(self, command: c.Command, now: float) -> dict[str, Any]:
+        result = self.sm.apply(command, now).result
+        self.records.append({"cmd": command.to_record(), "now": now, "rid": None})
+        return result
+
+    def join(self, node: str, now: float, *, addr: str = "", host: str = "", job: str = JOB, **settings: Any) -> None:
+        s = JobSettings(**{"min_nodes": 2, "max_nodes": 2, "last_call_timeout": 5.0, **settings})
+        self.apply(c.Join(job, node, addr or f"{node}.host", 1, s, host=host), now)
+
+    def events(self, job: str = JOB) -> list[tuple[str, str, str | None]]:
+        return [(e.kind.value, e.cause.value, e.node_id) for e in self.sm.job(job).timeline.since(0)]
+
+    def replayed(self) -> StateMachine:
+        fresh = StateMachine(max_value_bytes=1024, job_ttl=1000.0)
+        for record in self.records:
+            fresh.replay(record)
+        return fresh
+
+
+def test_a_cordon_matches_a_node_by_address_or_host_name_until_it_ends() -> None:
+    table = CordonTable()
+    table.cordon("node7", 10.0, 60.0, "bad DIMM", "operator")
+    assert table.match(20.0, "10.0.0.7", "node7") is not None
+    assert table.match(20.0, "node7", "") is not None
+    assert table.match(20.0, "node66", "node66.example") is None
+    assert table.match(70.0, "node7") is None  # ended at 10 + 60
+    assert table.listing(20.0) == [
+        {"host": "node7", "since": 10.0, "until": 70.0, "left_s": 50.0, "reason": "bad DIMM", "by": "operator"}
+    ]
+    assert table.prune(69.9) == [] and len(table) == 1
+    assert [c.host for c in table.prune(70.0)] == ["node7"] and len(table) == 0
+
+
+def test_deaths_are_counted_per_host_within_a_window_and_bounded() -> None:
+    table = CordonTable()
+    for t in (1.0, 2.0, 50.0):
+        table.record_death("h", t)
+    assert table.deaths_within("h", 50.0, 10.0) == 1
+    assert table.deaths_within("h", 50.0, 60.0) == 3
+    for t in range(1000):
+        table.record_death("h", 100.0 + t)
+    assert table.deaths_within("h", 2000.0, 1e9) == MAX_DEATHS_PER_HOST
+
+
+def test_a_cordoned_host_is_refused_with_the_cordon_named_and_nothing_changes() -> None:
+    log = Log()
+    log.join("a", 0.0, addr="10.0.0.1")
+    log.apply(c.Cordon("", host="node7", reason="bad DIMM", duration=None), 1.0)
+    version = log.sm.job(JOB).version
+    with pytest.raises(HostCordoned, match=r"host node7 is cordoned by an operator: bad DIMM .*until uncordoned.*rdzvctl uncordon node7"):
+        log.join("b", 2.0, addr="10.0.0.2", host="node7")
+    with pytest.raises(HostCordoned, match="node7"):  # by address as well
+        log.join("b", 2.0, addr="node7")
+    assert log.sm.job(JOB).version == version and "b" not in log.sm.job(JOB).nodes
+    assert log.apply(c.Uncordon("", host="node7"), 3.0) == {"uncordoned": True}
+    assert log.apply(c.Uncordon("", host="node7"), 3.0) == {"uncordoned": False}
+    log.join("b", 4.0, addr="10.0.0.2", host="node7")
+    assert log.sm.job(JOB).state.value == "complete"
+
+
+def test_a_cordon_and_its_lifting_reach_the_timeline_of_every_job_with_a_node_on_the_host() -> None:
+    log = Log()
+    log.join("a", 0.0, addr="10.0.0.1", host="node7")
+    log.join("x", 0.0, addr="10.0.0.9", job="other")
+    log.apply(c.Cordon("", host="node7", reason="bad DIMM"), 1.0)
+    log.apply(c.Uncordon("", host="node7"), 2.0)
+    assert log.events()[-2:] == [("host_cordoned", "operator", "a"), ("host_uncordoned", "operator", "a")]
+    assert [k for k, _, _ in log.events("other")] == ["job_created", "node_joined"]
+
+
+def test_a_refusal_is_a_node_refused_event_and_a_refusal_may_create_the_job() -> None:
+    log = Log()
+    log.apply(c.Refuse(JOB, node_id="n", addr="h", cause="health_check_failed", detail="ECC errors",
+                       settings=JobSettings(2, 2)), 1.0)
+    assert log.events() == [("job_created", "join", None), ("node_refused", "health_check_failed", "n")]
+    assert log.sm.job(JOB).timeline.since(1)[0].detail == {"reason": "ECC errors"}
+    log.apply(c.Refused(JOB, "m", "h2", "cordoned", "host h2 is cordoned"), 2.0)
+    assert log.events()[-1] == ("node_refused", "cordoned", "m")
+    assert log.sm.already_refused(c.Refused(JOB, "m", "h2", "cordoned", "host h2 is cordoned"))
+
+
+def test_deaths_of_a_hosts_nodes_are_recorded_for_quarantine_and_a_flapping_cordon_starts_afresh() -> None:
+    log = Log()
+    log.join("a", 0.0, addr="10.0.0.1")
+    log.join("b", 0.0, addr="10.0.0.2")
+    log.apply(c.Expire(JOB, ("b",), "dead", "connection_closed"), 5.0)
+    assert log.sm.cordons.deaths_within("10.0.0.2", 5.0, 60.0) == 1
+    assert log.sm.cordons.deaths_within("10.0.0.1", 5.0, 60.0) == 0
+    log.apply(c.Cordon(JOB, host="10.0.0.2", reason="3 deaths", duration=60.0, by="flapping"), 6.0)
+    assert log.sm.cordons.deaths_within("10.0.0.2", 6.0, 60.0) == 0
+    assert log.events()[-1] == ("host_cordoned", "flapping", None)  # its node is dead: the job still hears
+    assert log.sm.cordons.listing(6.0)[0]["by"] == "flapping"
+
+
+def test_cordons_and_deaths_replay_and_survive_a_snapshot() -> None:
+    log = Log()
+    log.join("a", 0.0, addr="10.0.0.1")
+    log.join("b", 0.0, addr="10.0.0.2")
+    log.apply(c.Expire(JOB, ("b",), "dead", "heartbeat_expired"), 5.0)
+    log.apply(c.Cordon("", host="node7", reason="r", duration=100.0), 6.0)
+    for sm in (log.replayed(), StateMachine(max_value_bytes=1024, job_ttl=1000.0)):
+        if not sm.jobs:
+            sm.restore(log.sm.to_snapshot())
+        assert sm.cordons.listing(7.0) == log.sm.cordons.listing(7.0)
+        assert sm.cordons.deaths_within("10.0.0.2", 7.0, 10.0) == 1
+        assert sm.cordons.next_end == 106.0
+
+
+def test_cordon_requests_are_validated() -> None:
+    for bad in (
+        c.Cordon("", host=""), c.Cordon("", host="a b"), c.Cordon("", host="h", duration=0.0),
+        c.Cordon("", host="h", by="someone"), c.Cordon("", host="h", reason="x" * 501),
+        c.Refuse(JOB, node_id="n", addr="h", cause="tired"),
+    ):
+        with pytest.raises(WireError):
+            bad.validate()
+    with pytest.raises(WireError, match="max_restarts"):
+        JobSettings(max_restarts=-1).validate()
