@@ -870,7 +870,7 @@ class AsyncClient:
     async def cordon(self, host: str, *, reason: str = "", duration: float | None = None) -> dict[str, Any]:
         """Cordon ``host`` (a node's host name or address): every job refuses its nodes, for
         ``duration`` seconds (None: until :meth:`uncordon`). Returns the cordon."""
-        wire.CordonRequest("", host=host, reason=reason, duration=duration).validate()
+        _validated("fleet", wire.CordonRequest("", host=host, reason=reason, duration=duration))
         body = await self._get_json(
             "/v1/cordons", f"cordoning {host}", method="POST", body={"host": host, "reason": reason, "duration": duration}
         )
@@ -879,7 +879,7 @@ class AsyncClient:
 
     async def uncordon(self, host: str) -> bool:
         """Lift ``host``'s cordon; False when it had none."""
-        wire.UncordonRequest("", host=host).validate()
+        _validated("fleet", wire.UncordonRequest("", host=host))
         body = await self._get_json(f"/v1/cordons/{urllib.parse.quote(host, safe='')}", f"uncordoning {host}", method="DELETE")
         return _reply_field(body, "uncordoned", bool, "uncordon")
 
