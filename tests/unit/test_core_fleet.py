@@ -13,6 +13,7 @@ from rdzv_server.core import command as c
 from rdzv_server.core.cordon import MAX_DEATHS_PER_HOST, CordonTable
 from rdzv_server.core.error import HostCordoned
 from rdzv_server.core.machine import StateMachine
+from rdzv_server.core.rank import Candidate, Tier, natural_key, place
 
 JOB = "job"
 
@@ -142,3 +143,55 @@ def test_cordon_requests_are_validated() -> None:
             bad.validate()
     with pytest.raises(WireError, match="max_restarts"):
         JobSettings(max_restarts=-1).validate()
+
+
+# -- where each node's ranks land (rank.place) ------------------------------------------------------
+
+
+def new(node_id: str, arrival: int, host: str, topology: str = "", nproc: int = 1) -> Candidate:
+    return Candidate(node_id, Tier.NEW, arrival, nproc, host=host, topology=topology, arrival=arrival)
+
+
+def old(node_id: str, rank: int, host: str, nproc: int = 1) -> Candidate:
+    return Candidate(node_id, Tier.PREVIOUS, rank, nproc, host=host)
+
+
+def ranks(cands: list[Candidate], max_nodes: int = 8) -> dict[str, tuple[int, int]]:
+    placements, _ = place(cands, max_nodes)
+    return {p.node_id: (p.node_rank, p.global_rank_start) for p in placements}
+
+
+def test_a_first_round_follows_the_topology_path_then_natural_host_order() -> None:
+    cands = [
+        new("x", 1, "node66", "zone1/rack12/switch3"),
+        new("y", 2, "node7", "zone1/rack12/switch3"),
+        new("z", 3, "node1", "zone1/rack9/switch1"),  # rack9 before rack12: natural order
+        new("w", 4, "node0"),  # no topology path: after every node with one
+    ]
+    assert ranks(cands) == {"z": (0, 0), "y": (1, 1), "x": (2, 2), "w": (3, 3)}
+
+
+def test_with_no_topology_node7_comes_before_node66_and_arrival_breaks_ties() -> None:
+    cands = [new("a", 1, "node66"), new("b", 2, "node7"), new("c", 3, "node7"), new("d", 4, "node10")]
+    assert [n for n, _ in sorted(ranks(cands).items(), key=lambda kv: kv[1])] == ["b", "c", "d", "a"]
+    assert natural_key("node7") < natural_key("node66") < natural_key("nodeb")
+
+
+def test_survivors_keep_their_ranks_and_a_spare_takes_the_departed_nodes_rank_with_mixed_nproc() -> None:
+    # round: a:0 (4 procs), b:1 (2), c:2 (8); b died; the spare s (2 procs) and the survivors re-form
+    cands = [old("a", 0, "node1", 4), old("c", 2, "node3", 8), new("s", 9, "node0", nproc=2)]
+    assert ranks(cands) == {"a": (0, 0), "s": (1, 4), "c": (2, 6)}
+    # a spare with another nproc_per_node moves the global ranks after it, never a node rank
+    cands = [old("a", 0, "node1", 4), old("c", 2, "node3", 8), new("s", 9, "node0", nproc=1)]
+    assert ranks(cands) == {"a": (0, 0), "s": (1, 4), "c": (2, 5)}
+
+
+def test_a_shrink_keeps_the_ranks_that_still_exist_and_moves_only_the_rest() -> None:
+    # round of four; node rank 1 died and nobody replaces it: three remain for ranks 0..2
+    cands = [old("a", 0, "h0"), old("c", 2, "h2"), old("d", 3, "h3")]
+    assert ranks(cands) == {"a": (0, 0), "d": (1, 1), "c": (2, 2)}  # d (rank 3) moves into the hole
+
+
+def test_a_scale_up_appends_new_nodes_after_the_survivors_in_placement_order() -> None:
+    cands = [old("a", 0, "node2"), old("b", 1, "node1"), new("n", 5, "node9", "z/r2"), new("m", 6, "node8", "z/r1")]
+    assert ranks(cands) == {"a": (0, 0), "b": (1, 1), "m": (2, 2), "n": (3, 3)}

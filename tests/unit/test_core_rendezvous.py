@@ -386,7 +386,7 @@ def test_every_node_gets_node_rank_0s_addr_and_the_port_it_offered_with_its_join
     assert restored.assignment(RDZV_ID, "b", 1) == a
 
 
-def test_members_keep_their_relative_order_in_the_next_round_and_new_nodes_follow_by_arrival() -> None:
+def test_members_keep_their_node_ranks_in_the_next_round_and_new_nodes_fill_the_vacancies() -> None:
     cl = Cluster(min_nodes=2, max_nodes=4, last_call_timeout=10.0)
     form(cl, ["a", "b", "c"])  # round 0 by last call
     cl.join("e", 20.0)  # waiting
@@ -397,7 +397,7 @@ def test_members_keep_their_relative_order_in_the_next_round_and_new_nodes_follo
     cl.join("f", 24.0)  # fourth: max_nodes
     assert cl.job.state is JobState.COMPLETE
     assert cl.job.round == 1
-    assert cl.ranks() == {"a": 0, "c": 1, "e": 2, "f": 3}
+    assert cl.ranks() == {"a": 0, "e": 1, "c": 2, "f": 3}  # e takes b's rank; f the one past the old round
 
 
 def test_the_next_round_reorders_heterogeneous_global_ranks() -> None:
@@ -407,12 +407,13 @@ def test_the_next_round_reorders_heterogeneous_global_ranks() -> None:
     cl.join("c", 2.0, nproc=3)
     cl.join("b", 3.0, nproc=2)
     cl.join("d", 4.0, nproc=2)
-    a = cl.sm.assignment(RDZV_ID, "b", 1)
-    assert a is not None and (a.node_rank, a.global_rank_start, a.world_size) == (0, 0, 7)
-    a = cl.sm.assignment(RDZV_ID, "c", 1)
-    assert a is not None and (a.node_rank, a.global_rank_start) == (1, 2)
+    # b and c keep node ranks 1 and 2; d takes a's node rank 0, and with it other global ranks
     a = cl.sm.assignment(RDZV_ID, "d", 1)
-    assert a is not None and (a.node_rank, a.global_rank_start) == (2, 5)
+    assert a is not None and (a.node_rank, a.global_rank_start, a.world_size) == (0, 0, 7)
+    a = cl.sm.assignment(RDZV_ID, "b", 1)
+    assert a is not None and (a.node_rank, a.global_rank_start) == (1, 2)
+    a = cl.sm.assignment(RDZV_ID, "c", 1)
+    assert a is not None and (a.node_rank, a.global_rank_start) == (2, 4)
 
 
 def test_a_member_may_change_its_nproc_per_node_when_it_rejoins() -> None:
@@ -518,7 +519,7 @@ def test_round_completes_at_once_when_alive_members_rejoined_and_standby_fills_m
     cl.join("b", 3.0)  # the only alive member re-joins; b + standby c reach max_nodes
     assert cl.job.state is JobState.COMPLETE
     assert cl.job.round == 1
-    assert cl.ranks() == {"b": 0, "c": 1}
+    assert cl.ranks() == {"c": 0, "b": 1}  # b keeps its rank; the spare takes the dead a's
 
 
 def test_standby_does_not_complete_the_round_while_an_alive_member_has_not_rejoined() -> None:
@@ -910,8 +911,8 @@ def test_a_standby_node_left_over_by_a_new_round_is_a_spare_again() -> None:
     cl.join("s", 1.0)
     cl.join("t", 2.0)
     cl.die("a", 100.0)
-    cl.join("b", 101.0)  # round 1 opens and forms at once: b, then s; t overflows
-    assert cl.members() == ["b", "s"] and cl.role("t") is Role.STANDBY
+    cl.join("b", 101.0)  # round 1 opens and forms at once: b keeps its rank, s takes a's; t overflows
+    assert cl.members() == ["s", "b"] and cl.role("t") is Role.STANDBY
     assert cl.job.untimed == {"t": None} and not cl.job.join_clock
     assert cl.tick(1e5) == []
     assert cl.role("t") is Role.STANDBY
