@@ -621,7 +621,9 @@ class Service:
         except (SettingsConflict, HostCordoned) as exc:  # the job's timeline says why this node is not in it, once
             why = Cause.SETTINGS_CONFLICT if isinstance(exc, SettingsConflict) else Cause.CORDONED
             refused = c.Refused(command.rdzv_id, command.node_id, command.addr, why.value, exc.message)
-            if command.rdzv_id in self.machine.jobs and not self.machine.already_refused(refused):
+            if command.rdzv_id not in self.machine.jobs:  # a first node refused: the job exists to say why
+                await self.write(c.Create(command.rdzv_id, command.settings))
+            if not self.machine.already_refused(refused):
                 await self.write(refused)
             raise
         return await self.await_round(command.rdzv_id, command.node_id, result["round"], hold)
@@ -636,6 +638,15 @@ class Service:
     async def cordons(self) -> list[dict[str, Any]]:
         """The cordons in effect (``GET /v1/cordons``)."""
         return await self.read(lambda: self.machine.cordons.listing(self.now()))
+
+    def cordon_counts(self) -> dict[str, int]:
+        """Cordons in effect by whom (operator, flapping): the metrics' gauge."""
+        now = self.now()
+        counts = {"operator": 0, "flapping": 0}
+        for cordon in self.machine.cordons.cordons.values():
+            if cordon.active(now):
+                counts[cordon.by] = counts.get(cordon.by, 0) + 1
+        return counts
 
     async def cordon_of(self, host: str) -> dict[str, Any] | None:
         """The cordon in effect on ``host`` (None: none)."""
