@@ -149,3 +149,8 @@ class ShuttingDown(RdzvError):
 
 class IllegalTransition(Exception):
     """A state machine was asked for a transition its table does not allow: a server bug."""
+
+
+class IllegalNodeTransition(IllegalTransition):
+    """A node was asked for a role change that the node table (``rendezvous._NODE_TRANSITIONS``)
+    does not allow: a server bug, never a client's fault."""

@@ -25,6 +25,10 @@ Rules:
   replay is done.
 - ``due(now)`` only *detects* what the timer must do and returns commands; they take
   effect when applied (and logged) like any other.
+- A membership command reaches its job as rendezvous events (``Job.join``, ``depart``,
+  ``last_call``, ``close``); the job's dispatcher settles its rules after each event
+  (``Job.settle``), so an expiry of several nodes settles after each departure, and the
+  wake-ups computed here see the settled state.
 - Reads (``get``, ``assignment`` ...) never change state.
 
 Each applied command reports the wake-up topics it touched (see :class:`Outcome`), so

@@ -5,6 +5,19 @@ Everything that affects transitions lives here. The job is in one of three state
 a pair missing from the table raises :class:`IllegalTransition` (a server bug, never a
 client's fault). Time is always an argument (``now``, seconds on the server's clock).
 
+An event's handler does only what the event itself does (add, re-join or remove a node,
+close the job, form the round whose last call passed). What follows from the resulting
+*state* is :meth:`Job.settle`, which the one dispatcher (``_dispatch``) runs after every
+event, so no handler can forget it: its rules (``_SETTLE_RULES``: complete the round,
+arm or clear the last call, open the next round for the nodes in line, stop the clocks
+of a formed round's spares) re-run until none changes anything (a fixed point, as in
+h11's ``_state.py``; bounded by ``MAX_SETTLE_PASSES``), then the job's idleness is noted.
+A multi-node expiry settles after each departure, as each departure is its own event.
+
+A node's role changes only through ``_set``, which checks ``_NODE_TRANSITIONS`` (the
+allowed (role, liveness) pairs before and after) and raises
+:class:`IllegalNodeTransition` on any other change.
+
 Roles of a node (:class:`Role`):
 - CANDIDATE: joined the round that is forming (state OPEN).
 - WAITING: arrived after the round formed, fits in the next one (counts in num_nodes_waiting).
@@ -75,7 +88,15 @@ from typing import Any
 
 from rdzv_client.record import Assignment, JobSettings
 
-from .error import IllegalTransition, JobClosed, JobClosedInLine, JoinTimeout, NodeNotFound, SettingsConflict
+from .error import (
+    IllegalNodeTransition,
+    IllegalTransition,
+    JobClosed,
+    JobClosedInLine,
+    JoinTimeout,
+    NodeNotFound,
+    SettingsConflict,
+)
 from .event import Cause, Kind, Timeline
 from .rank import Candidate, Tier, place
 
@@ -145,6 +166,9 @@ class Node:
         return self.role in (Role.CANDIDATE, Role.WAITING, Role.STANDBY)
 
 
+#: A node's place in its job: its role and, for a member, whether it is still alive.
+NodeStatus = tuple[Role, Liveness]
+
 # Remember why at most this many departed nodes went away (a node that polls after its
 # departure gets the reason); older reasons are dropped first.
 MAX_DEPARTURE_REASONS = 10_000
@@ -179,11 +203,17 @@ class Job:
 
     # -- the transition table ----------------------------------------------------------
 
-    def _dispatch(self, event: Event, *args: Any) -> Any:
+    def _dispatch(self, event: Event, now: float, *args: Any) -> Any:
+        """Apply one event: its handler from ``_TRANSITIONS``, then :meth:`settle`.
+
+        Raises :class:`IllegalTransition` (before changing anything) for a pair missing from
+        the table."""
         handler = _TRANSITIONS.get((self.state, event))
         if handler is None:
             raise IllegalTransition(f"job {self.rdzv_id}: no transition for {event.name} in state {self.state.name}")
-        return handler(self, *args)
+        result = handler(self, now, *args)
+        self.settle(now)
+        return result
 
     def join(
         self, node_id: str, addr: str, nproc_per_node: int, settings: JobSettings, now: float, master_port: int = 0
@@ -195,9 +225,8 @@ class Job:
         so no node has to publish them through the store after the round forms."""
         if not (self.state is JobState.CLOSED and not self.idle()):
             self.adopt_settings(settings, f"node {node_id}")  # a closed, live job refuses it anyway
-        result: int = self._dispatch(Event.JOIN, node_id, (addr, nproc_per_node, master_port), now)
-        self._after_change(now)
-        return result
+        round_: int = self._dispatch(Event.JOIN, now, node_id, (addr, nproc_per_node, master_port))
+        return round_
 
     def depart(self, node_id: str, why: Departure, now: float, cause: Cause | None = None) -> bool:
         """A node leaves, dies or times out. Returns False if that is a no-op.
@@ -209,8 +238,7 @@ class Job:
         node = self.nodes.get(node_id)
         if node is None or (why is Departure.JOIN_TIMEOUT and not self._join_timed_out(node_id, now)):
             return False
-        self._dispatch(Event.DEPART, node_id, why, now, departure_cause(why, cause))
-        self._after_change(now)
+        self._dispatch(Event.DEPART, now, node_id, why, departure_cause(why, cause))
         return True
 
     def last_call(self, round_: int, now: float) -> bool:
@@ -218,39 +246,37 @@ class Job:
         if self.state is not JobState.OPEN or round_ != self.round:
             return False  # stale timer: the round formed or moved on meanwhile
         formed: bool = self._dispatch(Event.LAST_CALL, now)
-        self._after_change(now)
         return formed
 
     def close(self, now: float, cause: Cause = Cause.CLOSED) -> None:
         if self.state is JobState.CLOSED:
             return
         self._dispatch(Event.CLOSE, now, cause)
-        self._after_change(now)
 
     # -- handlers ------------------------------------------------------------------------
 
-    def _join_open(self, node_id: str, offer: Offer, now: float) -> int:
+    def _join_open(self, now: float, node_id: str, offer: Offer) -> int:
         node = self.nodes.get(node_id)
         if node is None:
             self._add_node(node_id, offer, Role.CANDIDATE, now)
         elif node.role is Role.MEMBER:
             # A member of the previous round comes back: it keeps its old node_rank as priority.
             self._rejoin(node, offer, now)
-        self._check_completion(now)
         return self.round
 
-    def _join_complete(self, node_id: str, offer: Offer, now: float) -> int:
+    def _join_complete(self, now: float, node_id: str, offer: Offer) -> int:
         node = self.nodes.get(node_id)
         if node is not None and node.pending:
             return self.round + 1  # already in line (a retried join)
         if node is not None or not self._alive_members():
+            # Rule 3: opened before the node is added, so that its join is in the new round.
             self._open_next_round(now)
-            return self._join_open(node_id, offer, now)
+            return self._join_open(now, node_id, offer)
         full = self._alive_members() + self._count(Role.WAITING) >= self.settings.max_nodes
         self._add_node(node_id, offer, Role.STANDBY if full else Role.WAITING, now)
         return self.round + 1
 
-    def _join_closed(self, node_id: str, offer: Offer, now: float) -> int:
+    def _join_closed(self, now: float, node_id: str, offer: Offer) -> int:
         if not self.idle():
             node = self.nodes.get(node_id)
             if node is not None and node.role in (Role.STANDBY, Role.WAITING):
@@ -264,9 +290,9 @@ class Job:
         self.members, self.world, self.closed_at = [], 0, None
         self.runs += 1
         self._open_next_round(now)
-        return self._join_open(node_id, offer, now)
+        return self._join_open(now, node_id, offer)
 
-    def _depart(self, node_id: str, why: Departure, now: float, cause: Cause) -> None:
+    def _depart(self, now: float, node_id: str, why: Departure, cause: Cause) -> None:
         node = self.nodes[node_id]
         self.timeline.add(now, Kind.NODE_DEPARTED, cause, self.round, node_id, node.addr, role=node.role.value)
         self.heartbeats.pop(node_id, None)
@@ -275,12 +301,6 @@ class Job:
             self._set(node, Role.MEMBER, Liveness.LEFT if why is Departure.LEFT else Liveness.DEAD)
         else:
             self._forget(node_id)
-        if self.state is JobState.COMPLETE:
-            if not self._alive_members() and self._in_line():
-                self._open_next_round(now)
-                self._check_completion(now)
-        elif self.state is JobState.OPEN:
-            self._check_completion(now)
 
     def _last_call(self, now: float) -> bool:
         deadline = self.last_call_deadline
@@ -293,11 +313,82 @@ class Job:
         self.timeline.add(now, Kind.JOB_CLOSED, cause, self.round)
         self.state = JobState.CLOSED
         self.closed_at = now
+
+    # -- settle: the rules that follow from the state ---------------------------------------
+
+    def settle(self, now: float) -> None:
+        """Re-run ``_SETTLE_RULES`` until none changes anything, then note the job's idleness.
+
+        Each rule looks only at the state (never at the event that led there) and returns
+        whether it changed something. A fixed point needs few passes: the last call is armed
+        (1), a zero last call forms the round (2), nothing more (3); a departure can also
+        open a round first. Raises :class:`IllegalTransition` if the rules have not settled
+        after ``MAX_SETTLE_PASSES`` (a bug: two rules undoing each other).
+        """
+        for _ in range(MAX_SETTLE_PASSES):
+            changed = False
+            for rule in _SETTLE_RULES:
+                changed = rule(self, now) or changed
+            if not changed:
+                break
+        else:
+            raise IllegalTransition(f"job {self.rdzv_id}: the rendezvous rules did not settle in {MAX_SETTLE_PASSES} passes")
+        if self.idle():
+            if self.idle_since is None:
+                self.idle_since = now
+        else:
+            self.idle_since = None
+
+    def _complete_round(self, now: float) -> bool:
+        """Rule 2: a round that may form forms (a, b, and c with a zero last call)."""
+        if self.state is not JobState.OPEN:
+            return False
+        joined = self._count(Role.CANDIDATE)
+        if joined >= self.settings.max_nodes:
+            self._form_round(now, Cause.MAX_NODES)
+        elif joined + self._count(Role.STANDBY) >= self.settings.max_nodes and not self._alive_members():
+            self._form_round(now, Cause.MEMBERS_BACK)
+        elif self.last_call_deadline is not None and self.settings.last_call_timeout == 0:
+            self._form_round(now, Cause.LAST_CALL)
+        else:
+            return False
+        return True
+
+    def _last_call_clock(self, now: float) -> bool:
+        """Rule 2c: the last call runs while a forming round has ``min_nodes`` in line.
+
+        Armed when the count first reaches ``min_nodes`` (and kept, not re-armed, while it
+        stays there), cleared when it drops below, and when no round forms."""
+        deadline = self.last_call_deadline
+        if self.state is JobState.OPEN and self._count(Role.CANDIDATE) + self._count(Role.STANDBY) >= self.settings.min_nodes:
+            if deadline is None:
+                self.last_call_deadline = now + self.settings.last_call_timeout
+                return True
+            return False
         self.last_call_deadline = None
-        for node_id in list(self.join_clock):  # rule 5: no round forms any more
+        return deadline is not None
+
+    def _open_for_those_in_line(self, now: float) -> bool:
+        """Rule 5: with no member of the formed round alive, the next round opens for the
+        nodes in line."""
+        if self.state is not JobState.COMPLETE or self._alive_members() or not self._in_line():
+            return False
+        self._open_next_round(now)
+        return True
+
+    def _spare_clocks(self, now: float) -> bool:
+        """Rule 5: a standby node's join_timeout runs only while a round forms; once the round
+        formed (or the job closed) the spares it did not place have no clock.
+
+        (Their clocks start when a round opens: ``_open_next_round`` starts them before the
+        event that opened it adds its own node, which keeps ``join_clock`` in arrival order.)"""
+        if self.state is JobState.OPEN or self._count(Role.STANDBY) == len(self.untimed):
+            return False
+        for node_id in list(self.join_clock):
             node = self.nodes[node_id]
             if node.role is Role.STANDBY:
                 self._stop_clock(node)
+        return True
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -333,14 +424,23 @@ class Job:
     def _set(self, node: Node, role: Role, liveness: Liveness = Liveness.ALIVE) -> None:
         """The one place a node changes role: keeps ``counts``, ``join_clock`` and ``untimed`` exact.
 
+        Raises :class:`IllegalNodeTransition` (changing nothing) for a change that
+        ``_NODE_TRANSITIONS`` does not list.
+
         A node that comes into line (a member's re-join) starts its clock at ``joined_at``,
         set to ``now`` by the caller; a node that leaves the line stops it. Between pending
         roles the clock is kept: a waiting node that becomes a candidate keeps its deadline,
-        and the callers that make standby nodes timed or untimed (a round opens, forms, the
-        job closes) say so with :meth:`_start_clock` / :meth:`_stop_clock`.
+        and standby nodes become timed when a round opens (:meth:`_start_clock`) and untimed
+        once it formed or the job closed (:meth:`_spare_clocks`).
         """
+        old, new = (node.role, node.liveness), (role, liveness)
+        if new not in _NODE_TRANSITIONS[old]:
+            raise IllegalNodeTransition(
+                f"job {self.rdzv_id}: node {node.node_id} cannot go from {old[0].value}/{old[1].value} "
+                f"to {role.value}/{liveness.value}"
+            )
         was_pending = node.pending
-        self.counts[(node.role, node.liveness)] -= 1
+        self.counts[old] -= 1
         node.role, node.liveness = role, liveness
         self.counts[(role, liveness)] += 1
         if was_pending and not node.pending:
@@ -379,31 +479,12 @@ class Job:
         self.state = JobState.OPEN
         self.round += 1
         self.opened_at = now
-        self.last_call_deadline = None
         for node_id in list(self.join_clock):
             node = self.nodes[node_id]
             if node.role is Role.WAITING:
                 self._set(node, Role.CANDIDATE)
         for node_id in list(self.untimed):  # rule 5: the spares' join_timeout runs while a round forms
             self._start_clock(self.nodes[node_id], now)
-
-    def _check_completion(self, now: float) -> None:
-        """Apply rule 2 after any change to an OPEN job."""
-        joined = self._count(Role.CANDIDATE)
-        in_line = joined + self._count(Role.STANDBY)
-        max_nodes = self.settings.max_nodes
-        expected = self._alive_members() > 0
-        if joined >= max_nodes:
-            self._form_round(now, Cause.MAX_NODES)
-        elif in_line >= max_nodes and not expected:
-            self._form_round(now, Cause.MEMBERS_BACK)
-        elif in_line >= self.settings.min_nodes:
-            if self.last_call_deadline is None:
-                self.last_call_deadline = now + self.settings.last_call_timeout
-                if self.settings.last_call_timeout == 0:
-                    self._form_round(now, Cause.LAST_CALL)
-        else:
-            self.last_call_deadline = None
 
     def _form_round(self, now: float, reason: Cause) -> None:
         previous = set(self.members)
@@ -431,10 +512,9 @@ class Job:
                 )
                 self._remember_departure(member_id, Departure.DEAD)
             self._forget(member_id)  # not back for this round
-        for c in overflow:
+        for c in overflow:  # standby nodes only: candidates never outnumber max_nodes (rule 2a)
             node = self.nodes[c.node_id]
-            self._set(node, Role.STANDBY)
-            self._stop_clock(node)  # rule 5: a spare of the formed round
+            self._set(node, Role.STANDBY)  # stays a spare: settle stops its clock (rule 5)
             node.node_rank = node.global_rank_start = None
         self.members = []
         for p in placements:
@@ -446,19 +526,10 @@ class Job:
             self.members.append(p.node_id)
         self.world = sum(p.nproc_per_node for p in placements)
         self.state = JobState.COMPLETE
-        self.last_call_deadline = None
         self.timeline.add(
             now, Kind.ROUND_FORMED, reason, self.round, num_nodes=len(self.members), world_size=self.world,
             formation_s=round(now - self.opened_at, 6), standby=self._count(Role.STANDBY),
         )
-
-    def _after_change(self, now: float) -> None:
-        self.version += 1
-        if self.idle():
-            if self.idle_since is None:
-                self.idle_since = now
-        else:
-            self.idle_since = None
 
     def _remember_departure(self, node_id: str, why: Departure) -> None:
         self.departures += 1
@@ -730,6 +801,34 @@ def _describe(s: JobSettings) -> str:
         f"join_timeout={s.join_timeout} heartbeat_ttl={s.heartbeat_ttl}"
     )
 
+
+_ALIVE = Liveness.ALIVE
+
+#: Every change of a node's (role, liveness) that ``Job._set`` may make: before -> allowed after.
+#: A node enters in line (``_add_node``: candidate, waiting or standby) and leaves through
+#: ``_forget``; neither is a change of role.
+_NODE_TRANSITIONS: dict[NodeStatus, frozenset[NodeStatus]] = {
+    # placed in the round; or, a re-joined member that departs goes back to the last round, marked
+    (Role.CANDIDATE, _ALIVE): frozenset({(Role.MEMBER, _ALIVE), (Role.MEMBER, Liveness.DEAD), (Role.MEMBER, Liveness.LEFT)}),
+    (Role.WAITING, _ALIVE): frozenset({(Role.CANDIDATE, _ALIVE)}),  # the next round opened
+    (Role.STANDBY, _ALIVE): frozenset({(Role.MEMBER, _ALIVE), (Role.STANDBY, _ALIVE)}),  # promoted, or stays a spare
+    # a member re-joins (alive or not: a restarted agent), dies or leaves (again: a retried leave)
+    **{
+        (Role.MEMBER, liveness): frozenset({(Role.CANDIDATE, _ALIVE), (Role.MEMBER, Liveness.DEAD), (Role.MEMBER, Liveness.LEFT)})
+        for liveness in Liveness
+    },
+}
+
+#: How many passes :meth:`Job.settle` may take; three suffice (see its docstring).
+MAX_SETTLE_PASSES = 8
+
+#: The rules :meth:`Job.settle` re-runs, in this order within a pass.
+_SETTLE_RULES: tuple[Callable[[Job, float], bool], ...] = (
+    Job._complete_round,
+    Job._last_call_clock,
+    Job._open_for_those_in_line,
+    Job._spare_clocks,
+)
 
 _TRANSITIONS: dict[tuple[JobState, Event], Callable[..., Any]] = {
     (JobState.OPEN, Event.JOIN): Job._join_open,
