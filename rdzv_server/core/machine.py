@@ -272,14 +272,14 @@ class StateMachine:
         entry = self.jobs.get(cmd.rdzv_id)
         if entry is None:
             entry = self._new_job(cmd.rdzv_id, settings, now, Cause.JOIN)
-        def join(job: Job) -> dict[str, Any]:
-            result = {"round": job.join(cmd.node_id, cmd.addr, cmd.nproc_per_node, settings, now, cmd.master_port)}
-            node = job.nodes.get(cmd.node_id)
-            if node is not None:
-                node.host = cmd.host
-            return result
-
-        return self._membership_change(entry, join)
+        return self._membership_change(
+            entry,
+            lambda job: {
+                "round": job.join(
+                    cmd.node_id, cmd.addr, cmd.nproc_per_node, settings, now, cmd.master_port, cmd.host, cmd.topology
+                )
+            },
+        )
 
     def _leave(self, cmd: c.Leave, now: float) -> Outcome:
         return self._membership_change(
@@ -587,6 +587,7 @@ class StateMachine:
             "state": job.state.value,
             "num_nodes_waiting": job.num_nodes_waiting(round_),
             "closed": job.state is JobState.CLOSED,
+            "cause": job.closed_cause or None,  # why it closed: restart_budget_exhausted stops the agents
         }
 
     # -- snapshot -----------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 from rdzv_client.record import JobSettings, WireError
 from rdzv_server.core import command as c
 from rdzv_server.core.cordon import MAX_DEATHS_PER_HOST, CordonTable
-from rdzv_server.core.error import HostCordoned
+from rdzv_server.core.error import HostCordoned, JobClosed
 from rdzv_server.core.machine import StateMachine
 from rdzv_server.core.rank import Candidate, Tier, natural_key, place
 
@@ -195,3 +195,97 @@ def test_a_shrink_keeps_the_ranks_that_still_exist_and_moves_only_the_rest() -> 
 def test_a_scale_up_appends_new_nodes_after_the_survivors_in_placement_order() -> None:
     cands = [old("a", 0, "node2"), old("b", 1, "node1"), new("n", 5, "node9", "z/r2"), new("m", 6, "node8", "z/r1")]
     assert ranks(cands) == {"a": (0, 0), "b": (1, 1), "m": (2, 2), "n": (3, 3)}
+
+
+# -- the job-wide restart budget (rendezvous rule 7) and topology through the apply path ------------
+
+
+def budget_log(max_restarts: int | None = 2) -> Log:
+    log = Log()
+    for node in ("a", "b"):
+        log.join(node, 0.0, max_restarts=max_restarts)
+    assert log.sm.job(JOB).state.value == "complete"
+    return log
+
+
+def fail_round(log: Log, now: float) -> None:
+    """Every worker failed: both members re-join their formed round."""
+    log.join("a", now, max_restarts=2)
+    log.join("b", now, max_restarts=2)
+
+
+def test_worker_failures_spend_the_budget_once_per_round_and_the_third_closes_the_job() -> None:
+    log = budget_log()
+    fail_round(log, 1.0)
+    fail_round(log, 2.0)
+    job = log.sm.job(JOB)
+    assert (job.state.value, job.restarts) == ("complete", 2)
+    counted = [e for e in job.timeline.since(0) if e.kind.value == "restart_counted"]
+    assert [(e.cause.value, e.node_id, e.detail["restarts"]) for e in counted] == [
+        ("workers_failed", "a", 1), ("workers_failed", "a", 2)
+    ]
+    log.join("a", 3.0, max_restarts=2)  # the third failure: the budget is spent
+    assert job.state.value == "closed" and job.closed_cause == "restart_budget_exhausted"
+    closed = job.timeline.since(0)[-1]
+    assert (closed.kind.value, closed.cause.value, closed.detail["max_restarts"]) == ("job_closed", "restart_budget_exhausted", 2)
+    for node in ("a", "b"):  # a's poll and b's re-join both say why
+        with pytest.raises(JobClosed, match=r"restart_budget_exhausted: .*after 2 restart\(s\), max_restarts=2"):
+            if node == "a":
+                log.sm.assignment(JOB, "a", 0)
+            else:
+                log.join("b", 3.5, max_restarts=2)
+    doc = job.describe(4.0)
+    assert (doc["restarts"], doc["max_restarts"], doc["closed_cause"]) == (2, 2, "restart_budget_exhausted")
+    assert log.sm.watch_view(JOB, job.round)["cause"] == "restart_budget_exhausted"
+    replayed = log.replayed().job(JOB)
+    assert (replayed.restarts, replayed.closed_cause) == (2, "restart_budget_exhausted")
+
+
+def test_a_members_death_spends_one_restart_and_the_survivors_re_join_spends_none() -> None:
+    log = budget_log()
+    log.apply(c.Expire(JOB, ("b",), "dead", "connection_closed"), 1.0)
+    log.join("a", 2.0, max_restarts=2)  # the survivor re-joins: num_nodes_waiting said so
+    job = log.sm.job(JOB)
+    assert job.restarts == 1
+    assert [e.cause.value for e in job.timeline.since(0) if e.kind.value == "restart_counted"] == ["member_died"]
+
+
+def test_scale_up_and_a_graceful_leave_spend_nothing() -> None:
+    log = Log()
+    log.join("a", 0.0, max_nodes=3, max_restarts=0)
+    log.join("b", 0.0, max_nodes=3, max_restarts=0)
+    log.apply(c.LastCall(JOB, 0), 5.0)
+    log.join("c", 6.0, max_nodes=3, max_restarts=0)  # waiting: the members restart for it
+    log.join("a", 7.0, max_nodes=3, max_restarts=0)
+    log.join("b", 7.0, max_nodes=3, max_restarts=0)
+    job = log.sm.job(JOB)
+    assert (job.state.value, job.round, job.restarts) == ("complete", 1, 0)
+    log.apply(c.Leave(JOB, "c"), 8.0)
+    assert (job.state.value, job.restarts) == ("complete", 0)
+
+
+def test_no_budget_counts_quietly_and_never_closes() -> None:
+    log = budget_log(None)
+    for t in range(1, 6):
+        log.join("a", float(t))
+        log.join("b", float(t))
+    job = log.sm.job(JOB)
+    assert (job.state.value, job.restarts, job.settings.max_restarts) == ("complete", 5, None)
+    assert not [e for e in job.timeline.since(0) if e.kind.value == "restart_counted"]
+
+
+def test_topology_paths_order_the_ranks_and_show_in_the_document_and_survive_a_snapshot() -> None:
+    log = Log()
+    for node, path in (("x", "zone1/rack12"), ("y", "zone1/rack2"), ("z", "zone0/rack7")):
+        s = JobSettings(3, 3, 5.0)
+        log.apply(c.Join(JOB, node, f"{node}.host", 1, s, topology=path, host=f"{node}-name"), 0.0)
+    job = log.sm.job(JOB)
+    assert job.members == ["z", "y", "x"]
+    assert [(n["node_id"], n["topology"]) for n in job.describe(1.0)["nodes"]] == [
+        ("z", "zone0/rack7"), ("y", "zone1/rack2"), ("x", "zone1/rack12")
+    ]
+    fresh = StateMachine(max_value_bytes=1024, job_ttl=1000.0)
+    fresh.restore(log.sm.to_snapshot())
+    assert [(n.topology, n.host) for n in fresh.job(JOB).nodes.values()] == [
+        (n.topology, n.host) for n in job.nodes.values()
+    ]

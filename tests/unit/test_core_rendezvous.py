@@ -336,11 +336,11 @@ def test_last_call_timeout_zero_completes_at_min_nodes() -> None:
     assert cl.ranks() == {"a": 0, "b": 1}
 
 
-def test_round_forms_from_candidates_by_arrival() -> None:
+def test_a_first_round_ranks_its_nodes_in_natural_host_order_not_by_arrival() -> None:
     cl = Cluster(min_nodes=1, max_nodes=4)
-    for i, node_id in enumerate(["d", "b", "c", "a"]):
+    for i, node_id in enumerate(["d", "b", "c", "a"]):  # addresses d.example, b.example ...
         cl.join(node_id, float(i))
-    assert cl.ranks() == {"d": 0, "b": 1, "c": 2, "a": 3}
+    assert cl.ranks() == {"a": 0, "b": 1, "c": 2, "d": 3}
 
 
 def test_retried_join_of_a_candidate_changes_nothing_but_the_version() -> None:
@@ -552,7 +552,7 @@ def test_standby_fills_slots_after_new_nodes_at_the_last_call() -> None:
     cl.join("a", 13.0)  # round 1 opens: a, w candidates; s, t standby; b expected
     assert cl.job.last_call_deadline == 18.0
     cl.tick(18.0)
-    assert cl.ranks() == {"a": 0, "w": 1, "s": 2}
+    assert cl.ranks() == {"a": 0, "s": 1, "w": 2}  # admitted by tier, ranked by host: s.example < w.example
     assert cl.role("t") is Role.STANDBY
     assert "b" not in cl.job.nodes  # an alive member that did not come back is not in the round
 
@@ -996,7 +996,7 @@ def test_a_join_after_every_node_of_a_closed_job_departed_starts_a_fresh_run() -
     assert kv.total_keys() == 0  # the fresh run starts with no keys
     cl.join("a", 4.0, min_nodes=1, max_nodes=3)
     cl.tick(4.0 + cl.settings["last_call_timeout"])
-    assert cl.ranks() == {"b": 0, "a": 1}  # new nodes by arrival: nothing carried over from the closed run
+    assert cl.ranks() == {"a": 0, "b": 1}  # new nodes by host: nothing carried over from the closed run
 
 
 def test_a_fresh_run_replays_and_restores_exactly() -> None:
@@ -1211,7 +1211,7 @@ def test_describe_has_the_membership_document_of_the_design() -> None:
         assert {"node_id", "addr", "node_rank", "nproc_per_node", "global_ranks", "alive", "last_heartbeat_age_s"} <= set(entry)
     assert a == {
         "node_id": "a", "addr": "a.example", "node_rank": 0, "nproc_per_node": 2, "global_ranks": [0, 1],
-        "alive": True, "status": "alive", "last_heartbeat_age_s": 0.5,
+        "alive": True, "status": "alive", "last_heartbeat_age_s": 0.5, "topology": None,
     }
     assert (b["node_id"], b["node_rank"], b["global_ranks"], b["last_heartbeat_age_s"]) == ("b", 1, [2, 3, 4], 12.5)
     assert ids(doc["waiting"]) == ["w"]
