@@ -101,3 +101,44 @@ def test_a_host_whose_nodes_keep_dying_is_quarantined(quarantine_server: Any, cl
     again = cluster.start("flaky2", srv, job, nnodes="1:2", nproc=1, args=["--local-addr=127.0.0.2"])
     assert again.wait(60) != 0
     assert "host 127.0.0.2 is cordoned by the server (automatic quarantine" in again.log_text()
+
+
+def test_a_job_whose_workers_always_fail_stops_when_its_restart_budget_is_spent(server: Any, cluster: Cluster) -> None:
+    job = "fleet-budget"
+    env = {"FAIL_ALWAYS": "1"}
+    for name in ("n0", "n1"):  # torch's own per-agent budget is larger: the job-wide one decides
+        cluster.start(name, server, job, nnodes="2", nproc=1, conf={"max_restarts": "2"}, env=env, max_restarts=10)
+    codes = cluster.wait_all(120)
+    assert codes["n0"] != 0 and codes["n1"] != 0, codes
+    for node in cluster.nodes:
+        assert "restart_budget_exhausted" in node.log_text(), node.name
+    timeline = events(server, job)
+    assert [e["restarts"] for e in timeline if e["kind"] == "restart_counted"] == [1, 2]
+    [closed] = [e for e in timeline if e["kind"] == "job_closed"]
+    assert (closed["cause"], closed["max_restarts"], closed["restarts"]) == ("restart_budget_exhausted", 2, 2)
+    doc = cluster.job(server, job)
+    assert doc is not None and (doc["restarts"], doc["max_restarts"], doc["state"]) == (2, 2, "closed")
+
+
+def test_ranks_follow_topology_a_survivor_keeps_its_rank_and_a_spare_takes_the_dead_nodes(
+    server: Any, cluster: Cluster
+) -> None:
+    job = "fleet-topology"
+    paths = {"c": "zone1/rack3", "a": "zone1/rack1", "b": "zone1/rack2"}  # started in this order
+    nodes = {name: cluster.start(name, server, job, nnodes="3", nproc=1, env={**LONG, "RDZV_TOPOLOGY": path},
+                                 max_restarts=3) for name, path in paths.items()}
+
+    def formed_with(names: set[str]) -> Any:
+        return lambda d: (d["state"] == "complete" and all(n["alive"] for n in d["nodes"])
+                          and {cluster.node_of(n).name for n in d["nodes"]} == names)
+
+    doc = cluster.wait_job(server, job, formed_with({"a", "b", "c"}), 90, "the round of a, b, c")
+    assert [(cluster.node_of(n).name, n["node_rank"], n["topology"]) for n in doc["nodes"]] == [
+        ("a", 0, "zone1/rack1"), ("b", 1, "zone1/rack2"), ("c", 2, "zone1/rack3")
+    ]
+    # a spare whose path sorts first: as a new node it would take rank 0, as a spare it takes b's
+    cluster.start("s", server, job, nnodes="3", nproc=1, env={**LONG, "RDZV_TOPOLOGY": "zone1/rack0"}, max_restarts=3)
+    cluster.wait_job(server, job, lambda d: len(d["standby"]) == 1, 60, "the spare on standby")
+    nodes["b"].kill()
+    doc = cluster.wait_job(server, job, formed_with({"a", "s", "c"}), 90, "the round of a, s, c")
+    assert [(cluster.node_of(n).name, n["node_rank"]) for n in doc["nodes"]] == [("a", 0), ("s", 1), ("c", 2)]
