@@ -206,16 +206,17 @@ class _StateCollector:
         for by, n in self.svc.cordon_counts().items():
             cordons.add_metric([by], n)
         yield cordons
-        used = GaugeMetricFamily(
-            "rdzv_job_restarts", "Restarts a job with a budget (max_restarts) has spent.", labels=["rdzv_id"]
+        # The restart budgets of the jobs that set one, summed (no job id in the metrics: each
+        # job's own count is in its document, `rdzvctl show` and its page).
+        budgeted = [e.job for e in jobs if e.job.settings.max_restarts is not None]
+        yield GaugeMetricFamily("rdzv_restarts_used", "Restarts spent by the jobs with a restart budget (max_restarts), summed.",
+                                value=sum(j.restarts for j in budgeted))
+        yield GaugeMetricFamily("rdzv_restarts_budget", "The restart budgets (max_restarts) of those jobs, summed.",
+                                value=sum(j.settings.max_restarts or 0 for j in budgeted))
+        yield GaugeMetricFamily(
+            "rdzv_jobs_budget_spent", "Running jobs whose restart budget is spent: their next failure stops them.",
+            value=sum(1 for j in budgeted if j.state.value != "closed" and j.restarts >= (j.settings.max_restarts or 0)),
         )
-        budget = GaugeMetricFamily("rdzv_job_max_restarts", "A job's restart budget (max_restarts).", labels=["rdzv_id"])
-        for e in jobs:  # only jobs that set a budget: bounded by --max-jobs
-            if e.job.settings.max_restarts is not None:
-                used.add_metric([e.job.rdzv_id], e.job.restarts)
-                budget.add_metric([e.job.rdzv_id], e.job.settings.max_restarts)
-        yield used
-        yield budget
         yield from self._limits()
         yield GaugeMetricFamily("rdzv_waiters", "Parked long-polls.", value=len(self.svc.waiters))
         yield GaugeMetricFamily("rdzv_ready", "1 once recovery finished.", value=1 if self.svc.ready else 0)

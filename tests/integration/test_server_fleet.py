@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from rdzv_client import Client
-from rdzv_client.error import BadRequestError, HostCordonedError
+from rdzv_client.error import BadRequestError, HostCordonedError, JobClosedError
 from tests.server_process import ServerProcess
 
 
@@ -153,3 +153,43 @@ def test_a_failed_health_check_is_recorded_as_node_refused(server: ServerProcess
         assert events[1]["reason"] == "GPU 3: uncorrectable ECC errors"
         with pytest.raises(BadRequestError):
             client.refuse(job, node_id="n1", addr="10.0.0.5", cause="bored")
+
+
+def metrics(srv: ServerProcess) -> dict[str, float]:
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def test_the_restart_budget_shows_in_the_document_rdzvctl_and_metrics_and_closes_the_job(server: ServerProcess) -> None:
+    job = job_id()
+    with Client(server.endpoint) as client:
+        def rejoin() -> Any:
+            return client.join(job, node_id="a", addr="node7", nproc_per_node=1, min_nodes=1, max_nodes=1,
+                               timeout=10, max_restarts=1, topology="zone1/rack2")
+
+        rejoin()
+        before = metrics(server)
+        assert rejoin().round == 1  # a member re-joins its formed round: its workers failed
+        doc = client.job(job)
+        assert (doc["restarts"], doc["max_restarts"], doc["nodes"][0]["topology"]) == (1, 1, "zone1/rack2")
+        out = rdzvctl("show", job, endpoint=server.endpoint)
+        assert out.stdout.splitlines()[1] == "restarts 1 of 1"
+        assert out.stdout.splitlines()[3].split()[-1] == "TOPOLOGY" and "zone1/rack2" in out.stdout
+        after = metrics(server)
+        assert after['rdzv_restarts_total{cause="workers_failed"}'] - before.get('rdzv_restarts_total{cause="workers_failed"}', 0) == 1
+        assert after["rdzv_jobs_budget_spent"] >= 1 and after["rdzv_restarts_used"] >= 1
+        with pytest.raises(JobClosedError, match="restart_budget_exhausted"):
+            rejoin()
+        assert client.job(job)["closed_cause"] == "restart_budget_exhausted"
+        final = metrics(server)
+        assert final['rdzv_jobs_closed_total{cause="restart_budget_exhausted"}'] >= 1
