@@ -266,7 +266,7 @@ class StateMachine:
         if cordon is not None:  # refused before anything changes (the service records the refusal)
             raise HostCordoned(
                 f"node {cmd.node_id} cannot join job {cmd.rdzv_id}: {cordon.describe()} "
-                f"({'until ' + format(cordon.until, '.0f') + ' s on the server clock' if cordon.until is not None else 'until uncordoned'}); "
+                f"({'for another ' + format(cordon.until - now, '.0f') + ' s' if cordon.until is not None else 'until uncordoned'}); "
                 f"`rdzvctl uncordon {cordon.host}` admits it again"
             )
         entry = self.jobs.get(cmd.rdzv_id)
