@@ -17,9 +17,12 @@ from typing import Any
 
 import pytest
 
+from etcd_cluster import require_etcd, running_etcd
+from replica_cluster import ReplicaCluster
+from server_process import ServerProcess
+
 from rdzv_client import Client
 from rdzv_client.error import BadRequestError, HostCordonedError, JobClosedError
-from tests.server_process import ServerProcess
 
 
 def rdzvctl(*args: str, endpoint: str) -> subprocess.CompletedProcess[str]:
@@ -193,3 +196,19 @@ def test_the_restart_budget_shows_in_the_document_rdzvctl_and_metrics_and_closes
         assert client.job(job)["closed_cause"] == "restart_budget_exhausted"
         final = metrics(server)
         assert final['rdzv_jobs_closed_total{cause="restart_budget_exhausted"}'] >= 1
+
+
+def test_a_cordon_outlives_the_leader_over_replicas(tmp_path: Path) -> None:
+    """Two replicas over a one-member etcd: the cordon is a logged command, so the replica that
+    takes over holds it and refuses the host too."""
+    require_etcd()
+    with running_etcd(1) as etcd, ReplicaCluster(etcd, tmp_path, size=2).start() as replicas:
+        with Client(replicas.endpoint, retry_budget=60) as client:
+            client.cordon("node7", reason="bad DIMM")
+        leader = replicas.wait_for_leader()
+        replicas.replicas[leader].kill()
+        replicas.wait_for_leader(other_than=leader)
+        with Client(replicas.endpoint, retry_budget=60) as client:
+            assert [(c["host"], c["reason"]) for c in client.cordons()["cordons"]] == [("node7", "bad DIMM")]
+            with pytest.raises(HostCordonedError, match="node7"):
+                join(client, job_id(), "a", "10.0.0.1", host="node7")

@@ -289,3 +289,16 @@ def test_topology_paths_order_the_ranks_and_show_in_the_document_and_survive_a_s
     assert [(n.topology, n.host) for n in fresh.job(JOB).nodes.values()] == [
         (n.topology, n.host) for n in job.nodes.values()
     ]
+
+
+def test_a_member_cordoned_mid_round_finishes_its_round_and_is_refused_at_its_next_join() -> None:
+    log = Log()
+    log.join("a", 0.0, addr="10.0.0.1")
+    log.join("b", 0.0, addr="10.0.0.2")
+    job = log.sm.job(JOB)
+    log.apply(c.Cordon("", host="10.0.0.2", reason="bad DIMM"), 1.0)
+    assert job.state.value == "complete" and job.num_nodes_waiting(job.round) == 0  # nobody restarts for it
+    assert log.sm.assignment(JOB, "b", 0) is not None  # b keeps its place and its ranks
+    with pytest.raises(HostCordoned, match="10.0.0.2 is cordoned"):
+        log.join("b", 2.0, addr="10.0.0.2")  # its workers restarted: refused at the next round
+    assert job.state.value == "complete" and job.round == 0  # the refused join changed nothing
