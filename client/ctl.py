@@ -118,6 +118,9 @@ def format_membership(doc: Mapping[str, Any]) -> str:
         f"world_size {doc.get('world_size')}"
     )
     lines = [header]
+    if doc.get("max_restarts") is not None or doc.get("restarts"):  # the job-wide restart budget
+        budget = doc.get("max_restarts")
+        lines.append(f"restarts {doc.get('restarts', 0)} of {budget if budget is not None else 'unlimited'}")
     if doc.get("pending_reason"):  # only while a round is open: what it still waits for
         lines.append(f"pending: {doc['pending_reason']}")
     lines.append("")
@@ -135,7 +138,11 @@ def format_membership(doc: Mapping[str, Any]) -> str:
             ]
             for n in nodes
         ]
-        lines += format_table(["NODE_RANK", "NODE_ID", "ADDR", "NPROC", "RANKS", "ALIVE", "HEARTBEAT"], rows)
+        headers = ["NODE_RANK", "NODE_ID", "ADDR", "NPROC", "RANKS", "ALIVE", "HEARTBEAT"]
+        if any(n.get("topology") for n in nodes):  # where each node sits, when the nodes say
+            headers.append("TOPOLOGY")
+            rows = [[*row, _cell(n.get("topology") or None)] for row, n in zip(rows, nodes, strict=True)]
+        lines += format_table(headers, rows)
     else:
         lines.append("no nodes in the current round")
     for section in ("joining", "waiting", "standby"):  # joining: in the open round, not yet formed
@@ -161,6 +168,45 @@ def format_jobs(jobs: Sequence[Mapping[str, Any]]) -> str:
         for j in jobs
     ]
     return "\n".join(format_table(["RDZV_ID", "STATE", "ROUND", "NODES", "WORLD_SIZE"], rows))
+
+
+def format_cordons(cordons: Sequence[Mapping[str, Any]], server_now: float) -> str:
+    """The cordons as a table: host, since, until, reason, by whom (operator or automatic)."""
+    if not cordons:
+        return "no cordons"
+    offset = time.time() - server_now  # the server sends its own clock: show wall-clock times
+
+    def at(value: object) -> str:
+        return _local_time(value + offset) if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
+
+    rows = [
+        [
+            _cell(c.get("host")),
+            at(c.get("since")),
+            at(c.get("until")) if c.get("until") is not None else "uncordoned",
+            _cell(c.get("reason") or None),
+            "automatic" if c.get("by") == "flapping" else _cell(c.get("by")),
+        ]
+        for c in cordons
+    ]
+    return "\n".join(format_table(["HOST", "SINCE", "UNTIL", "REASON", "BY"], rows))
+
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> float:
+    """``90``, ``90s``, ``30m``, ``2h``, ``1d`` as seconds (> 0); argparse's type for ``--for``."""
+    raw = text.strip().lower()
+    unit = _UNITS.get(raw[-1:], None)
+    number = raw[:-1] if unit is not None else raw
+    try:
+        seconds = float(number) * (unit or 1.0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (use e.g. 90s, 30m, 2h, 1d)") from None
+    if not 0 < seconds <= wire.MAX_CORDON_S or seconds != seconds:
+        raise argparse.ArgumentTypeError(f"a duration must be > 0 and at most a year, got {text!r}")
+    return seconds
 
 
 def format_duration(seconds: object) -> str:
@@ -312,6 +358,16 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("--frames", type=_positive_int, default=None, metavar="N", help="stop after N redraws")
     close = sub.add_parser("close", help="close a job (later joins fail)")
     close.add_argument("job")
+    cordon = sub.add_parser("cordon", help="refuse a host's nodes in every job (a node's host name or address)")
+    cordon.add_argument("host")
+    cordon.add_argument("--reason", default="", help="why: shown to the refused agents and in `rdzvctl cordons`")
+    cordon.add_argument(
+        "--for", dest="duration", type=parse_duration, default=None, metavar="DURATION",
+        help="lift it by itself after this long (90s, 30m, 2h, 1d; default: until `rdzvctl uncordon`)",
+    )
+    uncordon = sub.add_parser("uncordon", help="admit a cordoned host's nodes again")
+    uncordon.add_argument("host")
+    sub.add_parser("cordons", help="list the cordoned hosts: since, until, reason, by whom")
     kv = sub.add_parser("kv", help="read and write a job's keys")
     kv_sub = kv.add_subparsers(dest="kv_command", required=True, metavar="KV_COMMAND")
     kv_get = kv_sub.add_parser("get", help="print a key's value")
@@ -453,6 +509,22 @@ def _execute(args: argparse.Namespace, client: Client, out: TextIO) -> None:
         _print_events(client, args.job, args.since, args.follow, args.json, out)
     elif args.command == "watch":
         _watch(client, args.job, args.interval, args.frames, args.json, out)
+    elif args.command == "cordon":
+        cordon = client.cordon(args.host, reason=args.reason, duration=args.duration)
+        if args.json:
+            _emit_json({"cordon": cordon}, out)
+        else:
+            until = "until uncordoned" if args.duration is None else f"for {format_duration(args.duration)}"
+            out.write(f"cordoned {args.host} {until}\n")
+    elif args.command == "uncordon":
+        lifted = client.uncordon(args.host)
+        if args.json:
+            _emit_json({"host": args.host, "uncordoned": lifted}, out)
+        else:
+            out.write(f"uncordoned {args.host}\n" if lifted else f"{args.host} was not cordoned\n")
+    elif args.command == "cordons":
+        doc = client.cordons()
+        out.write((wire.dump_json(doc).decode() if args.json else format_cordons(doc["cordons"], doc["now"])) + "\n")
     elif args.command == "close":
         client.close_job(args.job, cause="operator")
         if args.json:

@@ -20,6 +20,7 @@ The tree::
     ├── UnauthorizedError           the server wants credentials this client did not send (401)
     ├── NotFoundError               no such job, node or route (404)
     ├── ConflictError               the request contradicts stored state (409)
+    ├── HostCordonedError           this node's host is cordoned; the message names the cordon (403)
     ├── LimitError                  a server limit refused the request; nothing changed (429, 413; 503 log_queue_full)
     └── ServerError                 the server failed, or answered something malformed (5xx)
         └── NotLeaderError          a follower replica answered; .leader is the leader's URL (503)
@@ -91,6 +92,12 @@ class ConflictError(RdzvError):
     """The request contradicts stored state: other job settings, a non-integer counter."""
 
 
+class HostCordonedError(RdzvError):
+    """This node's host is cordoned (``rdzvctl cordon``, or quarantined by the server for
+    flapping): no job admits it until it is uncordoned. The message names the cordon and its
+    reason. Retrying cannot help."""
+
+
 class LimitError(RdzvError):
     """A server limit (connections, buffered bytes, jobs, keys, sessions, the log's queue) refused the request.
 
@@ -156,6 +163,7 @@ ERROR_CLASSES: dict[ErrorCode, type[RdzvError]] = {
     ErrorCode.RECORD_TOO_LARGE: BadRequestError,
     ErrorCode.LOG_QUEUE_FULL: LimitError,
     ErrorCode.LOG_FAILED: ServerError,
+    ErrorCode.HOST_CORDONED: HostCordonedError,
 }
 
 

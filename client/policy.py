@@ -193,6 +193,7 @@ class WatchResult:
     state: str
     num_nodes_waiting: int
     closed: bool
+    cause: str | None = None  # why the job closed (e.g. restart_budget_exhausted), from a server that says
 
 
 class _Unavailable(Exception):
@@ -201,6 +202,12 @@ class _Unavailable(Exception):
     def __init__(self, error: RdzvError) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+def _one_line(text: str, limit: int) -> str:
+    """``text`` as one printable line of at most ``limit`` characters (a check's output line)."""
+    line = "".join(ch if ch.isprintable() else " " for ch in text.strip())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 def _as_bytes(name: str, value: KeyLike) -> bytes:

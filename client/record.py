@@ -80,6 +80,9 @@ class ErrorCode(str, enum.Enum):
     # The server's own log failed a write (a full or failing disk): it acknowledges
     # nothing more and stops; retry once it is back (or at another replica).
     LOG_FAILED = "log_failed"
+    # The joining node's host is cordoned (rdzvctl cordon, or quarantined for flapping): the
+    # message names the cordon and its reason. Not retried: the agent exits non-zero.
+    HOST_CORDONED = "host_cordoned"
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -117,6 +120,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.RECORD_TOO_LARGE: 413,
     ErrorCode.LOG_QUEUE_FULL: 503,
     ErrorCode.LOG_FAILED: 503,
+    ErrorCode.HOST_CORDONED: 403,
 }
 
 
@@ -135,6 +139,23 @@ def nonnegative(name: str, value: float | None) -> None:
 #: Field metadata of an inline record (see :func:`inline`) and of its fields a body must carry.
 INLINE_KEY = "inline"
 REQUIRED_KEY = "required"
+#: Field metadata of a field added after the format was fixed (see :func:`optional`).
+OMIT_KEY = "omit_default"
+
+
+def optional(default: Any) -> Any:
+    """A field the wire map and the log record carry only when it differs from ``default``.
+
+    Fields added after the format was fixed (the fleet controls: a node's host name and
+    topology, a job's restart budget) are declared so: a request or record that does not
+    use them is the very bytes it was before (``tests/unit/test_wire_recorded.py``), and
+    an old record without them reads back with the default."""
+    return dataclasses.field(default=default, metadata={OMIT_KEY: True})
+
+
+def omitted(f: dataclasses.Field[Any], value: Any) -> bool:
+    """Whether field ``f`` holding ``value`` is left out of the wire map and the log record."""
+    return bool(f.metadata.get(OMIT_KEY)) and value == f.default
 
 
 def inline(*, required: tuple[str, ...] = (), default_factory: Callable[[], Any] | None = None) -> Any:
@@ -151,6 +172,12 @@ def inline(*, required: tuple[str, ...] = (), default_factory: Callable[[], Any]
 
 #: The most nodes a job may take (``max_nodes``).
 MAX_NODES = 1_000_000
+#: The largest job-wide restart budget (``max_restarts``): far beyond any real job's.
+MAX_RESTARTS = 1_000_000
+#: A node's topology path (``zone1/rack12/switch3``) and host name: at most this long.
+MAX_TOPOLOGY_CHARS = 255
+#: A cordon's reason, and a refusal's detail (a health check's last line): at most this long.
+MAX_REASON_CHARS = 500
 
 
 @dataclass(frozen=True)
@@ -163,10 +190,13 @@ class JobSettings:
     last_call_timeout: float = 30.0  # torch: last_call_timeout 30 s
     join_timeout: float = 600.0  # torch: join_timeout 600 s
     heartbeat_ttl: float = 15.0  # torch: heartbeat 5 s x 3 attempts
+    # The job-wide restart budget (--rdzv-conf max_restarts=N): failure-caused re-formations
+    # the job may take before the server closes it (None: no budget, torch's behaviour).
+    max_restarts: int | None = optional(None)
 
     def validate(self) -> None:
         """Raise :class:`WireError` unless 1 <= min_nodes <= max_nodes <= MAX_NODES, the
-        timeouts are >= 0 and the TTL is > 0."""
+        timeouts are >= 0, the TTL is > 0 and the restart budget (if any) is 0..MAX_RESTARTS."""
         if self.min_nodes < 1 or self.max_nodes < self.min_nodes:
             raise WireError(
                 f"need 1 <= min_nodes <= max_nodes, got min_nodes={self.min_nodes} max_nodes={self.max_nodes}"
@@ -177,6 +207,8 @@ class JobSettings:
         nonnegative("join_timeout", self.join_timeout)
         if self.heartbeat_ttl <= 0:
             raise WireError(f"heartbeat_ttl must be > 0, got {self.heartbeat_ttl}")
+        if self.max_restarts is not None and not 0 <= self.max_restarts <= MAX_RESTARTS:
+            raise WireError(f"max_restarts must be 0..{MAX_RESTARTS}, got {self.max_restarts}")
 
 
 @dataclass(frozen=True)
@@ -203,6 +235,28 @@ def check_id(kind: str, value: object) -> str:
         err.code = ErrorCode.INVALID_ID
         raise err
     return value
+
+
+def host_ok(name: str, value: str, *, empty: bool = False) -> None:
+    """A host name or address: 1..MAX_ADDR_CHARS printable characters, no spaces (or empty, if allowed)."""
+    if not value and empty:
+        return
+    if not 0 < len(value) <= MAX_ADDR_CHARS or not value.isprintable() or any(ch.isspace() for ch in value):
+        raise WireError(f"{name} must be 1..{MAX_ADDR_CHARS} printable characters without spaces, got {value[:64]!r}")
+
+
+def topology_ok(value: str) -> None:
+    """A topology path: at most MAX_TOPOLOGY_CHARS printable characters, no spaces."""
+    if len(value) > MAX_TOPOLOGY_CHARS or not value.isprintable() or any(ch.isspace() for ch in value):
+        raise WireError(
+            f"topology must be at most {MAX_TOPOLOGY_CHARS} printable characters without spaces "
+            f"(a path such as zone1/rack12/switch3), got {value[:64]!r}"
+        )
+
+
+def reason_ok(name: str, value: str) -> None:
+    if len(value) > MAX_REASON_CHARS or not value.isprintable():
+        raise WireError(f"{name} must be at most {MAX_REASON_CHARS} printable characters on one line")
 
 
 def key_ok(name: str, key: bytes) -> None:
@@ -254,25 +308,27 @@ class Command(Request):
         """The log record: the fields the log keeps, an inline record's (the job settings)
         spelled in its place, and ``op``."""
         record: dict[str, Any] = {}
-        for name, inlined in _log_fields(type(self)):
-            value = getattr(self, name)
+        for f, inlined in _log_fields(type(self)):
+            value = getattr(self, f.name)
             if inlined:
-                record.update(dataclasses.asdict(value))
-            else:
-                record[name] = value
+                record.update(
+                    {g.name: getattr(value, g.name) for g in dataclasses.fields(value) if not omitted(g, getattr(value, g.name))}
+                )
+            elif not omitted(f, value):
+                record[f.name] = value
         record["op"] = self.op
         return record
 
 
-_LOG_FIELDS: dict[type[Command], tuple[tuple[str, bool], ...]] = {}
+_LOG_FIELDS: dict[type[Command], tuple[tuple[dataclasses.Field[Any], bool], ...]] = {}
 
 
-def _log_fields(cls: type[Command]) -> tuple[tuple[str, bool], ...]:
+def _log_fields(cls: type[Command]) -> tuple[tuple[dataclasses.Field[Any], bool], ...]:
     """The fields of ``cls``'s log record, whether each is inline; derived once per class."""
     fields = _LOG_FIELDS.get(cls)
     if fields is None:
         fields = _LOG_FIELDS[cls] = tuple(
-            (f.name, bool(f.metadata.get(INLINE_KEY))) for f in dataclasses.fields(cls) if f.metadata.get(LOG_KEY, True)
+            (f, bool(f.metadata.get(INLINE_KEY))) for f in dataclasses.fields(cls) if f.metadata.get(LOG_KEY, True)
         )
     return fields
 
@@ -389,6 +445,10 @@ class JoinRequest(Command):
     rid: Rid = wire_only(None)
     #: The port this node's workers would serve their store on if it becomes node rank 0 (0: none).
     master_port: int = 0
+    #: The node's host name, when it is not ``addr`` (a cordon names a host by either).
+    host: str = optional("")
+    #: The node's topology path (``RDZV_TOPOLOGY``, e.g. ``zone1/rack12/switch3``): node ranks follow it.
+    topology: str = optional("")
 
     def validate(self) -> None:
         check_id("node_id", self.node_id)
@@ -398,6 +458,8 @@ class JoinRequest(Command):
             raise WireError(f"addr must be 1..{MAX_ADDR_CHARS} characters")
         if not 1 <= self.nproc_per_node <= 65536:
             raise WireError(f"nproc_per_node must be 1..65536, got {self.nproc_per_node}")
+        host_ok("host", self.host, empty=True)
+        topology_ok(self.topology)
         self.settings.validate()
         nonnegative("hold", self.hold)
 
@@ -426,3 +488,76 @@ class CloseRequest(Command):
     def validate(self) -> None:
         if self.cause not in CLOSE_CAUSES:
             raise WireError(f"cause must be one of {', '.join(map(repr, CLOSE_CAUSES))}, got {self.cause[:32]!r}")
+
+
+#: Why a node refuses itself before joining (``refuse``): its health check failed.
+REFUSE_CAUSES = ("health_check_failed",)
+
+
+@dataclass(frozen=True)
+class RefuseRequest(Command):
+    """A node is not fit to join: it ran its ``health_check`` before the join and the check
+    failed. The server records ``node_refused`` (``cause``, ``detail``: the check's last output
+    line) in the job's timeline, creating the job from ``settings`` if it has none yet, and
+    admits nothing: the node's agent exits."""
+
+    op: ClassVar[str] = "refuse"
+    node_id: str
+    addr: str
+    cause: str
+    detail: str = ""
+    settings: JobSettings = inline(default_factory=JobSettings)
+    host: str = optional("")
+    rid: Rid = wire_only(None)
+
+    def validate(self) -> None:
+        check_id("node_id", self.node_id)
+        host_ok("addr", self.addr)
+        host_ok("host", self.host, empty=True)
+        if self.cause not in REFUSE_CAUSES:
+            raise WireError(f"cause must be one of {', '.join(map(repr, REFUSE_CAUSES))}, got {self.cause[:32]!r}")
+        reason_ok("detail", self.detail)
+        self.settings.validate()
+
+
+#: Who cordons a host: an operator (rdzvctl), or the server for flapping (automatic quarantine).
+CORDON_BY = ("operator", "flapping")
+
+
+@dataclass(frozen=True)
+class CordonRequest(Command):
+    """Cordon ``host`` (a node's host name or address): every job refuses its joins until it
+    is uncordoned or ``duration`` seconds pass (None: until uncordoned). Cordoning a cordoned
+    host replaces its cordon. ``rdzv_id`` is ``""`` for an operator's cordon, or the job whose
+    deaths made the server quarantine the host (``by="flapping"``)."""
+
+    op: ClassVar[str] = "cordon"
+    host: str
+    reason: str = ""
+    duration: float | None = None
+    by: str = "operator"
+    rid: Rid = wire_only(None)
+
+    def validate(self) -> None:
+        host_ok("host", self.host)
+        reason_ok("reason", self.reason)
+        if self.duration is not None and not 0 < self.duration <= MAX_CORDON_S:
+            raise WireError(f"duration must be > 0 and at most {MAX_CORDON_S:.0f} s, got {self.duration}")
+        if self.by not in CORDON_BY:
+            raise WireError(f"by must be one of {', '.join(map(repr, CORDON_BY))}, got {self.by[:32]!r}")
+
+
+#: The longest timed cordon (a year): longer is "until uncordoned" (no duration).
+MAX_CORDON_S = 366 * 86400.0
+
+
+@dataclass(frozen=True)
+class UncordonRequest(Command):
+    """Lift the cordon of ``host``; answers ``{"uncordoned": bool}`` (False: it had none)."""
+
+    op: ClassVar[str] = "uncordon"
+    host: str
+    rid: Rid = wire_only(None)
+
+    def validate(self) -> None:
+        host_ok("host", self.host)

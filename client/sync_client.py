@@ -17,6 +17,7 @@ import logging
 import os
 import random
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -41,6 +42,7 @@ from .policy import (
     WatchResult,
     _answer,
     _as_bytes,
+    _one_line,
     _parse_endpoint,
     _reply_bytes_list,
     _reply_field,
@@ -225,11 +227,14 @@ class Client:
             raise ServerError(f"the server's {req.op} reply is not a map: {reply!r:.200}")
         return reply
 
-    def _get_json(self, path: str, what: str, hold: float = 0.0) -> Any:
+    def _get_json(self, path: str, what: str, hold: float = 0.0, *, method: str = "GET", body: Any = None) -> Any:
         self._check_open()
 
         def attempt(endpoint: Endpoint) -> Any:
-            return _answer(self._transport.fetch(endpoint, path, hold + self._request_timeout))
+            timeout = hold + self._request_timeout
+            if method == "GET":
+                return _answer(self._transport.fetch(endpoint, path, timeout))
+            return _answer(self._transport.fetch(endpoint, path, timeout, method=method, body=body))
 
         return self._with_retries(what, attempt, None)
 
@@ -495,13 +500,19 @@ class Client:
         heartbeat_ttl: float = DEFAULT_HEARTBEAT_TTL,
         master_port: int = 0,
         timeout: float,
+        host: str = "",
+        topology: str = "",
+        max_restarts: int | None = None,
     ) -> wire.Assignment:
         """Join the job's next round and wait (up to ``timeout`` s) for it to form.
 
         ``master_port``: the port this node's workers would serve their store on should it
-        become node rank 0; every node's assignment then carries node rank 0's.
+        become node rank 0; every node's assignment then carries node rank 0's. ``host``: the
+        node's host name when it is not ``addr`` (cordons match either); ``topology``: its
+        topology path (node ranks follow it); ``max_restarts``: the job-wide restart budget.
 
-        Raises :class:`JoinTimeoutError` (the job's ``join_timeout`` passed on the server),
+        Raises :class:`HostCordonedError` (the node's host is cordoned),
+        :class:`JoinTimeoutError` (the job's ``join_timeout`` passed on the server),
         :class:`JobClosedError`, :class:`ConflictError` (settings differ from the job's),
         :class:`RdzvTimeoutError` (this call's own ``timeout`` passed).
         """
@@ -514,9 +525,11 @@ class Client:
             node_id=node_id,
             addr=addr,
             nproc_per_node=nproc_per_node,
-            settings=wire.JobSettings(min_nodes, max_nodes, last_call_timeout, join_timeout, heartbeat_ttl),
+            settings=wire.JobSettings(min_nodes, max_nodes, last_call_timeout, join_timeout, heartbeat_ttl, max_restarts),
             hold=hold,
             master_port=master_port,
+            host=host,
+            topology=topology,
         )
         reply: dict[str, Any] | None = None  # None: (re)send the join itself
         round_ = -1
@@ -565,6 +578,7 @@ class Client:
             state=_reply_field(reply, "state", str, "watch"),
             num_nodes_waiting=_reply_field(reply, "num_nodes_waiting", int, "watch"),
             closed=_reply_field(reply, "closed", bool, "watch"),
+            cause=reply.get("cause") if isinstance(reply.get("cause"), str) else None,
         )
 
     def leave(self, rdzv_id: str, node_id: str) -> None:
@@ -575,6 +589,47 @@ class Client:
         """Close the job: later joins fail with :class:`JobClosedError`. ``cause`` (one of
         ``wire.CLOSE_CAUSES``) tells the job's timeline who closed it."""
         self.request(rdzv_id, wire.CloseRequest(rdzv_id, cause=cause))
+
+    def refuse(
+        self, rdzv_id: str, *, node_id: str, addr: str, cause: str, detail: str = "", host: str = "",
+        min_nodes: int = 1, max_nodes: int = 1, max_restarts: int | None = None,
+    ) -> None:
+        """Tell the server this node is not fit to join (``cause``: ``health_check_failed``;
+        ``detail``: the check's last output line, cut to what the server keeps): the job's
+        timeline records ``node_refused``. The node counts (``min_nodes``...) make the job if
+        this node is its first."""
+        settings = wire.JobSettings(min_nodes=min_nodes, max_nodes=max_nodes, max_restarts=max_restarts)
+        req = wire.RefuseRequest(
+            rdzv_id, node_id=node_id, addr=addr, cause=cause, detail=_one_line(detail, wire.MAX_REASON_CHARS),
+            settings=settings, host=host,
+        )
+        self.request(rdzv_id, req)
+
+    def cordons(self) -> dict[str, Any]:
+        """The cordons in effect: ``{"cordons": [...], "now"}``, each cordon a map with
+        ``host``, ``since`` and ``until`` (None: until lifted) on the server's clock (``now``),
+        ``left_s``, ``reason``, ``by`` (``operator`` or ``flapping``)."""
+        body = self._get_json("/v1/cordons", "listing cordons")
+        cordons = _reply_field(body, "cordons", list, "cordons")
+        if not all(isinstance(c, dict) for c in cordons):
+            raise ServerError("the server's cordon list holds something that is not a map")
+        return {"cordons": cordons, "now": _reply_field(body, "now", float, "cordons")}
+
+    def cordon(self, host: str, *, reason: str = "", duration: float | None = None) -> dict[str, Any]:
+        """Cordon ``host`` (a node's host name or address): every job refuses its nodes, for
+        ``duration`` seconds (None: until :meth:`uncordon`). Returns the cordon."""
+        _validated("fleet", wire.CordonRequest("", host=host, reason=reason, duration=duration))
+        body = self._get_json(
+            "/v1/cordons", f"cordoning {host}", method="POST", body={"host": host, "reason": reason, "duration": duration}
+        )
+        cordon: dict[str, Any] = _reply_field(body, "cordon", dict, "cordon")
+        return cordon
+
+    def uncordon(self, host: str) -> bool:
+        """Lift ``host``'s cordon; False when it had none."""
+        _validated("fleet", wire.UncordonRequest("", host=host))
+        body = self._get_json(f"/v1/cordons/{urllib.parse.quote(host, safe='')}", f"uncordoning {host}", method="DELETE")
+        return _reply_field(body, "uncordoned", bool, "uncordon")
 
     def jobs(self) -> list[dict[str, Any]]:
         """Every job the server knows, each a map with ``rdzv_id``, ``state``, ``round``, ``num_nodes``…"""

@@ -69,8 +69,9 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-from . import wire
-from .client import Client, _tls_context, _tls_endpoints
+from . import health, wire
+from .client import Client
+from .policy import _tls_context, _tls_endpoints
 from .credential import find_token
 from .error import (
     ConflictError,
@@ -289,6 +290,15 @@ class RdzvServerHandler(RendezvousHandler):
         self._node_id = params.get("node_id") or f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         wire.check_id("node_id", self._node_id)
         self._client = client or node_client(endpoint, self._close_timeout, client_options(params))
+        # Fleet control (README "Fleet control"): decided on the server, fed from here.
+        self._health_check = str(params.get("health_check") or "")
+        self._health_check_timeout = float(params.get("health_check_timeout", health.DEFAULT_HEALTH_CHECK_TIMEOUT))
+        self._gpu_check = params.get_as_bool("gpu_check", True)
+        budget = params.get("max_restarts")
+        self._max_restarts = None if budget in (None, "") else int(budget)
+        self._topology = health.topology_path(params.get("topology_env"))
+        hostname = socket.gethostname()
+        self._host = hostname if hostname != self._addr else ""
         self._num_waiting = 0
         self._closed = False
         self._reservation: PortReservation | None = None  # the offered master port, while in line
@@ -329,6 +339,7 @@ class RdzvServerHandler(RendezvousHandler):
         standby or waiting node: it was no part of the run), ``RendezvousConnectionError``.
         """
         self._stop_watch()
+        self._check_health()
         # Offered in case this node becomes node rank 0: the server hands node rank 0's addr
         # and port to every node in its assignment (no store exchange after the round forms).
         self._reservation = PortReservation()
@@ -337,6 +348,37 @@ class RdzvServerHandler(RendezvousHandler):
         finally:
             # Just before the agent starts the workers: node rank 0's worker binds the port next.
             self._reservation.release()
+
+    def _check_health(self) -> None:
+        """Before each join: the built-in GPU check, then ``health_check``. A failure is
+        recorded on the server (``node_refused``, ``health_check_failed``) and raised as a
+        ``RendezvousError`` naming the check: the agent exits non-zero without joining."""
+        checks: list[tuple[str, Callable[[], health.CheckResult]]] = []
+        if self._gpu_check:
+            checks.append(("the built-in GPU check (gpu_check=0 turns it off)", lambda: health.gpu_check(self._nproc)))
+        if self._health_check:
+            env = {"RDZV_JOB_ID": self._run_id, "RDZV_NODE_ID": self._node_id, "RDZV_NPROC_PER_NODE": str(self._nproc)}
+            checks.append((
+                f"health_check `{self._health_check}`",
+                lambda: health.run_check(self._health_check, self._health_check_timeout, env),
+            ))
+        for name, check in checks:
+            result = check()
+            if result.ok:
+                continue
+            log.error("Node %s failed %s: %s", self._node_id, name, result.detail)
+            try:
+                self._client.refuse(
+                    self._run_id, node_id=self._node_id, addr=self._addr, host=self._host,
+                    cause="health_check_failed", detail=f"{name}: {result.detail}",
+                    min_nodes=self._min_nodes, max_nodes=self._max_nodes, max_restarts=self._max_restarts,
+                )
+            except RdzvError as exc:
+                log.warning("Node %s could not report its failed health check to job %s: %s",
+                            self._node_id, self._run_id, exc)
+            raise RendezvousError(
+                f"node {self._node_id} failed {name} and does not join job {self._run_id}: {result.detail}"
+            )
 
     def _rendezvous(self, port: int) -> RendezvousInfo:
         log.info(
@@ -360,6 +402,9 @@ class RdzvServerHandler(RendezvousHandler):
                 heartbeat_ttl=self._heartbeat_ttl,
                 master_port=port,
                 timeout=math.inf,
+                host=self._host,
+                topology=self._topology,
+                max_restarts=self._max_restarts,
             )
         except RdzvError as exc:
             if isinstance(exc, RdzvTimeoutError):
@@ -500,6 +545,15 @@ class RdzvServerHandler(RendezvousHandler):
                     self._node_id, self._run_id, seen.num_nodes_waiting, seen.round, seen.state,
                 )
             known = seen.num_nodes_waiting
+            if seen.closed and seen.cause == "restart_budget_exhausted":
+                # The server stopped the job: the agent must stop its workers and fail, not
+                # train on until they finish. A re-rendezvous now fails with the closed error.
+                log.error("Node %s: job %s spent its restart budget (max_restarts); stopping.",
+                          self._node_id, self._run_id)
+                self._num_waiting, self._closed = 1, True
+                with self._watch_cv:  # nothing more to watch: the next join fails, naming the budget
+                    self._watch_cv.wait_for(lambda: self._watching != current)
+                return
             self._num_waiting = known
             self._closed = seen.closed
 

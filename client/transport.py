@@ -111,8 +111,11 @@ class Transport(Protocol):
         """Send operation ``op`` of job ``rdzv_id`` with its request ``fields``; wait up to ``timeout`` s."""
         ...
 
-    async def fetch(self, endpoint: Endpoint, path: str, timeout: float) -> Answer:
-        """GET ``path`` (a JSON page such as ``/v1/jobs`` or ``/healthz``)."""
+    async def fetch(
+        self, endpoint: Endpoint, path: str, timeout: float, *, method: str = "GET", body: Any = None
+    ) -> Answer:
+        """GET ``path`` (a JSON page such as ``/v1/jobs`` or ``/healthz``); or ``method`` (POST,
+        DELETE) with ``body`` sent as JSON (the fleet routes: ``/v1/cordons``)."""
         ...
 
     async def aclose(self) -> None: ...
@@ -125,8 +128,11 @@ class BlockingTransport(Protocol):
         """Send operation ``op`` of job ``rdzv_id`` with its request ``fields``; wait up to ``timeout`` s."""
         ...
 
-    def fetch(self, endpoint: Endpoint, path: str, timeout: float) -> Answer:
-        """GET ``path`` (a JSON page such as ``/v1/jobs`` or ``/healthz``)."""
+    def fetch(
+        self, endpoint: Endpoint, path: str, timeout: float, *, method: str = "GET", body: Any = None
+    ) -> Answer:
+        """GET ``path`` (a JSON page such as ``/v1/jobs`` or ``/healthz``); or ``method`` (POST,
+        DELETE) with ``body`` sent as JSON (the fleet routes: ``/v1/cordons``)."""
         ...
 
     def close(self) -> None:
@@ -152,6 +158,13 @@ def http_answer(status: int, content_type: str, data: bytes, max_bytes: int) -> 
 
 _MSGPACK_HEADERS = {"Content-Type": wire.CONTENT_TYPE_MSGPACK, "Accept": wire.CONTENT_TYPE_MSGPACK}
 _JSON_HEADERS = {"Accept": wire.CONTENT_TYPE_JSON}
+
+
+def _json_request(headers: Mapping[str, str], body: Any) -> tuple[bytes | None, Mapping[str, str]]:
+    """A JSON page request's body and headers (no body: a GET's)."""
+    if body is None:
+        return None, headers
+    return wire.dump_json(body), {**headers, "Content-Type": wire.CONTENT_TYPE_JSON}
 
 
 def _with_token(headers: Mapping[str, str], token: str | None) -> dict[str, str]:
@@ -239,8 +252,11 @@ class AiohttpTransport:
         path = wire.op_path(rdzv_id, op)
         return await self._send(endpoint, "POST", path, wire.pack(fields), self._msgpack_headers, timeout)
 
-    async def fetch(self, endpoint: Endpoint, path: str, timeout: float) -> Answer:
-        return await self._send(endpoint, "GET", path, None, self._json_headers, timeout)
+    async def fetch(
+        self, endpoint: Endpoint, path: str, timeout: float, *, method: str = "GET", body: Any = None
+    ) -> Answer:
+        data, headers = _json_request(self._json_headers, body)
+        return await self._send(endpoint, method, path, data, headers, timeout)
 
     async def _send(
         self,
@@ -345,8 +361,11 @@ class SocketTransport:
         except _Stale:
             return self._exchange(endpoint, tag, payload, timeout, fresh=True)
 
-    def fetch(self, endpoint: Endpoint, path: str, timeout: float) -> Answer:
-        return self._http(endpoint, "GET", path, None, self._json_headers, timeout)
+    def fetch(
+        self, endpoint: Endpoint, path: str, timeout: float, *, method: str = "GET", body: Any = None
+    ) -> Answer:
+        data, headers = _json_request(self._json_headers, body)
+        return self._http(endpoint, method, path, data, headers, timeout)
 
     def close(self) -> None:
         """Close every connection, idle or in use; calls in flight raise :class:`ClientClosedError`."""

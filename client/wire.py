@@ -66,7 +66,14 @@ from .record import CreateJobRequest as CreateJobRequest
 from .record import JoinRequest as JoinRequest
 from .record import LeaveRequest as LeaveRequest
 from .record import CloseRequest as CloseRequest
-from .record import INLINE_KEY, REQUIRED_KEY, WIRE_KEY, key_ok, keys_ok, nonnegative
+from .record import RefuseRequest as RefuseRequest
+from .record import CordonRequest as CordonRequest
+from .record import UncordonRequest as UncordonRequest
+from .record import CORDON_BY as CORDON_BY
+from .record import REFUSE_CAUSES as REFUSE_CAUSES
+from .record import MAX_REASON_CHARS as MAX_REASON_CHARS
+from .record import MAX_CORDON_S as MAX_CORDON_S
+from .record import INLINE_KEY, REQUIRED_KEY, WIRE_KEY, key_ok, keys_ok, nonnegative, omitted
 
 CONTENT_TYPE_MSGPACK = "application/msgpack"
 CONTENT_TYPE_JSON = "application/json"
@@ -428,6 +435,8 @@ def to_mapping(obj: Any) -> dict[str, Any]:
         if f.metadata.get(INLINE_KEY):
             out.update(to_mapping(v))
             continue
+        if omitted(f, v):  # a field added later, at its default: the bytes stay what they were
+            continue
         if isinstance(v, tuple):
             v = [to_mapping(x) if dataclasses.is_dataclass(x) else x for x in v]
         elif dataclasses.is_dataclass(v):
@@ -602,6 +611,7 @@ REQUESTS: dict[str, type[Request]] = {
         WatchRequest,
         LeaveRequest,
         CloseRequest,
+        RefuseRequest,
     )
 }
 

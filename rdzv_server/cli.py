@@ -57,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-hold", type=float, default=_env("max_hold", _DEFAULTS.max_hold), help="longest a long-poll is held, s")
     p.add_argument("--disconnect-grace", type=float, default=_env("disconnect_grace", _DEFAULTS.disconnect_grace), help="s a node may take to reconnect its watch before it is dead")
     p.add_argument("--job-ttl", type=float, default=_env("job_ttl", _DEFAULTS.job_ttl), help="s a closed or idle job is kept")
+    p.add_argument("--quarantine-after", type=int, default=_env("quarantine_after", _DEFAULTS.quarantine_after),
+                   help="cordon a host whose nodes died this many times within --quarantine-window (0: never; default %(default)s)")
+    p.add_argument("--quarantine-window", type=float, default=_env("quarantine_window", _DEFAULTS.quarantine_window),
+                   help="s over which a host's deaths count (default %(default)s)")
+    p.add_argument("--quarantine-for", type=float, default=_env("quarantine_for", _DEFAULTS.quarantine_for),
+                   help="s an automatically quarantined host stays cordoned (default %(default)s)")
     p.add_argument("--snapshot-every", type=int, default=_env("snapshot_every", None),
                    help=f"log records between snapshots (default {_DEFAULTS.snapshot_every}; with --etcd {DEFAULT_ETCD_SNAPSHOT_EVERY})")
     p.add_argument(
@@ -142,6 +148,9 @@ def parse(argv: Sequence[str] | None = None) -> ServerConfig:
             max_hold=float(args.max_hold),
             disconnect_grace=float(args.disconnect_grace),
             job_ttl=float(args.job_ttl),
+            quarantine_after=int(args.quarantine_after),
+            quarantine_window=float(args.quarantine_window),
+            quarantine_for=float(args.quarantine_for),
             snapshot_every=int(args.snapshot_every) if args.snapshot_every is not None else (
                 DEFAULT_ETCD_SNAPSHOT_EVERY if etcd else _DEFAULTS.snapshot_every
             ),

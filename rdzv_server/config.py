@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from rdzv_client.wire import default_token_file
+from rdzv_client.wire import MAX_CORDON_S, default_token_file
 
+from .core.cordon import MAX_DEATHS_PER_HOST
 from .core.machine import DEFAULT_SESSION_TTL, Limits
 from .storage import DEFAULT_MAX_QUEUED_BYTES, DEFAULT_MAX_QUEUED_RECORDS, default_data_dir
 
@@ -28,6 +29,19 @@ DEFAULT_MAX_HOLD = 30.0
 DEFAULT_DISCONNECT_GRACE = 0.5
 # Closed and idle jobs stay visible for an hour, long enough to inspect what happened.
 DEFAULT_JOB_TTL = 3600.0
+# Automatic quarantine (README "Quarantine"): a host whose nodes died this many times ...
+# Three, not two: one death is bad luck and two can be one bad job killing its agents twice
+# (an OOM in the launcher); a third inside the window is the pattern of a bad host, and at
+# fleet scale (a failure every ~3 h over 16K GPUs, spread over thousands of hosts) no healthy
+# host dies three times in an hour by chance. 0 turns automatic quarantine off.
+DEFAULT_QUARANTINE_AFTER = 3
+# ... within this window (s): an hour spans several of a flapping host's restart cycles, and
+# is short enough that deaths days apart (ordinary failures) never add up.
+DEFAULT_QUARANTINE_WINDOW = 3600.0
+# ... is cordoned this long (s): an hour keeps the job running without the host while someone
+# looks, and lets a transient problem (a reboot, a driver reload) heal without an operator;
+# `rdzvctl uncordon` ends it earlier, `rdzvctl cordon` without --for keeps it out for good.
+DEFAULT_QUARANTINE_FOR = 3600.0
 # Records between snapshots: bounds replay time (~1 s per million records) and log size.
 DEFAULT_SNAPSHOT_EVERY = 100_000
 # -- limits (README "Limits"): nothing a client sends grows the server without bound. --
@@ -107,6 +121,10 @@ class ServerConfig:
     disconnect_grace: float = DEFAULT_DISCONNECT_GRACE
     job_ttl: float = DEFAULT_JOB_TTL
     snapshot_every: int = DEFAULT_SNAPSHOT_EVERY
+    # -- automatic quarantine (README "Quarantine") --
+    quarantine_after: int = DEFAULT_QUARANTINE_AFTER  # deaths of one host's nodes (0: off)
+    quarantine_window: float = DEFAULT_QUARANTINE_WINDOW  # ... within this many seconds
+    quarantine_for: float = DEFAULT_QUARANTINE_FOR  # cordon it this long
     # Recovery keeps the records before damage in the log and sets the damaged files aside,
     # instead of refusing to start (storage/recovery.py); an operator's decision, so off.
     truncate_corrupt_log: bool = False
@@ -189,6 +207,12 @@ class ServerConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
         if self.snapshot_every < 1:
             raise ConfigError("--snapshot-every must be at least 1")
+        if not 0 <= self.quarantine_after <= MAX_DEATHS_PER_HOST:
+            raise ConfigError(f"--quarantine-after must be 0 (off) .. {MAX_DEATHS_PER_HOST}, got {self.quarantine_after}")
+        if not 0 < self.quarantine_window <= 366 * 86400:
+            raise ConfigError("--quarantine-window must be > 0 s and at most a year")
+        if not 0 < self.quarantine_for <= MAX_CORDON_S:
+            raise ConfigError(f"--quarantine-for must be > 0 s and at most {MAX_CORDON_S:.0f} s")
         if self.no_auth and (self.token_file is not None or self.read_token_file is not None):
             raise ConfigError("--no-auth excludes --token-file and --read-token-file: pick one")
         if self.etcd and (self.memory or self.data_dir is not None):

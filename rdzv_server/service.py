@@ -50,6 +50,7 @@ from .core.error import (
     LogQueueFull,
     RdzvError,
     RecordTooLarge,
+    HostCordoned,
     SettingsConflict,
     ShuttingDown,
 )
@@ -632,12 +633,44 @@ class Service:
     async def join(self, command: c.Join, rid: tuple[str, int] | None, hold: float) -> dict[str, Any]:
         try:
             result = await self.write(command, rid)
-        except SettingsConflict as exc:  # the job's timeline says why this node is not in it, once
-            refused = c.Refused(command.rdzv_id, command.node_id, command.addr, "settings_conflict", exc.message)
+        except (SettingsConflict, HostCordoned) as exc:  # the job's timeline says why this node is not in it, once
+            why = Cause.SETTINGS_CONFLICT if isinstance(exc, SettingsConflict) else Cause.CORDONED
+            refused = c.Refused(command.rdzv_id, command.node_id, command.addr, why.value, exc.message)
+            if command.rdzv_id not in self.machine.jobs:  # a first node refused: the job exists to say why
+                await self.write(c.Create(command.rdzv_id, command.settings))
             if not self.machine.already_refused(refused):
                 await self.write(refused)
             raise
         return await self.await_round(command.rdzv_id, command.node_id, result["round"], hold)
+
+    async def refuse(self, command: c.Refuse, rid: tuple[Any, ...] | None) -> dict[str, Any]:
+        """A node's health check failed: its job's timeline says so, once per repeated refusal."""
+        same = c.Refused(command.rdzv_id, command.node_id, command.addr, command.cause, command.detail)
+        if self.machine.already_refused(same):
+            return {}
+        return await self.write(command, rid)
+
+    async def cordons(self) -> list[dict[str, Any]]:
+        """The cordons in effect (``GET /v1/cordons``)."""
+        return await self.read(lambda: self.machine.cordons.listing(self.now()))
+
+    def cordon_counts(self) -> dict[str, int]:
+        """Cordons in effect by whom (operator, flapping): the metrics' gauge."""
+        now = self.now()
+        counts = {"operator": 0, "flapping": 0}
+        for cordon in self.machine.cordons.cordons.values():
+            if cordon.active(now):
+                counts[cordon.by] = counts.get(cordon.by, 0) + 1
+        return counts
+
+    async def cordon_of(self, host: str) -> dict[str, Any] | None:
+        """The cordon in effect on ``host`` (None: none)."""
+
+        def view() -> dict[str, Any] | None:
+            cordon = self.machine.cordons.active(host, self.now())
+            return None if cordon is None else cordon.to_dict(self.now())
+
+        return await self.read(view)
 
     async def await_round(self, rdzv_id: str, node_id: str, round_: int, hold: float) -> dict[str, Any]:
         """Hold until the node has a place in a formed round >= ``round_``; a heartbeat too."""
@@ -804,6 +837,37 @@ class Service:
                 else:  # the deadline is still due: look again a little later, not in this pass
                     self._schedule_at(rdzv_id, now + TIMER_RETRY_S)
 
+    def _hosts(self, command: c.Command) -> list[str]:
+        """The addresses of the nodes a death is about to remove (what quarantine counts by)."""
+        entry = self.machine.jobs.get(command.rdzv_id)
+        if not isinstance(command, c.Expire) or command.why != Departure.DEAD.value or entry is None:
+            return []
+        nodes = entry.job.nodes
+        return list(dict.fromkeys(nodes[n].addr for n in command.node_ids if n in nodes))
+
+    async def _quarantine(self, rdzv_id: str, hosts: list[str]) -> None:
+        """Automatic quarantine: cordon a host whose nodes died ``--quarantine-after`` times within
+        ``--quarantine-window``, for ``--quarantine-for``. Decided here, applied (and logged) as an
+        ordinary ``cordon`` command, so a change of the flags never makes a replay diverge."""
+        k, window = self.config.quarantine_after, self.config.quarantine_window
+        if k <= 0:
+            return
+        now = self.now()
+        for host in hosts:
+            deaths = self.machine.cordons.deaths_within(host, now, window)
+            if deaths < k or self.machine.cordons.active(host, now) is not None:
+                continue
+            reason = f"{deaths} deaths of its nodes within {window:g} s (--quarantine-after {k})"
+            log.warning(
+                "Host %s is quarantined for %g s: %s (last in job %s).", host, self.config.quarantine_for, reason, rdzv_id,
+                extra={"job": rdzv_id, "host": host, "cause": Cause.FLAPPING.value},
+            )
+            cordon = c.Cordon(rdzv_id, host=host, reason=reason, duration=self.config.quarantine_for, by=Cause.FLAPPING.value)
+            try:
+                await self.write(cordon)
+            except RdzvError as exc:
+                log.warning("Host %s could not be quarantined: %s", host, exc)
+
     def _last_beats(self, command: c.Command) -> list[float]:
         """The last heartbeats of the nodes a heartbeat expiry is about to mark dead."""
         entry = self.machine.jobs.get(command.rdzv_id)
@@ -814,6 +878,7 @@ class Service:
 
     async def _apply_timer_command(self, command: c.Command) -> dict[str, Any] | None:
         """Apply what the timer decided; its failure is logged (the result is then None)."""
+        hosts = self._hosts(command)
         try:
             result = await self.write(command)
         except RdzvError as exc:
@@ -829,6 +894,8 @@ class Service:
                     "Job %s: node %s departed (%s).", command.rdzv_id, node_id, cause,
                     extra={"job": command.rdzv_id, "node": node_id, "cause": cause},
                 )
+            if command.why == Departure.DEAD.value and result.get("expired"):
+                await self._quarantine(command.rdzv_id, hosts)
         elif isinstance(command, c.LastCall) and result.get("formed"):
             log.info(
                 "Job %s: round %d formed at its last call.", command.rdzv_id, command.round,

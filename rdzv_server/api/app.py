@@ -52,6 +52,7 @@ from prometheus_client import generate_latest
 
 from rdzv_client import wire
 
+from ..core import command as c
 from ..core.error import Forbidden
 from ..service import Service
 from .auth import OPEN, Grant, TokenTable, bearer_token
@@ -218,6 +219,39 @@ async def job_events(request: web.Request) -> web.Response:
     return encode(request, await svc.events(rdzv_id, since, wait, limit))
 
 
+async def list_cordons(request: web.Request) -> web.Response:
+    """``GET /v1/cordons``: the cordons in effect (any token may read them)."""
+    svc = request.app[SERVICE]
+    return encode(request, {"cordons": await svc.cordons(), "now": svc.now()})
+
+
+def _fleet_writer(request: web.Request, what: str) -> None:
+    """A cordon concerns every job: only a write token for every job may change one (403)."""
+    grant = _grant(request)
+    if not grant.allows(True) or grant.job_prefix:
+        request.app[METRICS].auth_failed("forbidden")
+        raise Forbidden(f"this token may not {what}: cordons need a write token for every job")
+
+
+async def cordon_host(request: web.Request) -> web.Response:
+    """``POST /v1/cordons`` ``{"host", "reason"?, "duration"?}``: cordon a host (an operator's)."""
+    _fleet_writer(request, "cordon a host")
+    svc = request.app[SERVICE]
+    body = await decode(request, svc.config.max_body_bytes)
+    req = wire.from_mapping(wire.CordonRequest, body, rdzv_id="")
+    if req.by != "operator":
+        raise wire.WireError("by: only the server quarantines hosts for flapping; an operator's cordon is by operator")
+    await svc.write(req, req.rid)
+    return encode(request, {"cordon": await svc.cordon_of(req.host)})
+
+
+async def uncordon_host(request: web.Request) -> web.Response:
+    """``DELETE /v1/cordons/{host}``: lift a host's cordon; ``{"uncordoned": false}`` if it had none."""
+    _fleet_writer(request, "uncordon a host")
+    req = wire.from_mapping(wire.UncordonRequest, {"host": request.match_info["host"]}, rdzv_id="")
+    return encode(request, await request.app[SERVICE].write(c.Uncordon("", host=req.host)))
+
+
 def _query_number(request: web.Request, name: str, default: T, kind: Callable[[str], T], low: T, high: T) -> T:
     raw = request.query.get(name)
     if raw is None:
@@ -333,6 +367,9 @@ def create_app(svc: Service, tokens: TokenTable) -> web.Application:
             web.get("/readyz", readyz),
             web.get("/metrics", metrics),
             web.get("/v1/cluster", cluster),
+            web.get("/v1/cordons", list_cordons),
+            web.post("/v1/cordons", cordon_host),
+            web.delete("/v1/cordons/{host}", uncordon_host),
             web.get("/v1/jobs", list_jobs),
             web.get("/v1/jobs/{rdzv_id}", show_job),
             web.get("/v1/jobs/{rdzv_id}/events", job_events),

@@ -38,6 +38,9 @@ def job_document(view: JobView) -> dict[str, Any]:
         "last_call_timeout": settings.last_call_timeout,
         "join_timeout": settings.join_timeout,
         "heartbeat_ttl": settings.heartbeat_ttl,
+        "restarts": view.restarts,
+        "max_restarts": settings.max_restarts,
+        "closed_cause": view.closed_cause or None,
     }
 
 
@@ -55,6 +58,7 @@ def _node_entry(node: NodeView, now: float) -> dict[str, Any]:
         "alive": node.liveness is Liveness.ALIVE,
         "status": node.liveness.value if member else node.role.value,
         "last_heartbeat_age_s": None if beat is None else round(max(0.0, now - beat), 3),
+        "topology": node.topology or None,
     }
 
 

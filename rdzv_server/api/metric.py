@@ -83,6 +83,9 @@ class Metrics:
         self._joins: dict[str, int] = {}  # by the place a node got: candidate, waiting, standby, rejoined
         self._rounds: dict[str, int] = {}  # by reason
         self._departures: dict[str, int] = {}  # by cause
+        self._refusals: dict[str, int] = {}  # node_refused, by cause: health_check_failed, cordoned
+        self._restarts: dict[str, int] = {}  # restart_counted, by cause: member_died, workers_failed
+        self._closures: dict[str, int] = {}  # job_closed, by cause (restart_budget_exhausted among them)
         self._formation = _Histogram(FORMATION_BUCKETS)  # by reason
         self._detection = _Histogram(DETECTION_BUCKETS)  # by cause
         svc.on_events = self.events_applied
@@ -115,6 +118,12 @@ class Metrics:
                 self._formation.observe(cause, float(event.detail.get("formation_s", 0.0)))
             elif event.kind is Kind.NODE_DEPARTED:
                 self._departures[cause] = self._departures.get(cause, 0) + 1
+            elif event.kind is Kind.NODE_REFUSED:
+                self._refusals[cause] = self._refusals.get(cause, 0) + 1
+            elif event.kind is Kind.RESTART_COUNTED:
+                self._restarts[cause] = self._restarts.get(cause, 0) + 1
+            elif event.kind is Kind.JOB_CLOSED:
+                self._closures[cause] = self._closures.get(cause, 0) + 1
 
 
 class _OperationCollector:
@@ -145,6 +154,11 @@ class _OperationCollector:
             ("rdzv_rounds_formed", "Rounds formed, by what completed them.", "reason", m._rounds),
             ("rdzv_node_departures", "Nodes that left a job, by cause (crashed, vanished, left, timed out).",
              "cause", m._departures),
+            ("rdzv_node_refusals", "Nodes not admitted: a failed health check, a cordoned host.", "cause", m._refusals),
+            ("rdzv_restarts", "Failures that spent a restart of a job's budget (max_restarts), by cause.", "cause",
+             m._restarts),
+            ("rdzv_jobs_closed", "Jobs closed, by cause (restart_budget_exhausted: the server stopped it).", "cause",
+             m._closures),
         ):
             family = CounterMetricFamily(name, doc, labels=[label])
             for value, n in sorted(counts.items()):
@@ -185,6 +199,24 @@ class _StateCollector:
             nodes.add_metric([status], n)
         yield nodes
         yield GaugeMetricFamily("rdzv_keys", "Keys stored over all jobs.", value=sum(e.kv.total_keys() for e in jobs))
+        cordons = GaugeMetricFamily(
+            "rdzv_cordons", "Hosts cordoned now, by whom: operator (rdzvctl) or flapping (automatic quarantine).",
+            labels=["by"],
+        )
+        for by, n in self.svc.cordon_counts().items():
+            cordons.add_metric([by], n)
+        yield cordons
+        # The restart budgets of the jobs that set one, summed (no job id in the metrics: each
+        # job's own count is in its document, `rdzvctl show` and its page).
+        budgeted = [e.job for e in jobs if e.job.settings.max_restarts is not None]
+        yield GaugeMetricFamily("rdzv_restarts_used", "Restarts spent by the jobs with a restart budget (max_restarts), summed.",
+                                value=sum(j.restarts for j in budgeted))
+        yield GaugeMetricFamily("rdzv_restarts_budget", "The restart budgets (max_restarts) of those jobs, summed.",
+                                value=sum(j.settings.max_restarts or 0 for j in budgeted))
+        yield GaugeMetricFamily(
+            "rdzv_jobs_budget_spent", "Running jobs whose restart budget is spent: their next failure stops them.",
+            value=sum(1 for j in budgeted if j.state.value != "closed" and j.restarts >= (j.settings.max_restarts or 0)),
+        )
         yield from self._limits()
         yield GaugeMetricFamily("rdzv_waiters", "Parked long-polls.", value=len(self.svc.waiters))
         yield GaugeMetricFamily("rdzv_ready", "1 once recovery finished.", value=1 if self.svc.ready else 0)

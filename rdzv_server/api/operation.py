@@ -111,6 +111,10 @@ async def _join(svc: Service, rdzv_id: str, req: c.Join) -> Body:
     return await svc.join(req, req.rid, req.hold)
 
 
+async def _refuse(svc: Service, rdzv_id: str, req: c.Refuse) -> Body:
+    return await svc.refuse(req, req.rid)
+
+
 async def _await_round(svc: Service, rdzv_id: str, req: wire.AwaitRoundRequest) -> Body:
     return await svc.await_round(rdzv_id, req.node_id, req.round, req.hold)
 
@@ -140,6 +144,7 @@ OPERATIONS: dict[str, Operation] = {
     "watch": Operation(None, _watch),
     "leave": _WRITE,
     "close": _WRITE,
+    "refuse": Operation(None, _refuse),
 }
 assert set(OPERATIONS) == set(wire.REQUESTS), "every wire operation needs a handler"
 assert all(o.now is not None or o.later is not None for o in OPERATIONS.values())

@@ -23,12 +23,15 @@ from rdzv_client.record import (
     CloseRequest,
     Command as Command,
     CompareSetRequest,
+    CordonRequest,
     CreateJobRequest,
     DeleteKeyRequest,
     JoinRequest,
     LeaveRequest,
     MultiSetRequest,
+    RefuseRequest,
     SetRequest,
+    UncordonRequest,
 )
 
 
@@ -44,6 +47,9 @@ Create = CreateJobRequest
 Join = JoinRequest
 Leave = LeaveRequest
 Close = CloseRequest
+Refuse = RefuseRequest
+Cordon = CordonRequest
+Uncordon = UncordonRequest
 
 
 @dataclass(frozen=True)
@@ -113,7 +119,7 @@ COMMANDS: dict[str, type[Command]] = {
     c.op: c
     for c in (
         Set, Add, CompareSet, Append, MultiSet, DeleteKey, Create, Join, Leave, Close, LastCall, Expire, Collect,
-        Refused, Restarted, Tick,
+        Refused, Restarted, Tick, Refuse, Cordon, Uncordon,
     )
 }
 

@@ -62,6 +62,12 @@ class JobClosedInLine(JobClosed):
     code = ErrorCode.JOB_CLOSED_IN_LINE.value
 
 
+class HostCordoned(RdzvError):
+    """The joining node's host is cordoned: the message names the cordon and its reason."""
+
+    code = ErrorCode.HOST_CORDONED.value
+
+
 class JoinTimeout(RdzvError):
     code = ErrorCode.JOIN_TIMEOUT.value
 

@@ -41,6 +41,11 @@ class Kind(str, enum.Enum):
     NODE_DEPARTED = "node_departed"
     JOIN_REFUSED = "join_refused"
     SERVER_RESTARTED = "server_restarted"
+    # Fleet control (README "Fleet control"):
+    NODE_REFUSED = "node_refused"  # a node was not admitted: its health check failed, or its host is cordoned
+    HOST_CORDONED = "host_cordoned"  # a host of one of the job's nodes was cordoned
+    HOST_UNCORDONED = "host_uncordoned"  # ... and its cordon lifted
+    RESTART_COUNTED = "restart_counted"  # a failure spent one restart of the job's budget
 
 
 class Cause(str, enum.Enum):
@@ -66,6 +71,14 @@ class Cause(str, enum.Enum):
     NOT_REJOINED = "not_rejoined"  # a live member of the last round that the next round formed without
     # join_refused
     SETTINGS_CONFLICT = "settings_conflict"  # the node asked for other --nnodes / --rdzv-conf settings
+    # node_refused
+    HEALTH_CHECK_FAILED = "health_check_failed"  # the node's health_check command failed before its join
+    CORDONED = "cordoned"  # the node's host is cordoned
+    # host_cordoned, host_uncordoned: OPERATOR (rdzvctl), or
+    FLAPPING = "flapping"  # the server quarantined a host whose nodes kept dying
+    # restart_counted
+    MEMBER_DIED = "member_died"  # a member of the formed round died
+    WORKERS_FAILED = "workers_failed"  # a member re-joined its formed round: its workers failed
     # server_restarted
     RECOVERY = "recovery"  # the server restarted and rebuilt its state from its log
     LEADER_CHANGED = "leader_changed"  # another replica took over as leader (--etcd)
@@ -73,6 +86,7 @@ class Cause(str, enum.Enum):
     AGENT = "agent"  # a torchrun agent closed it: its shutdown (the run ended) or set_closed()
     OPERATOR = "operator"  # rdzvctl close
     CLOSED = "closed"  # a client that did not say who it is
+    RESTART_BUDGET_EXHAUSTED = "restart_budget_exhausted"  # a failure beyond max_restarts (the server)
     # (a job outliving --job-ttl is collected, timeline and all: that is the end of its story)
 
 

@@ -48,8 +48,10 @@ from typing import Any
 from rdzv_client.record import Assignment, JobSettings
 
 from . import command as c
+from .cordon import MAX_CORDONS, CordonTable
 from .error import (
     BadRequest,
+    HostCordoned,
     JobNotFound,
     RdzvError,
     SessionFull,
@@ -57,7 +59,7 @@ from .error import (
     TooManySessions,
 )
 from .event import Cause, JobEvent, Kind
-from .rendezvous import Departure, Job, JobState
+from .rendezvous import Departure, Job, JobState, Liveness
 from .store import KeyValueStore
 
 # Results remembered per client that sends no floor in its rids (an older client, a script).
@@ -138,6 +140,7 @@ class StateMachine:
     clock: float = 0.0  # the latest `now` applied: the server clock resumes from here after a restart
     limits: Limits | None = None  # None: nothing refused (replay, tests)
     session_bytes: int = 0  # over every session's results
+    cordons: CordonTable = field(default_factory=CordonTable)  # server-wide: every job's admission reads it
 
     # -- the apply path ----------------------------------------------------------------------
 
@@ -165,8 +168,9 @@ class StateMachine:
         seen = before.job.timeline.next_seq if before is not None else 1
         outcome: Outcome = handler(self, command, now)
         self.clock = max(self.clock, now)
+        self.cordons.prune(now)
         after = self.jobs.get(command.rdzv_id)
-        if after is not None and after.job.timeline.next_seq > seen:
+        if after is not None and after.job.timeline.next_seq > seen and not outcome.events:
             events = tuple(after.job.timeline.since(seen - 1))
             outcome = dataclasses.replace(outcome, events=events, wakes=(*outcome.wakes, events_topic(command.rdzv_id)))
         if rid is not None:
@@ -258,11 +262,23 @@ class StateMachine:
 
     def _join(self, cmd: c.Join, now: float) -> Outcome:
         settings = cmd.settings
+        cordon = self.cordons.match(now, cmd.addr, cmd.host)
+        if cordon is not None:  # refused before anything changes (the service records the refusal)
+            raise HostCordoned(
+                f"node {cmd.node_id} cannot join job {cmd.rdzv_id}: {cordon.describe()} "
+                f"({'for another ' + format(cordon.until - now, '.0f') + ' s' if cordon.until is not None else 'until uncordoned'}); "
+                f"`rdzvctl uncordon {cordon.host}` admits it again"
+            )
         entry = self.jobs.get(cmd.rdzv_id)
         if entry is None:
             entry = self._new_job(cmd.rdzv_id, settings, now, Cause.JOIN)
         return self._membership_change(
-            entry, lambda job: {"round": job.join(cmd.node_id, cmd.addr, cmd.nproc_per_node, settings, now, cmd.master_port)}
+            entry,
+            lambda job: {
+                "round": job.join(
+                    cmd.node_id, cmd.addr, cmd.nproc_per_node, settings, now, cmd.master_port, cmd.host, cmd.topology
+                )
+            },
         )
 
     def _leave(self, cmd: c.Leave, now: float) -> Outcome:
@@ -288,9 +304,18 @@ class StateMachine:
         if entry is None:
             return Outcome({"expired": 0})
         why, cause = Departure(cmd.why), Cause(cmd.cause) if cmd.cause else None
-        return self._membership_change(
-            entry, lambda job: {"expired": sum(job.depart(n, why, now, cause) for n in cmd.node_ids)}
-        )
+
+        def expire(job: Job) -> dict[str, Any]:
+            expired = 0
+            for node_id in cmd.node_ids:
+                node = job.nodes.get(node_id)
+                if job.depart(node_id, why, now, cause):
+                    expired += 1
+                    if why is Departure.DEAD and node is not None:  # automatic quarantine counts it
+                        self.cordons.record_death(node.addr, now)
+            return {"expired": expired}
+
+        return self._membership_change(entry, expire)
 
     def _collect(self, cmd: c.Collect, now: float) -> Outcome:
         entry = self.jobs.pop(cmd.rdzv_id, None)
@@ -302,8 +327,56 @@ class StateMachine:
         entry = self.jobs.get(cmd.rdzv_id)
         if entry is not None:
             job = entry.job
-            job.timeline.add(now, Kind.JOIN_REFUSED, Cause(cmd.why), job.round, cmd.node_id, cmd.addr, reason=cmd.detail)
+            cause = Cause(cmd.why)
+            kind = Kind.JOIN_REFUSED if cause is Cause.SETTINGS_CONFLICT else Kind.NODE_REFUSED
+            job.timeline.add(now, kind, cause, job.round, cmd.node_id, cmd.addr, reason=cmd.detail)
         return Outcome({})
+
+    def _refuse(self, cmd: c.Refuse, now: float) -> Outcome:
+        """A node refused itself (its health check failed): recorded; the job is made if new."""
+        entry = self.jobs.get(cmd.rdzv_id)
+        if entry is None:
+            entry = self._new_job(cmd.rdzv_id, cmd.settings, now, Cause.JOIN)
+        job = entry.job
+        job.timeline.add(now, Kind.NODE_REFUSED, Cause(cmd.cause), job.round, cmd.node_id, cmd.addr, reason=cmd.detail)
+        return Outcome({})
+
+    def _cordon(self, cmd: c.Cordon, now: float) -> Outcome:
+        if self.cordons.full(cmd.host):
+            raise BadRequest(
+                f"the server holds {MAX_CORDONS} cordons, its limit: uncordon hosts before cordoning {cmd.host}"
+            )
+        cordon = self.cordons.cordon(cmd.host, now, cmd.duration, cmd.reason, cmd.by)
+        if cmd.by == Cause.FLAPPING.value:
+            self.cordons.forget_deaths(cmd.host)  # its next quarantine counts deaths after this one
+        detail = {"host": cordon.host, "reason": cordon.reason, "until": cordon.until}
+        return self._host_event(cmd.rdzv_id, cmd.host, now, Kind.HOST_CORDONED, Cause(cmd.by), detail)
+
+    def _uncordon(self, cmd: c.Uncordon, now: float) -> Outcome:
+        cordon = self.cordons.uncordon(cmd.host)
+        if cordon is None or not cordon.active(now):
+            return Outcome({"uncordoned": False})
+        outcome = self._host_event(cmd.rdzv_id, cmd.host, now, Kind.HOST_UNCORDONED, Cause.OPERATOR, {"host": cmd.host})
+        return dataclasses.replace(outcome, result={"uncordoned": True})
+
+    def _host_event(
+        self, rdzv_id: str, host: str, now: float, kind: Kind, cause: Cause, detail: dict[str, Any]
+    ) -> Outcome:
+        """Add ``kind`` to the timeline of ``rdzv_id`` (if a job) and of every job with a node on
+        ``host`` (by address or host name): where an operator looks for why a node is missing."""
+        events: list[JobEvent] = []
+        touched: list[Hashable] = []
+        for entry in self.jobs.values():
+            job = entry.job
+            nodes = [n for n in job.nodes.values() if host in (n.addr, n.host) and n.liveness is Liveness.ALIVE]
+            if not nodes and job.rdzv_id != rdzv_id:
+                continue
+            touched.append(events_topic(job.rdzv_id))
+            if not nodes:
+                events.append(job.timeline.add(now, kind, cause, job.round, **detail))
+            for n in nodes:
+                events.append(job.timeline.add(now, kind, cause, job.round, n.node_id, n.addr, **detail))
+        return Outcome({}, tuple(touched), events=tuple(events))
 
     def _tick(self, cmd: c.Tick, now: float) -> Outcome:
         return Outcome({})  # apply() moves the clock: that is all a tick does
@@ -500,7 +573,7 @@ class StateMachine:
         if entry is None:
             return False
         for event in entry.job.timeline.newest_first():
-            if event.kind is not Kind.JOIN_REFUSED:
+            if event.kind not in (Kind.JOIN_REFUSED, Kind.NODE_REFUSED):
                 return False
             same = (event.node_id, event.addr, event.cause.value, event.detail.get("reason", ""))
             if same == (cmd.node_id, cmd.addr, cmd.why, cmd.detail):
@@ -514,6 +587,7 @@ class StateMachine:
             "state": job.state.value,
             "num_nodes_waiting": job.num_nodes_waiting(round_),
             "closed": job.state is JobState.CLOSED,
+            "cause": job.closed_cause or None,  # why it closed: restart_budget_exhausted stops the agents
         }
 
     # -- snapshot -----------------------------------------------------------------------------
@@ -523,10 +597,12 @@ class StateMachine:
             "clock": self.clock,
             "jobs": [[e.job.to_snapshot(), e.kv.to_snapshot()] for e in self.jobs.values()],
             "sessions": [[cid, s.last_write, s.floor, list(s.results.items())] for cid, s in self.sessions.items()],
+            "cordons": self.cordons.to_snapshot(),
         }
 
     def restore(self, data: dict[str, Any]) -> None:
         self.clock = data["clock"]
+        self.cordons = CordonTable.from_snapshot(data.get("cordons"))
         self.jobs = {}
         for job_data, kv_data in data["jobs"]:
             job = Job.from_snapshot(job_data)
@@ -563,4 +639,7 @@ _HANDLERS: dict[type[c.Command], Callable[[StateMachine, Any, float], Outcome]] 
     c.Refused: StateMachine._refused,
     c.Restarted: StateMachine._restarted,
     c.Tick: StateMachine._tick,
+    c.Refuse: StateMachine._refuse,
+    c.Cordon: StateMachine._cordon,
+    c.Uncordon: StateMachine._uncordon,
 }

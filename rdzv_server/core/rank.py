@@ -1,12 +1,22 @@
-"""Rank assignment: who gets which node_rank and which global ranks in a new round.
+"""Rank assignment: who gets into a new round, and which node_rank and global ranks each gets.
 
-Rules:
-- Nodes of the previous round that come back keep their relative order and take the
-  lowest node ranks, so a re-rendezvous moves as few ranks as possible.
-- Then nodes that were waiting or newly joined, by arrival; then standby nodes, by arrival.
-- At most ``max_nodes`` are admitted; the rest stay standby.
+Rules (README "Where each node's ranks land"):
+- Admission: nodes of the previous round that come back first (by their old node rank), then
+  nodes that were waiting or newly joined, by arrival; then standby nodes, by arrival. At most
+  ``max_nodes`` are admitted; the rest stay standby.
+- Node ranks, so that the fewest ranks move and neighbours in rank are neighbours in the
+  network, for the ``n`` admitted nodes:
+  1. a node of the previous round keeps its old node rank if it is below ``n``;
+  2. the ranks left over go, lowest first, to the previous round's nodes whose old rank is
+     ``n`` or more (a shrink; by old rank), then to the others in placement order: their
+     topology path (``zone/rack/switch``, component by component, each in natural order),
+     then their host in natural order (``node7`` before ``node66``), then arrival. A node
+     with no topology path comes after every node with one.
+  So a first round is in topology-then-host order, and a spare that replaces a departed
+  node takes the departed node's rank.
 - Global ranks are prefix sums of nproc_per_node in node_rank order: node k owns
-  ``[start_k, start_k + nproc_k)``, contiguous, disjoint, covering ``0..world_size-1``.
+  ``[start_k, start_k + nproc_k)``, contiguous, disjoint, covering ``0..world_size-1``
+  (mixed nproc_per_node included: a node that takes another's rank may own other global ranks).
 
 Pure functions over plain values; no clock, no I/O.
 """
@@ -14,6 +24,7 @@ Pure functions over plain values; no clock, no I/O.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,6 +43,9 @@ class Candidate:
     tier: Tier
     order: int  # previous node_rank for PREVIOUS, else the arrival number
     nproc_per_node: int
+    host: str = ""  # the node's address (its host): natural order after the topology path
+    topology: str = ""  # its topology path, "" when it reported none
+    arrival: int = 0  # the job-wide join counter: the last tie-break
 
 
 @dataclass(frozen=True)
@@ -46,13 +60,38 @@ def admission_order(candidates: Sequence[Candidate]) -> list[Candidate]:
     return sorted(candidates, key=lambda c: (c.tier, c.order))
 
 
+_DIGITS = re.compile(r"(\d+)")
+NaturalKey = tuple[tuple[int, int, str], ...]
+
+
+def natural_key(text: str) -> NaturalKey:
+    """``text`` as people sort it: runs of digits by their value (``node7`` < ``node66``)."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in _DIGITS.split(text) if part)
+
+
+def placement_key(c: Candidate) -> tuple[bool, tuple[NaturalKey, ...], NaturalKey, int]:
+    """Topology path (none last), then host, then arrival: the order new nodes take ranks in."""
+    path = tuple(natural_key(part) for part in c.topology.split("/")) if c.topology else ()
+    return (not c.topology, path, natural_key(c.host), c.arrival)
+
+
 def place(candidates: Sequence[Candidate], max_nodes: int) -> tuple[list[Placement], list[Candidate]]:
-    """Admit up to ``max_nodes`` candidates in priority order; return (placements, overflow)."""
+    """Admit up to ``max_nodes`` candidates in priority order and give each its node rank (see
+    the module's rules); return (placements in node-rank order, overflow)."""
     ordered = admission_order(candidates)
     members, overflow = ordered[:max_nodes], ordered[max_nodes:]
+    n = len(members)
+    kept = {c.node_id: c.order for c in members if c.tier is Tier.PREVIOUS and c.order < n}
+    displaced = [c for c in members if c.tier is Tier.PREVIOUS and c.node_id not in kept]  # by old rank
+    others = sorted((c for c in members if c.tier is not Tier.PREVIOUS), key=placement_key)
+    taken = set(kept.values())
+    vacant = [r for r in range(n) if r not in taken]
+    by_rank: dict[int, Candidate] = {rank: c for c in members if (rank := kept.get(c.node_id, -1)) >= 0}
+    by_rank.update(zip(vacant, [*displaced, *others], strict=True))
     placements = []
     start = 0
-    for node_rank, c in enumerate(members):
+    for node_rank in range(n):
+        c = by_rank[node_rank]
         placements.append(Placement(c.node_id, node_rank, start, c.nproc_per_node))
         start += c.nproc_per_node
     return placements, overflow

@@ -38,8 +38,9 @@ Rules:
       passed (the deadline is set when the count first reaches ``min_nodes`` and cleared
       when it drops below).
    Admission order: returning members by their old node_rank, then waiting and new
-   nodes by arrival, then standby by arrival; the first ``max_nodes`` are the round
-   (see ``rank.place``), the rest stay standby.
+   nodes by arrival, then standby by arrival; the first ``max_nodes`` are the round, the
+   rest stay standby. Node ranks: survivors keep theirs, the others fill the vacancies by
+   topology path, then natural host order (see ``rank.place``).
 3. A join while COMPLETE: from a member (its workers restarted) opens the next round;
    from another node it is WAITING if alive members + waiting < ``max_nodes``, else
    STANDBY. If no member is alive any more, any join opens the next round.
@@ -67,9 +68,19 @@ Rules:
    (its agent exits gracefully, as torch's redundancy list does); a candidate (a
    participant of the round that was forming) and a member get :class:`JobClosed`.
 
+7. The job-wide restart budget (``max_restarts``; none: unlimited). A failure is a live
+   member's death while its round runs (COMPLETE), or a live member re-joining its formed
+   round while nothing else asks for a restart (no waiting node, no dead member: its
+   workers failed). The first failure of a formed round counts one restart
+   (``restart_counted``); later ones of the same round re-form nothing more and count
+   nothing. Scale-up and spares filling in are not failures. A failure when ``restarts``
+   already equals the budget closes the job with cause ``restart_budget_exhausted``; every
+   node then gets :class:`JobClosed` naming it. A fresh run of a closed job starts with the
+   whole budget again.
+
 Invariants (checked by the property tests): in a formed round node ranks are exactly
 0..n-1 and global ranks are disjoint, contiguous per node and cover 0..world_size-1;
-members that survive into the next round keep their relative order; num_nodes_waiting
+members that survive into the next round keep their node rank where it still exists (``rank.place``); num_nodes_waiting
 is never negative; every node is in exactly one role; ``join_clock`` holds exactly the
 pending nodes whose join_timeout runs (candidates, waiting nodes, and standby nodes while
 the job is OPEN) in ascending ``joined_at``, and ``untimed`` every other standby node.
@@ -135,8 +146,8 @@ class Departure(str, enum.Enum):
     JOIN_TIMEOUT = "join_timeout"  # waited longer than join_timeout for a round
 
 
-#: What a joining node brings to its next round: addr, nproc_per_node, master_port.
-Offer = tuple[str, int, int]
+#: What a joining node brings to its next round: addr, nproc_per_node, master_port, host, topology.
+Offer = tuple[str, int, int, str, str]  # ... and the node's host name and topology path (fleet control)
 
 
 @dataclass
@@ -158,6 +169,8 @@ class Node:
     # The port the node offers for its workers' store should it become node rank 0 (0: none).
     master_port: int = 0
     next_port: int | None = None
+    host: str = ""  # the node's host name when it is not addr (cordons match either)
+    topology: str = ""  # its topology path (RDZV_TOPOLOGY): node ranks follow it
 
     @property
     def pending(self) -> bool:
@@ -179,6 +192,7 @@ class NodeView:
     nproc_per_node: int
     global_rank_start: int | None
     last_heartbeat: float | None  # server clock; None once it departed
+    topology: str  # the path the node reported ("" for none)
 
 
 @dataclass(frozen=True)
@@ -195,6 +209,8 @@ class JobView:
     nodes: tuple[NodeView, ...]  # every node of the job, in arrival order
     num_nodes_waiting: int  # rule 4, for an agent of the current round
     pending_reason: str | None  # why the round is still open (None unless OPEN)
+    restarts: int  # failures counted against the budget (rule 7)
+    closed_cause: str  # why the job closed ("" while open)
     now: float
 
 
@@ -234,6 +250,11 @@ class Job:
     runs: int = 0  # fresh runs started in a closed job (rule 6)
     opened_at: float = 0.0  # when the current round opened: its formation time is measured from here
     timeline: Timeline = field(default_factory=Timeline)  # what happened, and why (core/event.py)
+    # The job-wide restart budget (rule 7): failures counted, the formed round whose failure
+    # was counted last (one per round), and why the job closed ("" while open).
+    restarts: int = 0
+    restart_round: int = -1
+    closed_cause: str = ""
     # Derived indexes, rebuilt on restore, so that no join costs O(nodes):
     counts: Counter[tuple[Role, Liveness]] = field(default_factory=Counter)
     # Pending nodes whose join_timeout runs, in joined_at order (join_timed_out is O(timed out)):
@@ -257,16 +278,18 @@ class Job:
         return result
 
     def join(
-        self, node_id: str, addr: str, nproc_per_node: int, settings: JobSettings, now: float, master_port: int = 0
+        self, node_id: str, addr: str, nproc_per_node: int, settings: JobSettings, now: float, master_port: int = 0,
+        host: str = "", topology: str = "",
     ) -> int:
         """A node asks for a place in the next round. Returns the round it is in line for.
 
         ``master_port`` is the port the node's workers would serve their store on should it
         become node rank 0: the assignment hands node rank 0's addr and port to every node,
-        so no node has to publish them through the store after the round forms."""
+        so no node has to publish them through the store after the round forms. ``host`` and
+        ``topology`` are the node's host name and topology path (rank placement, cordons)."""
         if not (self.state is JobState.CLOSED and not self.idle()):
             self.adopt_settings(settings, f"node {node_id}")  # a closed, live job refuses it anyway
-        round_: int = self._dispatch(Event.JOIN, now, node_id, (addr, nproc_per_node, master_port))
+        round_: int = self._dispatch(Event.JOIN, now, node_id, (addr, nproc_per_node, master_port, host, topology))
         return round_
 
     def depart(self, node_id: str, why: Departure, now: float, cause: Cause | None = None) -> bool:
@@ -309,6 +332,11 @@ class Job:
         node = self.nodes.get(node_id)
         if node is not None and node.pending:
             return self.round + 1  # already in line (a retried join)
+        if node is not None and node.liveness is Liveness.ALIVE and not self.num_nodes_waiting(self.round):
+            # Rule 7: a live member re-joins its formed round and nothing made it restart (no
+            # node waiting, no member dead): its workers failed.
+            if not self._spend_restart(now, Cause.WORKERS_FAILED, node_id):
+                return self.round + 1  # the budget is spent: the job closed (its poll says so)
         if node is not None or not self._alive_members():
             # Rule 3: opened before the node is added, so that its join is in the new round.
             self._open_next_round(now)
@@ -323,12 +351,13 @@ class Job:
             if node is not None and node.role in (Role.STANDBY, Role.WAITING):
                 raise self._closed_in_line(node_id)  # its join retried: same answer as its poll
             raise JobClosed(
-                f"job {self.rdzv_id} is closed; node {node_id} cannot join while nodes of the closed run remain "
-                "(wait for them to exit, or use a new --rdzv-id)"
+                f"job {self.rdzv_id} is closed{self._closed_why()}; node {node_id} cannot join while nodes of the "
+                "closed run remain (wait for them to exit, or use a new --rdzv-id)"
             )
         for old in list(self.nodes):
             self._forget(old)
         self.members, self.world, self.closed_at = [], 0, None
+        self.restarts, self.restart_round, self.closed_cause = 0, -1, ""  # a fresh run has its whole budget
         self.runs += 1
         self._open_next_round(now)
         return self._join_open(now, node_id, offer)
@@ -339,7 +368,10 @@ class Job:
         self.heartbeats.pop(node_id, None)
         self._remember_departure(node_id, why)
         if node.node_rank is not None:  # in self.members: keep it there, marked
+            alive_member = node.role is Role.MEMBER and node.liveness is Liveness.ALIVE
             self._set(node, Role.MEMBER, Liveness.LEFT if why is Departure.LEFT else Liveness.DEAD)
+            if alive_member and why is Departure.DEAD and self.state is JobState.COMPLETE:
+                self._spend_restart(now, Cause.MEMBER_DIED, node_id)  # rule 7: the survivors restart for it
         else:
             self._forget(node_id)
 
@@ -350,10 +382,30 @@ class Job:
         self._form_round(now, Cause.LAST_CALL)
         return True
 
-    def _close(self, now: float, cause: Cause) -> None:
-        self.timeline.add(now, Kind.JOB_CLOSED, cause, self.round)
+    def _close(self, now: float, cause: Cause, **detail: Any) -> None:
+        self.timeline.add(now, Kind.JOB_CLOSED, cause, self.round, **detail)
         self.state = JobState.CLOSED
         self.closed_at = now
+        self.closed_cause = cause.value
+
+    def _spend_restart(self, now: float, cause: Cause, node_id: str) -> bool:
+        """Rule 7: count the formed round's first failure against the job's restart budget.
+
+        Returns False when the budget was already spent: the job is then closed with cause
+        ``restart_budget_exhausted`` (from within a COMPLETE handler; settle keeps it closed)."""
+        if self.restart_round == self.round:
+            return True  # this round's failure is counted already: one re-formation, one restart
+        self.restart_round = self.round
+        budget = self.settings.max_restarts
+        if budget is not None and self.restarts >= budget:
+            self._close(now, Cause.RESTART_BUDGET_EXHAUSTED, node_id=node_id, restarts=self.restarts,
+                        max_restarts=budget, failure=cause.value)
+            return False
+        self.restarts += 1
+        if budget is not None:  # a job without a budget counts quietly (its document shows the count)
+            self.timeline.add(now, Kind.RESTART_COUNTED, cause, self.round, node_id, self.nodes[node_id].addr,
+                              restarts=self.restarts, max_restarts=budget)
+        return True
 
     # -- settle: the rules that follow from the state ---------------------------------------
 
@@ -450,8 +502,10 @@ class Job:
 
     def _add_node(self, node_id: str, offer: Offer, role: Role, now: float) -> None:
         self.arrivals += 1
-        addr, nproc, port = offer
-        node = self.nodes[node_id] = Node(node_id, addr, nproc, self.arrivals, now, role, master_port=port)
+        addr, nproc, port, host, topology = offer
+        node = self.nodes[node_id] = Node(
+            node_id, addr, nproc, self.arrivals, now, role, master_port=port, host=host, topology=topology
+        )
         self.timeline.add(now, Kind.NODE_JOINED, Cause(role.value), self.round, node_id, addr, nproc_per_node=nproc)
         self.counts[(role, node.liveness)] += 1
         if role is Role.STANDBY and self.state is not JobState.OPEN:
@@ -509,7 +563,7 @@ class Job:
         self.heartbeats.pop(node_id, None)
 
     def _rejoin(self, node: Node, offer: Offer, now: float) -> None:
-        (node.next_addr, node.next_nproc, node.next_port), node.joined_at = offer, now
+        (node.next_addr, node.next_nproc, node.next_port, node.host, node.topology), node.joined_at = offer, now
         self.timeline.add(now, Kind.NODE_JOINED, Cause.REJOINED, self.round, node.node_id, offer[0], nproc_per_node=offer[1])
         self._set(node, Role.CANDIDATE)
         self.departed.pop(node.node_id, None)
@@ -535,13 +589,17 @@ class Job:
                 assert node.next_addr is not None and node.next_port is not None
                 node.addr, node.nproc_per_node, node.master_port = node.next_addr, node.next_nproc, node.next_port
                 node.next_addr = node.next_nproc = node.next_port = None
+            host, topology = node.host or node.addr, node.topology
             if node.role is Role.CANDIDATE:
                 if node.node_id in previous and node.node_rank is not None:
-                    candidates.append(Candidate(node.node_id, Tier.PREVIOUS, node.node_rank, node.nproc_per_node))
+                    tier, order = Tier.PREVIOUS, node.node_rank
                 else:
-                    candidates.append(Candidate(node.node_id, Tier.NEW, node.arrival, node.nproc_per_node))
+                    tier, order = Tier.NEW, node.arrival
             elif node.role is Role.STANDBY:
-                candidates.append(Candidate(node.node_id, Tier.STANDBY, node.arrival, node.nproc_per_node))
+                tier, order = Tier.STANDBY, node.arrival
+            else:
+                continue
+            candidates.append(Candidate(node.node_id, tier, order, node.nproc_per_node, host, topology, node.arrival))
         placements, overflow = place(candidates, self.settings.max_nodes)
         for member_id in self.members:  # in node-rank order: the timeline reads the same on every replay
             member = self.nodes.get(member_id)
@@ -615,7 +673,7 @@ class Job:
             node = self.nodes.get(node_id)
             if node is not None and node.role in (Role.STANDBY, Role.WAITING):
                 raise self._closed_in_line(node_id)
-            raise JobClosed(f"job {self.rdzv_id} is closed")
+            raise JobClosed(f"job {self.rdzv_id} is closed{self._closed_why()}")
         node = self.nodes.get(node_id)
         if node is None or (node.role is Role.MEMBER and node.liveness is not Liveness.ALIVE):
             reason = self.departed.get(node_id)
@@ -638,6 +696,15 @@ class Job:
             global_rank_start=node.global_rank_start,
             master_addr=master.addr,
             master_port=master.master_port,
+        )
+
+    def _closed_why(self) -> str:
+        """Why the job closed, for a refused node's error (empty for an ordinary close)."""
+        if self.closed_cause != Cause.RESTART_BUDGET_EXHAUSTED.value:
+            return ""
+        return (
+            f" (restart_budget_exhausted: its workers failed again after {self.restarts} restart(s), "
+            f"max_restarts={self.settings.max_restarts}; the server stopped the job)"
         )
 
     def _closed_in_line(self, node_id: str) -> JobClosedInLine:
@@ -724,7 +791,7 @@ class Job:
         def node_view(node: Node) -> NodeView:
             return NodeView(
                 node.node_id, node.addr, node.role, node.liveness, node.node_rank, node.nproc_per_node,
-                node.global_rank_start, self.heartbeats.get(node.node_id),
+                node.global_rank_start, self.heartbeats.get(node.node_id), node.topology,
             )
 
         return JobView(
@@ -738,6 +805,8 @@ class Job:
             nodes=tuple(node_view(n) for n in sorted(self.nodes.values(), key=lambda n: n.arrival)),
             num_nodes_waiting=self.num_nodes_waiting(self.round),
             pending_reason=self.pending_reason(now),
+            restarts=self.restarts,
+            closed_cause=self.closed_cause,
             now=now,
         )
 
@@ -752,12 +821,13 @@ class Job:
         s = self.settings
         return {
             "rdzv_id": self.rdzv_id,
-            "settings": [s.min_nodes, s.max_nodes, s.last_call_timeout, s.join_timeout, s.heartbeat_ttl],
+            "settings": [s.min_nodes, s.max_nodes, s.last_call_timeout, s.join_timeout, s.heartbeat_ttl, s.max_restarts],
             "state": self.state.value,
             "round": self.round,
             "nodes": [
                 [n.node_id, n.addr, n.nproc_per_node, n.arrival, n.joined_at, n.role.value, n.liveness.value,
-                 n.node_rank, n.global_rank_start, n.next_addr, n.next_nproc, n.master_port, n.next_port]
+                 n.node_rank, n.global_rank_start, n.next_addr, n.next_nproc, n.master_port, n.next_port, n.host,
+                 n.topology]
                 for n in self.nodes.values()
             ],
             "members": list(self.members),
@@ -770,6 +840,9 @@ class Job:
             "runs": self.runs,
             "world": self.world,
             "opened_at": self.opened_at,
+            "restarts": self.restarts,
+            "restart_round": self.restart_round,
+            "closed_cause": self.closed_cause,
             "timeline": self.timeline.to_snapshot(),
         }
 
@@ -789,6 +862,9 @@ class Job:
         job.runs = data["runs"]
         job.world = data["world"]
         job.opened_at = data.get("opened_at", 0.0)
+        job.restarts = data.get("restarts", 0)
+        job.restart_round = data.get("restart_round", -1)
+        job.closed_cause = data.get("closed_cause", "")
         if "timeline" in data:
             job.timeline = Timeline.from_snapshot(data["timeline"])
         for node in sorted(job.nodes.values(), key=lambda n: (n.joined_at, n.arrival)):
@@ -816,6 +892,7 @@ def _describe(s: JobSettings) -> str:
     return (
         f"min_nodes={s.min_nodes} max_nodes={s.max_nodes} last_call_timeout={s.last_call_timeout} "
         f"join_timeout={s.join_timeout} heartbeat_ttl={s.heartbeat_ttl}"
+        + ("" if s.max_restarts is None else f" max_restarts={s.max_restarts}")
     )
 
 

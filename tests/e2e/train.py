@@ -11,6 +11,7 @@ Env knobs (set by the tests):
   a test makes the early rounds long and the final round short.
 - FAIL_ONCE_RANK: this global rank exits 1 on its first attempt
   (TORCHELASTIC_RESTART_COUNT == 0), to exercise a worker-failure restart.
+- FAIL_ALWAYS: "1": every worker exits 1 on every attempt (a job that cannot run).
 - NODE_NAME: the test's name for the node (recorded, and names the heartbeat file).
 
 Besides the final record, every worker writes:
@@ -58,6 +59,9 @@ def main() -> int:
     restart = int(env["TORCHELASTIC_RESTART_COUNT"])
     node = os.environ.get("NODE_NAME", "")
     fail_rank = os.environ.get("FAIL_ONCE_RANK")
+    if os.environ.get("FAIL_ALWAYS") == "1":
+        print(f"train.py: rank {rank} fails on purpose (FAIL_ALWAYS, attempt {restart})", file=sys.stderr, flush=True)
+        return 1
     if fail_rank is not None and int(fail_rank) == rank and restart == 0:
         print(f"train.py: rank {rank} fails on purpose (FAIL_ONCE_RANK)", file=sys.stderr, flush=True)
         return 1

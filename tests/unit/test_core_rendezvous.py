@@ -342,11 +342,11 @@ def test_last_call_timeout_zero_completes_at_min_nodes() -> None:
     assert cl.ranks() == {"a": 0, "b": 1}
 
 
-def test_round_forms_from_candidates_by_arrival() -> None:
+def test_a_first_round_ranks_its_nodes_in_natural_host_order_not_by_arrival() -> None:
     cl = Cluster(min_nodes=1, max_nodes=4)
-    for i, node_id in enumerate(["d", "b", "c", "a"]):
+    for i, node_id in enumerate(["d", "b", "c", "a"]):  # addresses d.example, b.example ...
         cl.join(node_id, float(i))
-    assert cl.ranks() == {"d": 0, "b": 1, "c": 2, "a": 3}
+    assert cl.ranks() == {"a": 0, "b": 1, "c": 2, "d": 3}
 
 
 def test_retried_join_of_a_candidate_changes_nothing() -> None:
@@ -392,7 +392,7 @@ def test_every_node_gets_node_rank_0s_addr_and_the_port_it_offered_with_its_join
     assert restored.assignment(RDZV_ID, "b", 1) == a
 
 
-def test_members_keep_their_relative_order_in_the_next_round_and_new_nodes_follow_by_arrival() -> None:
+def test_members_keep_their_node_ranks_in_the_next_round_and_new_nodes_fill_the_vacancies() -> None:
     cl = Cluster(min_nodes=2, max_nodes=4, last_call_timeout=10.0)
     form(cl, ["a", "b", "c"])  # round 0 by last call
     cl.join("e", 20.0)  # waiting
@@ -403,7 +403,7 @@ def test_members_keep_their_relative_order_in_the_next_round_and_new_nodes_follo
     cl.join("f", 24.0)  # fourth: max_nodes
     assert cl.job.state is JobState.COMPLETE
     assert cl.job.round == 1
-    assert cl.ranks() == {"a": 0, "c": 1, "e": 2, "f": 3}
+    assert cl.ranks() == {"a": 0, "e": 1, "c": 2, "f": 3}  # e takes b's rank; f the one past the old round
 
 
 def test_the_next_round_reorders_heterogeneous_global_ranks() -> None:
@@ -413,12 +413,13 @@ def test_the_next_round_reorders_heterogeneous_global_ranks() -> None:
     cl.join("c", 2.0, nproc=3)
     cl.join("b", 3.0, nproc=2)
     cl.join("d", 4.0, nproc=2)
-    a = cl.sm.assignment(RDZV_ID, "b", 1)
-    assert a is not None and (a.node_rank, a.global_rank_start, a.world_size) == (0, 0, 7)
-    a = cl.sm.assignment(RDZV_ID, "c", 1)
-    assert a is not None and (a.node_rank, a.global_rank_start) == (1, 2)
+    # b and c keep node ranks 1 and 2; d takes a's node rank 0, and with it other global ranks
     a = cl.sm.assignment(RDZV_ID, "d", 1)
-    assert a is not None and (a.node_rank, a.global_rank_start) == (2, 5)
+    assert a is not None and (a.node_rank, a.global_rank_start, a.world_size) == (0, 0, 7)
+    a = cl.sm.assignment(RDZV_ID, "b", 1)
+    assert a is not None and (a.node_rank, a.global_rank_start) == (1, 2)
+    a = cl.sm.assignment(RDZV_ID, "c", 1)
+    assert a is not None and (a.node_rank, a.global_rank_start) == (2, 4)
 
 
 def test_a_member_may_change_its_nproc_per_node_when_it_rejoins() -> None:
@@ -524,7 +525,7 @@ def test_round_completes_at_once_when_alive_members_rejoined_and_standby_fills_m
     cl.join("b", 3.0)  # the only alive member re-joins; b + standby c reach max_nodes
     assert cl.job.state is JobState.COMPLETE
     assert cl.job.round == 1
-    assert cl.ranks() == {"b": 0, "c": 1}
+    assert cl.ranks() == {"c": 0, "b": 1}  # b keeps its rank; the spare takes the dead a's
 
 
 def test_standby_does_not_complete_the_round_while_an_alive_member_has_not_rejoined() -> None:
@@ -557,7 +558,7 @@ def test_standby_fills_slots_after_new_nodes_at_the_last_call() -> None:
     cl.join("a", 13.0)  # round 1 opens: a, w candidates; s, t standby; b expected
     assert cl.job.last_call_deadline == 18.0
     cl.tick(18.0)
-    assert cl.ranks() == {"a": 0, "w": 1, "s": 2}
+    assert cl.ranks() == {"a": 0, "s": 1, "w": 2}  # admitted by tier, ranked by host: s.example < w.example
     assert cl.role("t") is Role.STANDBY
     assert "b" not in cl.job.nodes  # an alive member that did not come back is not in the round
 
@@ -916,8 +917,8 @@ def test_a_standby_node_left_over_by_a_new_round_is_a_spare_again() -> None:
     cl.join("s", 1.0)
     cl.join("t", 2.0)
     cl.die("a", 100.0)
-    cl.join("b", 101.0)  # round 1 opens and forms at once: b, then s; t overflows
-    assert cl.members() == ["b", "s"] and cl.role("t") is Role.STANDBY
+    cl.join("b", 101.0)  # round 1 opens and forms at once: b keeps its rank, s takes a's; t overflows
+    assert cl.members() == ["s", "b"] and cl.role("t") is Role.STANDBY
     assert cl.job.untimed == {"t": None} and not cl.job.join_clock
     assert cl.tick(1e5) == []
     assert cl.role("t") is Role.STANDBY
@@ -1001,7 +1002,7 @@ def test_a_join_after_every_node_of_a_closed_job_departed_starts_a_fresh_run() -
     assert kv.total_keys() == 0  # the fresh run starts with no keys
     cl.join("a", 4.0, min_nodes=1, max_nodes=3)
     cl.tick(4.0 + cl.settings["last_call_timeout"])
-    assert cl.ranks() == {"b": 0, "a": 1}  # new nodes by arrival: nothing carried over from the closed run
+    assert cl.ranks() == {"a": 0, "b": 1}  # new nodes by host: nothing carried over from the closed run
 
 
 def test_a_fresh_run_replays_and_restores_exactly() -> None:
@@ -1216,7 +1217,7 @@ def test_describe_has_the_membership_document_of_the_design() -> None:
         assert {"node_id", "addr", "node_rank", "nproc_per_node", "global_ranks", "alive", "last_heartbeat_age_s"} <= set(entry)
     assert a == {
         "node_id": "a", "addr": "a.example", "node_rank": 0, "nproc_per_node": 2, "global_ranks": [0, 1],
-        "alive": True, "status": "alive", "last_heartbeat_age_s": 0.5,
+        "alive": True, "status": "alive", "last_heartbeat_age_s": 0.5, "topology": None,
     }
     assert (b["node_id"], b["node_rank"], b["global_ranks"], b["last_heartbeat_age_s"]) == ("b", 1, [2, 3, 4], 12.5)
     assert ids(doc["waiting"]) == ["w"]

@@ -100,6 +100,7 @@ VALID: dict[str, dict[str, Any]] = {
     "watch": {"node_id": "n", "round": 0},
     "leave": {"node_id": "n"},
     "close": {},
+    "refuse": {"node_id": "n", "addr": "h", "cause": "health_check_failed", "detail": "ECC errors"},
 }
 
 
