@@ -8,8 +8,8 @@
 //   (GET /v1/jobs/ID?offset=O&limit=PAGE and /v1/jobs/ID/lanes?offset=O&limit=PAGE), so a
 //   16,384-node job costs the browser no more than a 100-node one. The timeline is followed by long-polling
 //   GET /v1/jobs/ID/events?since=SEQ&wait=S: new events are added at the top, nothing is
-//   drawn again. The membership document and the lanes are fetched again when events arrive,
-//   and every MEMBERSHIP_MS for the heartbeat ages. Node rows are kept by node_id and only their
+//   drawn again. The membership document and the lanes are fetched again when events arrive
+//   or the page turns, the document also every MEMBERSHIP_MS for the heartbeat ages. Node rows are kept by node_id and only their
 //   changed cells are written, so a 1,000-node job costs little per refresh.
 // Polling stops at 401, 403 and 404 (only the operator can fix those), saying why.
 //
@@ -252,35 +252,43 @@ function showJob(j) {
 }
 
 // Membership fetches: one at a time; a request made meanwhile is served by one more fetch.
+// The lanes change only with events (or another page): the timer's fetches leave them out.
 let membershipBusy = false;
 let membershipAgain = false;
 let membershipTimer = null;
+let lanesDue = true;
 
-async function refreshMembership() {
+async function refreshMembership(withLanes = true) {
   if (stopped) return;
+  lanesDue = lanesDue || withLanes;
   if (membershipBusy) { membershipAgain = true; return; }
   membershipBusy = true;
   clearTimeout(membershipTimer);
+  const fetchLanes = lanesDue;
+  lanesDue = false;
   try {
     const query = `offset=${pageOffset}&limit=${PAGE}`;
     const job = '/v1/jobs/' + encodeURIComponent(selected);
-    const [membership, lanes] = await Promise.all([getJson(`${job}?${query}`), getJson(`${job}/lanes?${query}`)]);
-    if (membership.ok && lanes.ok) {
+    const [membership, lanes] = await Promise.all([
+      getJson(`${job}?${query}`), fetchLanes ? getJson(`${job}/lanes?${query}`) : null]);
+    if (membership.ok && (lanes === null || lanes.ok)) {
       document.getElementById('notice').hidden = true;
       showJob(membership.body);
-      showLanes(lanes.body, Date.now());
+      if (lanes !== null) showLanes(lanes.body, Date.now());
       if (!drawn) { drawn = true; performance.mark('job-drawn'); } // the first complete page: tests time it
     } else {
+      lanesDue = lanesDue || fetchLanes;
       failed(membership.ok ? lanes : membership);
     }
   } catch (e) {
+    lanesDue = lanesDue || fetchLanes;
     document.getElementById('updated').textContent = 'server unreachable: ' + e;
   } finally {
     membershipBusy = false;
   }
   if (stopped) return;
-  if (membershipAgain) { membershipAgain = false; refreshMembership(); return; }
-  membershipTimer = setTimeout(refreshMembership, MEMBERSHIP_MS);
+  if (membershipAgain) { membershipAgain = false; refreshMembership(false); return; }
+  membershipTimer = setTimeout(() => refreshMembership(false), MEMBERSHIP_MS);
 }
 
 // ------------------------------------------------------------------------------ a job: its lanes
