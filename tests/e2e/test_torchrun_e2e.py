@@ -556,8 +556,9 @@ def test_a_nodes_death_and_the_next_round_are_in_the_jobs_events(server: Any, cl
         # The lanes: the victim's ends red; the survivors' are members of the re-formed round.
         drawn = lanes(shot)
         assert "dead" in drawn[victim_entry["node_id"]], drawn
-        assert [r for r in drawn.values() if r[-1] == "member"] and len(drawn) == 3, drawn
-        assert all(cells[-1] == "member" for node_id, cells in drawn.items() if node_id != victim_entry["node_id"]), drawn
+        assert len(drawn) == 3, drawn
+        survivors = [cells for node_id, cells in drawn.items() if node_id != victim_entry["node_id"]]
+        assert len(survivors) == 2 and all(cells[-1] == "member" for cells in survivors), drawn
         timeline = shot.timeline()
         died = [r[1:6] for r in timeline if r[2] == "node_departed" and r[4] == victim_entry["node_id"]]
         assert died == [[str(death["round"]), "node_departed", death["cause"], victim_entry["node_id"], "127.0.0.1"]], (

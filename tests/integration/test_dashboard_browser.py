@@ -673,7 +673,8 @@ def test_the_lanes_draw_each_node_across_rounds_standby_refused_dead_and_member(
     assert [th.text for th in head[0].find("th")] == ["round", "0", "1"]
     formed = [th.text for th in head[1].find("th")][1:]  # each round's formation time
     assert len(formed) == 2 and all(t.endswith("s") and float(t[:-1]) >= 0 for t in formed), formed
-    assert "formed at " in head[0].find("th")[2].attrs["title"] and "(members_back)" in head[0].find("th")[2].attrs["title"]
+    round_1 = head[0].find("th")[2].attrs["title"]  # when, how long, why
+    assert "formed at " in round_1 and "(members_back)" in round_1, round_1
     bars = [td.attrs["title"] for td in head[2].find("td")]  # every node of each round, counted
     assert bars == ["round 0: dead 1, refused 1, member 1, standby 1", "round 1: member 2"], bars
     cell = page.dom.by_id("lanes").find("tr", **{"data-node-id": "lane-b"})[0].find("td")[0]
@@ -739,7 +740,8 @@ def test_a_16k_node_job_page_draws_one_page_of_lanes_and_nodes_and_a_bar_for_all
             " document.getElementById('page-next').click(); })()"
         )
         browser.wait_for(
-            f"document.getElementById('page-range').textContent === 'nodes 16301\\u2013{BIG_JOB_NODES} of {BIG_JOB_NODES}'"
+            "document.getElementById('page-range').textContent"
+            f" === 'nodes 16301\\u2013{BIG_JOB_NODES} of {BIG_JOB_NODES}'"
             " && document.querySelector('#members-nodes tr.node td').textContent === '16300'",
             "the last page",
         )

@@ -22,7 +22,8 @@ class Run:
 
     def __init__(self, min_nodes: int = 2, max_nodes: int = 2) -> None:
         self.sm = StateMachine(max_value_bytes=64, job_ttl=1000.0)
-        self.settings = JobSettings(min_nodes, max_nodes, last_call_timeout=10.0, join_timeout=600.0, heartbeat_ttl=300.0)
+        self.settings = JobSettings(min_nodes, max_nodes, last_call_timeout=10.0, join_timeout=600.0,
+                                    heartbeat_ttl=300.0)  # fmt: skip
         self.now = 0.0
 
     def at(self, now: float) -> Run:
@@ -142,7 +143,9 @@ def test_kinds_added_by_fleet_control_show_as_cordoned_or_refused_and_notes() ->
         event("something_new", "whatever"),
     ]
     answer = run.lanes(extra=extra)
-    assert cells(answer) == {"node-1": ["cordoned"], "node-2": ["member"], "node-8": ["refused"], "node-9": ["cordoned"]}
+    assert cells(answer) == {
+        "node-1": ["cordoned"], "node-2": ["member"], "node-8": ["refused"], "node-9": ["cordoned"]
+    }  # fmt: skip
     notes = [(n["kind"], n["cause"]) for n in answer["rounds"][0]["notes"]]
     assert notes == [("host_uncordoned", "operator"), ("job_closed", "restart_budget_exhausted"),
                      ("something_new", "whatever")]  # fmt: skip
