@@ -538,6 +538,19 @@ class Service:
         """Job ``rdzv_id``'s membership, as plain data. Raises as :meth:`read`, or NotFound."""
         return await self.read(lambda: self.machine.job(rdzv_id).view(self.now()))
 
+    async def job_history(self, rdzv_id: str) -> dict[str, Any]:
+        """Job ``rdzv_id``'s membership (``view``, plain data) and every timeline event it keeps,
+        read at one point (the job page's lanes). Raises as :meth:`read`, or NotFound."""
+
+        def history() -> dict[str, Any]:
+            job = self.machine.job(rdzv_id)
+            now = self.now()
+            timeline = job.timeline
+            events = [e.to_dict() for e in timeline.since(0)]
+            return {"view": job.view(now), "events": events, "first_seq": timeline.first_seq, "now": now}
+
+        return await self.read(history)
+
     def jobs(self) -> list[Entry]:
         """Every job held, as it stands in memory now (metrics: no durability wait)."""
         return list(self.machine.jobs.values())

@@ -55,6 +55,7 @@ from rdzv_client import wire
 from ..core import command as c
 from ..core.error import Forbidden
 from ..service import Service
+from . import page
 from .auth import OPEN, Grant, TokenTable, bearer_token
 from .codec import decode, encode
 from .document import job_document, job_summary
@@ -191,6 +192,8 @@ T = TypeVar("T", int, float)
 EVENTS_PAGE = 1000
 # A ?wait= beyond any sane long-poll is a mistake, not a wish; within it, --max-hold caps it.
 MAX_QUERY_WAIT = 3600.0
+# Past any job's node count (at most 1,000,000, plus the lanes the timeline adds): a page there is empty.
+MAX_QUERY_OFFSET = 2**31 - 1
 
 
 def _readable_job(request: web.Request) -> str:
@@ -203,9 +206,31 @@ def _readable_job(request: web.Request) -> str:
 
 
 async def show_job(request: web.Request) -> web.Response:
+    """The membership document; ``?offset=O&limit=L`` (either) cuts its node lists to one page
+    (``page.document_page``: ``limit`` 0..1000, default 100; ``limit=0``: no nodes, the counts)."""
     svc = request.app[SERVICE]
     rdzv_id = _readable_job(request)
-    return encode(request, job_document(await svc.job_view(rdzv_id)))
+    document = job_document(await svc.job_view(rdzv_id))
+    if "offset" not in request.query and "limit" not in request.query:
+        return encode(request, document)
+    offset, limit = _page_params(request, 0)
+    return encode(request, page.document_page(document, offset, limit))
+
+
+async def job_lanes(request: web.Request) -> web.Response:
+    """The job over time for its page (``page.lanes``): ``?offset=O&limit=L`` pick the lanes
+    (``limit`` 1..1000, default 100); the rounds and their summary cover every node."""
+    svc = request.app[SERVICE]
+    rdzv_id = _readable_job(request)
+    offset, limit = _page_params(request, 1)
+    history = await svc.job_history(rdzv_id)
+    body = page.lanes(job_document(history["view"]), history["events"], history["first_seq"], history["now"], offset, limit)
+    return encode(request, body)
+
+
+def _page_params(request: web.Request, least_limit: int) -> tuple[int, int]:
+    offset = _query_number(request, "offset", 0, int, 0, MAX_QUERY_OFFSET)
+    return offset, _query_number(request, "limit", page.DEFAULT_PAGE, int, least_limit, page.MAX_PAGE)
 
 
 async def job_events(request: web.Request) -> web.Response:
@@ -373,6 +398,7 @@ def create_app(svc: Service, tokens: TokenTable) -> web.Application:
             web.get("/v1/jobs", list_jobs),
             web.get("/v1/jobs/{rdzv_id}", show_job),
             web.get("/v1/jobs/{rdzv_id}/events", job_events),
+            web.get("/v1/jobs/{rdzv_id}/lanes", job_lanes),
             web.post("/v1/jobs/{rdzv_id}/{op:" + "|".join(sorted(wire.REQUESTS)) + "}", operation),
         ]
     )

@@ -536,7 +536,7 @@ def test_a_nodes_death_and_the_next_round_are_in_the_jobs_events(server: Any, cl
     assert f"formation_s={reformed['formation_s']}" in formed_row[5:], lines
 
     # (c) the job page in a browser.
-    from integration.test_dashboard_browser import CHROMIUM, Browser, assert_page_ran_clean
+    from integration.test_dashboard_browser import CHROMIUM, Browser, assert_page_ran_clean, lanes
 
     if not CHROMIUM.exists():
         pytest.skip("the job page part needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium)")
@@ -548,10 +548,17 @@ def test_a_nodes_death_and_the_next_round_are_in_the_jobs_events(server: Any, cl
             f"{server.url}/jobs/{job}?token={server.token}",
             "document.querySelectorAll('#rounds tbody tr').length >= 2"
             " && [...document.querySelectorAll('#timeline tbody tr')].some(r => r.cells[2].textContent === 'node_departed')"
-            " && document.querySelectorAll('#members-nodes tr.node').length === 2",
+            " && document.querySelectorAll('#members-nodes tr.node').length === 2"
+            " && [...document.querySelectorAll('#lanes td')].some(td => td.dataset.state === 'dead')",
             "the death and the next round on the job page",
         )
         assert_page_ran_clean(shot)
+        # The lanes: the victim's ends red; the survivors' are members of the re-formed round.
+        drawn = lanes(shot)
+        assert "dead" in drawn[victim_entry["node_id"]], drawn
+        assert len(drawn) == 3, drawn
+        survivors = [cells for node_id, cells in drawn.items() if node_id != victim_entry["node_id"]]
+        assert len(survivors) == 2 and all(cells[-1] == "member" for cells in survivors), drawn
         timeline = shot.timeline()
         died = [r[1:6] for r in timeline if r[2] == "node_departed" and r[4] == victim_entry["node_id"]]
         assert died == [[str(death["round"]), "node_departed", death["cause"], victim_entry["node_id"], "127.0.0.1"]], (

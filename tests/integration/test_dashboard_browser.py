@@ -16,7 +16,12 @@ The browser's console, script errors and policy violations are collected from th
   with a message;
 - what a node sends (its ``addr`` allows any text) is shown as text, in the node tables and
   in the timeline, never run as markup;
-- the page's own script and style run under its policy (no violation in the console).
+- the page's own script and style run under its policy (no violation in the console);
+- the lanes draw each node across rounds (member, standby, refused, dead), each round with its
+  formation time and a bar counting every node, updated as events happen;
+- a 16,384-node job (joined over the stream protocol, pipelined) draws one page of lanes and
+  nodes, a bar per round for all of them, and pages to its last node; the test prints how long
+  the first draw took after the navigation (README "The job page").
 
 Needs Debian's chromium at /usr/bin/chromium (``apt-get install -y chromium``); skipped,
 saying so, without it. docs/dashboard.png was taken with ``--screenshot --window-size=1200,700``;
@@ -31,6 +36,8 @@ import dataclasses
 import html.parser
 import json
 import os
+import socket
+import struct
 import subprocess
 import threading
 import time
@@ -42,9 +49,10 @@ from typing import Any
 
 import aiohttp
 import pytest
+from raw_stream import FrameReader
 from server_process import ServerProcess
 
-from rdzv_client import Client
+from rdzv_client import AsyncClient, Client, ConflictError, wire
 
 CHROMIUM = Path("/usr/bin/chromium")
 pytestmark = pytest.mark.skipif(
@@ -597,3 +605,149 @@ def test_a_follower_replica_points_the_page_at_the_leader(tmp_path: Path, browse
             cluster.close()
     finally:
         etcd.close()
+
+
+# --------------------------------------------------------------------------- lanes
+
+
+def lanes(page: Rendered) -> dict[str, list[str]]:
+    """The lanes drawn, by node id: each round's cell state ('' for none)."""
+    return {
+        tr.attrs["data-node-id"]: [td.attrs.get("data-state", "") for td in tr.find("td")]
+        for tr in page.dom.by_id("lanes").find("tr", **{"class": "lane"})
+    }
+
+
+def kill_watch(srv: ServerProcess, job: str, node_id: str, round_: int) -> None:
+    """``node_id``'s agent dies: its watch, parked on a raw stream connection, is reset."""
+    sock = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+    hello = wire.frame([1, wire.HELLO_OP, "", {"token": srv.token}])
+    watch = wire.frame([2, "watch", job, {"node_id": node_id, "round": round_, "known": 0, "hold": 20.0}])
+    sock.sendall(wire.STREAM_PREFACE + hello + watch)
+    assert FrameReader(sock).recv()[:2] == [1, 200]  # the hello's answer: the watch is parked behind it
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def test_the_lanes_draw_each_node_across_rounds_standby_refused_dead_and_member(
+    server: ServerProcess, browser: Browser
+) -> None:
+    job, ranks = form_job(server, {"lane-a": "10.0.6.1", "lane-b": "10.0.6.2"})  # round 0
+    url = f"{server.url}/jobs/{job}?token={server.token}"
+    browser.render(url, "document.querySelectorAll('#lanes tr.lane').length === 2", "the first lanes")
+    spare: list[Any] = []
+
+    def join_spare() -> None:
+        with Client(server.endpoint, token=server.token) as client:
+            spare.append(client.join(job, node_id="lane-s", addr="10.0.6.9", nproc_per_node=4, min_nodes=2,
+                                     max_nodes=2, timeout=JOIN_TIMEOUT))  # fmt: skip
+
+    joiner = threading.Thread(target=join_spare, daemon=True)
+    joiner.start()  # max_nodes are in: a spare, until round 1 takes it
+    with Client(server.endpoint, token=server.token) as client:
+        with pytest.raises(ConflictError):  # other --nnodes: refused, and the timeline says so
+            client.join(job, node_id="lane-x", addr="10.0.6.7", nproc_per_node=4, min_nodes=1, max_nodes=3,
+                        timeout=JOIN_TIMEOUT)  # fmt: skip
+        deadline = time.monotonic() + JOIN_TIMEOUT
+        while not client.job(job)["standby"]:  # bounded: until the spare is in line
+            assert time.monotonic() < deadline, "the spare never got in line"
+            time.sleep(0.05)
+        kill_watch(server, job, "lane-b", 0)  # lane-b's agent dies (connection_closed)
+        browser.wait_for(
+            "[...document.querySelectorAll('#lanes tr.lane td')].some(td => td.dataset.state === 'dead')",
+            "lane-b's death in its lane, without a reload",
+        )
+        client.join(job, node_id="lane-a", addr="10.0.6.1", nproc_per_node=4, min_nodes=2, max_nodes=2,
+                    timeout=JOIN_TIMEOUT)  # fmt: skip  # the survivor re-joins; the spare fills round 1
+    joiner.join(JOIN_TIMEOUT + 10)
+    assert spare and spare[0].round == 1
+    page = browser.render(url, "document.querySelectorAll('#lanes thead tr:first-child th').length === 3", "round 1")
+    assert_page_ran_clean(page)
+    assert lanes(page) == {
+        "lane-a": ["member", "member"],
+        "lane-s": ["standby", "member"],
+        "lane-b": ["dead", ""],
+        "lane-x": ["refused", ""],
+    }, lanes(page)
+    head = page.dom.by_id("lanes").find("thead")[0].find("tr")
+    assert [th.text for th in head[0].find("th")] == ["round", "0", "1"]
+    formed = [th.text for th in head[1].find("th")][1:]  # each round's formation time
+    assert len(formed) == 2 and all(t.endswith("s") and float(t[:-1]) >= 0 for t in formed), formed
+    round_1 = head[0].find("th")[2].attrs["title"]  # when, how long, why
+    assert "formed at " in round_1 and "(members_back)" in round_1, round_1
+    bars = [td.attrs["title"] for td in head[2].find("td")]  # every node of each round, counted
+    assert bars == ["round 0: dead 1, refused 1, member 1, standby 1", "round 1: member 2"], bars
+    cell = page.dom.by_id("lanes").find("tr", **{"data-node-id": "lane-b"})[0].find("td")[0]
+    assert cell.attrs["title"] == "lane-b, round 0: dead (connection_closed)"
+    legend = [span.text for span in page.dom.by_id("legend").find("span")]
+    assert legend == ["member", "joining or waiting", "standby", "left", "cordoned", "refused", "dead"]
+    assert page.dom.by_id("pager").attrs.get("hidden") is not None  # 4 lanes: one page
+    assert ranks["lane-a"] in (0, 1)
+
+
+# 16,384 nodes, 8 workers each: the biggest jobs the page is made for.
+BIG_JOB_NODES = 16_384
+JOIN_BATCH = 1024  # joins pipelined at once over the async client's stream connections
+
+
+async def join_many(srv: ServerProcess, job: str, nodes: int) -> dict[str, Any]:
+    """``nodes`` nodes join ``job`` through the real server's stream protocol, pipelined (a join
+    that does not wait for its round: ``hold=0``); returns the membership document."""
+    async with AsyncClient(srv.endpoint, token=srv.token, retry_budget=60.0) as client:
+        settings = wire.JobSettings(nodes, nodes, 30.0, 600.0, 3600.0)  # no node's heartbeat expires meanwhile
+        for start in range(0, nodes, JOIN_BATCH):
+            await asyncio.gather(*(
+                client.request(job, wire.JoinRequest(
+                    job, node_id=f"node-{i:05d}", addr=f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}", nproc_per_node=8,
+                    settings=settings, hold=0.0,
+                ))
+                for i in range(start, min(nodes, start + JOIN_BATCH))
+            ))  # fmt: skip
+        return await client.job(job)
+
+
+def test_a_16k_node_job_page_draws_one_page_of_lanes_and_nodes_and_a_bar_for_all(
+    tmp_path: Path, browser: Browser
+) -> None:
+    srv = ServerProcess(tmp_path, durable=False)
+    srv.start()
+    try:
+        job = "big-job"
+        document = asyncio.run(join_many(srv, job, BIG_JOB_NODES))
+        assert document["state"] == "complete" and document["num_nodes"] == BIG_JOB_NODES
+        drawn = (
+            "document.querySelectorAll('#lanes tr.lane').length === 100"
+            " && document.querySelectorAll('#members-nodes tr.node').length === 100"
+            " && performance.getEntriesByName('job-drawn').length === 1"
+        )
+        page = browser.render(f"{srv.url}/jobs/{job}?token={srv.token}", drawn, "the 16K-node job's first page")
+        # From the navigation to the first complete draw (both fetches, the lanes and the tables),
+        # as the browser measured it; printed, not asserted (README "Job page"; the issue asks <= 2 s).
+        first_draw_ms = browser.evaluate("performance.getEntriesByName('job-drawn')[0].startTime")
+        print(f"\n16,384-node job page: first complete draw {first_draw_ms:.0f} ms after navigation")
+        assert_page_ran_clean(page)
+        assert page.dom.by_id("page-range").text == f"nodes 1\u2013100 of {BIG_JOB_NODES}"
+        assert [row[0] for row in page.node_rows()] == [str(r) for r in range(100)]
+        assert set(map(tuple, lanes(page).values())) == {("member",)}
+        (bar,) = page.dom.by_id("lanes").find("tr", **{"class": "summary"})[0].find("td")
+        assert bar.attrs["title"] == f"round 0: member {BIG_JOB_NODES}"
+        summary = " ".join(page.dom.by_id("summary").text.split())
+        assert summary.startswith(f"complete, round 0, {BIG_JOB_NODES} nodes ({BIG_JOB_NODES}..{BIG_JOB_NODES}), "
+                                  f"world size {8 * BIG_JOB_NODES}")  # fmt: skip
+        # The last page, through the pager.
+        browser.evaluate(
+            f"(() => {{ for (let i = 0; i < {BIG_JOB_NODES // 100}; i++)"
+            " document.getElementById('page-next').click(); })()"
+        )
+        browser.wait_for(
+            "document.getElementById('page-range').textContent"
+            f" === 'nodes 16301\\u2013{BIG_JOB_NODES} of {BIG_JOB_NODES}'"
+            " && document.querySelector('#members-nodes tr.node td').textContent === '16300'",
+            "the last page",
+        )
+        page = browser.snapshot()
+        assert [row[0] for row in page.node_rows()] == [str(r) for r in range(16_300, BIG_JOB_NODES)]
+        assert len(lanes(page)) == BIG_JOB_NODES - 16_300
+        assert page.dom.by_id("page-next").attrs.get("disabled") is not None
+    finally:
+        srv.close()

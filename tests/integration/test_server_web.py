@@ -242,6 +242,8 @@ def assert_hardened(answer: Answer, policy: str) -> None:
         ("GET", "/v1/jobs", True, 200),
         ("GET", "/v1/jobs", False, 401),
         ("GET", "/v1/jobs/no-such-job", True, 404),
+        ("GET", "/v1/jobs/no-such-job/lanes", True, 404),
+        ("GET", "/v1/jobs/no-such-job?offset=0&limit=5", True, 404),
         ("GET", "/nowhere", False, 404),
         ("DELETE", "/v1/jobs", True, 405),
         ("GET", "/livez", False, 200),

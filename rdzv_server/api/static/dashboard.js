@@ -1,11 +1,15 @@
 // The dashboard's script (served as a file: the page's Content-Security-Policy allows no
 // inline script). With the browser's cookie (set by opening /?token=TOKEN once):
 // - on /, it lists the jobs (GET /v1/jobs every LIST_MS);
-// - on /jobs/ID, it shows that job: its state and pending reason, its nodes, the rounds it
-//   formed (how long each took) and its timeline. The timeline is followed by long-polling
+// - on /jobs/ID, it shows that job: its state and pending reason, its lanes (the job over
+//   time: one lane per node, one cell per round, coloured by the node's state in that round,
+//   under a bar per round that counts every node), its nodes, the rounds it formed (how long
+//   each took) and its timeline. Lanes and nodes come a page of PAGE nodes at a time
+//   (GET /v1/jobs/ID?offset=O&limit=PAGE and /v1/jobs/ID/lanes?offset=O&limit=PAGE), so a
+//   16,384-node job costs the browser no more than a 100-node one. The timeline is followed by long-polling
 //   GET /v1/jobs/ID/events?since=SEQ&wait=S: new events are added at the top, nothing is
-//   drawn again. The membership document is fetched again when events arrive, and every
-//   MEMBERSHIP_MS for the heartbeat ages. Node rows are kept by node_id and only their
+//   drawn again. The membership document and the lanes are fetched again when events arrive
+//   or the page turns, the document also every MEMBERSHIP_MS for the heartbeat ages. Node rows are kept by node_id and only their
 //   changed cells are written, so a 1,000-node job costs little per refresh.
 // Polling stops at 401, 403 and 404 (only the operator can fix those), saying why.
 //
@@ -19,9 +23,17 @@ const MEMBERSHIP_MS = 5000; // heartbeat ages on a job page are at most this old
 const EVENTS_WAIT_S = 25; // one long-poll; the server holds it up to its --max-hold (30 s by default)
 const RETRY_MS = 2000; // after a network error or a 5xx
 const TIMELINE_ROWS = 2000; // rows kept on the page (the server keeps about 1,000 events a job)
+const PAGE = 100; // nodes (and lanes) drawn at once; the pager shows the others
+const STATE_WORDS = {
+  member: 'member', joining: 'joining or waiting', standby: 'standby', left: 'left',
+  cordoned: 'cordoned', refused: 'refused', dead: 'dead',
+};
+// A round's notes (events about the job, not one node), in a word under the round.
+const NOTE_WORDS = { job_closed: 'closed', server_restarted: 'restart', host_cordoned: 'cordon', host_uncordoned: 'uncordon' };
 const STOP_STATUSES = new Set([401, 403, 404]);
 const NODE_HEADS = ['node rank', 'node id', 'host/addr', 'nproc', 'global ranks', 'status', 'heartbeat age'];
-const KINDS = new Set(['job_created', 'job_closed', 'node_joined', 'round_formed', 'standby_promoted', 'node_departed']);
+const KINDS = new Set(['job_created', 'job_closed', 'node_joined', 'round_formed', 'standby_promoted', 'node_departed',
+  'join_refused', 'node_refused', 'host_cordoned']);
 const EVENT_FIELDS = new Set(['seq', 'time', 'kind', 'cause', 'round', 'node_id', 'addr']);
 
 // The job this page shows: /jobs/ID, or none on /.
@@ -188,9 +200,10 @@ class NodeTable {
     this.rows = new Map(); // node_id -> {tr, cells}
   }
 
-  update(nodes, alwaysShown) {
+  // `count`: the list's length over every page (a page may hold none of a list that has some).
+  update(nodes, alwaysShown, count) {
     const list = Array.isArray(nodes) ? nodes : [];
-    this.section.hidden = list.length === 0 && !alwaysShown;
+    this.section.hidden = (typeof count === 'number' ? count : list.length) === 0 && !alwaysShown;
     const next = new Map();
     for (const n of list) {
       let r = this.rows.get(n.node_id);
@@ -230,39 +243,165 @@ function showJob(j) {
   const pending = document.getElementById('pending');
   setText(pending, j.pending_reason ? 'Round pending: ' + j.pending_reason : '');
   pending.hidden = !j.pending_reason;
-  tables.nodes.update(j.nodes, true);
-  tables.joining.update(j.joining, false);
-  tables.waiting.update(j.waiting, false);
-  tables.standby.update(j.standby, false);
+  const counts = j.counts || {};
+  tables.nodes.update(j.nodes, true, counts.nodes);
+  tables.joining.update(j.joining, false, counts.joining);
+  tables.waiting.update(j.waiting, false, counts.waiting);
+  tables.standby.update(j.standby, false, counts.standby);
   document.getElementById('updated').textContent = 'live, updated ' + new Date().toLocaleTimeString();
 }
 
 // Membership fetches: one at a time; a request made meanwhile is served by one more fetch.
+// The lanes change only with events (or another page): the timer's fetches leave them out.
 let membershipBusy = false;
 let membershipAgain = false;
 let membershipTimer = null;
+let lanesDue = true;
 
-async function refreshMembership() {
+async function refreshMembership(withLanes = true) {
   if (stopped) return;
+  lanesDue = lanesDue || withLanes;
   if (membershipBusy) { membershipAgain = true; return; }
   membershipBusy = true;
   clearTimeout(membershipTimer);
+  const fetchLanes = lanesDue;
+  lanesDue = false;
   try {
-    const answer = await getJson('/v1/jobs/' + encodeURIComponent(selected));
-    if (answer.ok) {
+    const query = `offset=${pageOffset}&limit=${PAGE}`;
+    const job = '/v1/jobs/' + encodeURIComponent(selected);
+    const [membership, lanes] = await Promise.all([
+      getJson(`${job}?${query}`), fetchLanes ? getJson(`${job}/lanes?${query}`) : null]);
+    if (membership.ok && (lanes === null || lanes.ok)) {
       document.getElementById('notice').hidden = true;
-      showJob(answer.body);
+      showJob(membership.body);
+      if (lanes !== null) showLanes(lanes.body, Date.now());
+      if (!drawn) { drawn = true; performance.mark('job-drawn'); } // the first complete page: tests time it
     } else {
-      failed(answer);
+      lanesDue = lanesDue || fetchLanes;
+      failed(membership.ok ? lanes : membership);
     }
   } catch (e) {
+    lanesDue = lanesDue || fetchLanes;
     document.getElementById('updated').textContent = 'server unreachable: ' + e;
   } finally {
     membershipBusy = false;
   }
   if (stopped) return;
-  if (membershipAgain) { membershipAgain = false; refreshMembership(); return; }
-  membershipTimer = setTimeout(refreshMembership, MEMBERSHIP_MS);
+  if (membershipAgain) { membershipAgain = false; refreshMembership(false); return; }
+  membershipTimer = setTimeout(() => refreshMembership(false), MEMBERSHIP_MS);
+}
+
+// ------------------------------------------------------------------------------ a job: its lanes
+
+let pageOffset = 0; // the first node (and lane) of the page shown
+let drawn = false;
+let lanesDrawn = ''; // what the lanes table shows, to draw it again only when it changed
+
+function showPager(page) {
+  const total = page.total;
+  if (pageOffset > 0 && pageOffset >= total) { // the job shrank under the page shown
+    pageOffset = Math.max(0, Math.floor((total - 1) / PAGE) * PAGE);
+    refreshMembership();
+  }
+  document.getElementById('pager').hidden = total <= PAGE;
+  setText(document.getElementById('page-range'),
+    `nodes ${Math.min(pageOffset + 1, total)}\u2013${Math.min(pageOffset + PAGE, total)} of ${total}`);
+  document.getElementById('page-prev').disabled = pageOffset === 0;
+  document.getElementById('page-next').disabled = pageOffset + PAGE >= total;
+}
+
+function turnPage(step) {
+  pageOffset = Math.max(0, pageOffset + step * PAGE);
+  refreshMembership();
+}
+
+function roundTitle(r, now, receivedAt) {
+  const parts = [`round ${r.round}`];
+  if (typeof r.formed_at === 'number') {
+    parts.push(`formed at ${wallTime(r.formed_at, now, receivedAt)} in ${seconds(r.formation_s)} (${r.cause}): `
+      + `${r.num_nodes} nodes, world size ${r.world_size}`);
+  }
+  for (const n of r.notes) parts.push(`${n.kind} (${n.cause}) at ${wallTime(n.time, now, receivedAt)}`);
+  return parts.join('\n');
+}
+
+// One bar per round: a segment per state, its height that state's share of every node.
+function summaryCell(counts, total, round) {
+  const td = el('td', null, 'bar');
+  const words = [];
+  for (let i = STATE_ORDER.length - 1; i >= 0; i--) { // the strongest on top
+    const state = STATE_ORDER[i];
+    const count = counts[state] || 0;
+    if (count === 0) continue;
+    const seg = el('div', null, 'seg st-' + state);
+    seg.style.height = `${Math.max(1, Math.round(40 * count / Math.max(total, 1)))}px`; // one node in 16,384 still shows
+    td.append(seg);
+    words.push(`${STATE_WORDS[state] || state} ${count}`);
+  }
+  td.title = `round ${round}: ` + (words.join(', ') || 'no node');
+  return td;
+}
+
+let STATE_ORDER = Object.keys(STATE_WORDS);
+
+function showLanes(d, receivedAt) {
+  if (Array.isArray(d.states)) STATE_ORDER = d.states;
+  showPager(d.page);
+  const note = d.first_seq > 1 ? `(events before #${d.first_seq} are no longer kept: earlier rounds may show fewer nodes)` : '';
+  setText(document.getElementById('lanes-note'), note);
+  const key = JSON.stringify([d.rounds, d.summary, d.lanes, d.page.total]);
+  if (key === lanesDrawn) return;
+  lanesDrawn = key;
+  const head = el('thead');
+  const numbers = row([el('th', 'round', 'label')]);
+  const times = row([el('th', 'formed in', 'label')]);
+  const bars = row([el('th', `all ${d.page.total} nodes`, 'label')], 'summary');
+  const notes = row([el('th', '', 'label')], 'notes');
+  let anyNote = false;
+  d.rounds.forEach((r, i) => {
+    const title = roundTitle(r, d.now, receivedAt);
+    const number = el('th', r.round);
+    number.title = title;
+    numbers.append(number);
+    const forming = r.round === d.round && d.state === 'open';
+    const time = el('th', typeof r.formation_s === 'number' ? r.formation_s.toFixed(r.formation_s < 10 ? 2 : 0) + 's'
+      : (forming ? 'forming' : ''));
+    time.title = title;
+    times.append(time);
+    bars.append(summaryCell(d.summary[i] || {}, d.page.total, r.round));
+    const words = [...new Set(r.notes.map(n => NOTE_WORDS[n.kind] || n.kind))];
+    const cell = el('td', words.join(' '), 'note');
+    cell.title = title;
+    notes.append(cell);
+    anyNote = anyNote || words.length > 0;
+  });
+  head.append(numbers, times, bars);
+  if (anyNote) head.append(notes);
+  const body = el('tbody');
+  for (const lane of d.lanes) {
+    const label = el('th', (typeof lane.node_rank === 'number' ? `${lane.node_rank}  ` : '') + lane.node_id
+      + (lane.addr ? `  ${lane.addr}` : ''), 'label');
+    label.title = `${lane.node_id} ${lane.addr || ''}`;
+    const tr = row([label], 'lane');
+    tr.dataset.nodeId = lane.node_id;
+    lane.cells.forEach((state, i) => {
+      const td = el('td', null, state ? 'cell st-' + state : 'cell');
+      const round = d.rounds[i].round;
+      if (state) {
+        td.dataset.state = state;
+        const cause = lane.causes[i];
+        td.title = `${lane.node_id}, round ${round}: ${STATE_WORDS[state] || state}` + (cause ? ` (${cause})` : '');
+      }
+      tr.append(td);
+    });
+    body.append(tr);
+  }
+  document.getElementById('lanes').replaceChildren(head, body);
+}
+
+function showLegend() {
+  const legend = document.getElementById('legend');
+  for (const [state, words] of Object.entries(STATE_WORDS)) legend.append(el('span', words, 'st-' + state));
 }
 
 // ------------------------------------------------------------------------------ a job: its timeline
@@ -355,6 +494,9 @@ if (selected === null) {
   for (const name of ['nodes', 'joining', 'waiting', 'standby']) {
     tables[name] = new NodeTable(document.getElementById('members-' + name));
   }
+  showLegend();
+  document.getElementById('page-prev').addEventListener('click', () => turnPage(-1));
+  document.getElementById('page-next').addEventListener('click', () => turnPage(1));
   refreshMembership();
   followEvents();
 }
