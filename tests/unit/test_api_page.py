@@ -11,6 +11,7 @@ from typing import Any
 
 from rdzv_client.record import JobSettings
 from rdzv_server.api import page
+from rdzv_server.api.document import job_document
 from rdzv_server.core import command as c
 from rdzv_server.core.machine import StateMachine
 
@@ -44,7 +45,7 @@ class Run:
         self.sm.apply(c.Leave(JOB, node_id), self.now)
 
     def document(self) -> dict[str, Any]:
-        return self.sm.job(JOB).describe(self.now)
+        return job_document(self.sm.job(JOB).view(self.now))
 
     def events(self) -> list[dict[str, Any]]:
         return [e.to_dict() for e in self.sm.job(JOB).timeline.since(0)]
