@@ -482,6 +482,20 @@ def test_sync_client_calls_after_close_raise_and_close_is_idempotent() -> None:
         c.num_keys("job")
 
 
+async def test_async_client_calls_after_aclose_raise_and_aclose_is_idempotent() -> None:
+    t = ScriptedTransport(ok(count=3))
+    c = client_over(t)
+    assert await c.num_keys("job") == 3
+    await c.aclose()
+    await c.aclose()
+    assert t.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        await c.num_keys("job")
+    with pytest.raises(RuntimeError, match="closed"):
+        await c.get("job", "k", timeout=1)
+    assert len(t.sent) == 1
+
+
 def test_sync_client_retries_with_the_same_rid_and_fails_over() -> None:
     """The generated client keeps the policy: one rid for every retry, failover, the backoff's pauses."""
     pauses: list[float] = []
