@@ -2,8 +2,9 @@
 
 What it owns: :func:`document_page` (``GET /v1/jobs/{rdzv_id}?offset=O&limit=L``) and
 :func:`lanes` (``GET /v1/jobs/{rdzv_id}/lanes``): the job over time, one lane per node across
-rounds, drawn by the job page. Both are pure functions of what the service read at one point
-(the membership document, the timeline's events, the server's ``now``).
+rounds, drawn by the job page. Both are pure functions of what the service read: the
+membership document, then the timeline's events and the server's ``now`` (two reads: a change
+between them shows in the timeline, whose deaths and refusals win; the next read catches up).
 
 Rules:
 - Paging: the nodes are in one order, the document's own: ``nodes`` (node_rank order), then
