@@ -234,12 +234,22 @@ class NodeTable {
 
 const tables = {};
 
+// The job-wide restart budget and why the job closed, where the server reports them (fleet control).
+function fleetWords(j) {
+  let words = '';
+  if (typeof j.restarts === 'number') {
+    words += `, restarts ${j.restarts}` + (typeof j.max_restarts === 'number' ? ` of ${j.max_restarts}` : ' (no budget)');
+  }
+  if (typeof j.closed_cause === 'string' && j.closed_cause) words += `, closed: ${j.closed_cause}`;
+  return words;
+}
+
 function showJob(j) {
   const summary = document.getElementById('summary');
   summary.replaceChildren(
     el('span', j.state, 'state-' + j.state),
     el('span', `, round ${j.round}, ${j.num_nodes} nodes (${j.min_nodes}..${j.max_nodes}), world size ${j.world_size}, `
-      + `num_nodes_waiting ${j.num_nodes_waiting}`));
+      + `num_nodes_waiting ${j.num_nodes_waiting}` + fleetWords(j)));
   const pending = document.getElementById('pending');
   setText(pending, j.pending_reason ? 'Round pending: ' + j.pending_reason : '');
   pending.hidden = !j.pending_reason;
