@@ -733,6 +733,8 @@ def test_a_16k_node_job_page_draws_one_page_of_lanes_and_nodes_and_a_bar_for_all
         assert page.dom.by_id("page-range").text == f"nodes 1\u2013100 of {BIG_JOB_NODES}"
         assert [row[0] for row in page.node_rows()] == [str(r) for r in range(100)]
         assert set(map(tuple, lanes(page).values())) == {("member",)}
+        # 16,384 joins: the timeline kept the last 1,024 events, and the page says so.
+        assert "are no longer kept" in page.dom.by_id("lanes-note").text
         (bar,) = page.dom.by_id("lanes").find("tr", **{"class": "summary"})[0].find("td")
         assert bar.attrs["title"] == f"round 0: member {BIG_JOB_NODES}"
         summary = " ".join(page.dom.by_id("summary").text.split())
