@@ -26,8 +26,9 @@ Rules:
   over every lane (not only the page), so a 16,384-node job is drawn as a page of lanes plus
   one bar per round.
 - Event kinds this module does not know (added later) are kept as the round's ``notes``; a
-  ``node_refused`` whose cause is ``cordoned``, and ``host_cordoned`` naming a node, make the
-  node's cell ``cordoned``; ``host_uncordoned``, ``job_closed`` and the like are notes.
+  ``node_refused`` or ``node_departed`` whose cause is ``cordoned``, and ``host_cordoned``
+  naming a node, make the node's cell ``cordoned``; ``host_uncordoned``, ``job_closed`` and
+  the like are notes.
 
 What it must not know: the service, the machine, HTTP; how the page draws any of it.
 """
@@ -50,7 +51,8 @@ MAX_PAGE = 1000
 NODE_LISTS = ("nodes", "joining", "waiting", "standby")
 
 _PENDING_STATUS = {"candidate": "joining", "waiting": "joining", "standby": "standby"}
-_DEPARTED = {"left": "left", "join_timeout": "left"}  # every other departure cause is a death
+# Every other departure cause is a death; a cordon taking a node out of line is its own state.
+_DEPARTED = {"left": "left", "join_timeout": "left", "cordoned": "cordoned"}
 _REFUSAL = {"cordoned": "cordoned"}  # every other refusal cause (settings, health check) is "refused"
 # Kinds that place nodes in lanes; every other kind is a note on its round.
 _NODE_KINDS = frozenset({"node_joined", "standby_promoted", "node_departed", "join_refused", "node_refused"})

@@ -138,13 +138,16 @@ def test_kinds_added_by_fleet_control_show_as_cordoned_or_refused_and_notes() ->
         event("host_cordoned", "operator", "node-1", host="10.0.0.1", reason="bad HBM"),
         event("node_refused", "health_check_failed", "node-8", reason="nvidia-smi failed"),
         event("node_refused", "cordoned", "node-9", reason="cordoned by operator"),
+        event("node_joined", "candidate", "node-7"),
+        event("node_departed", "cordoned", "node-7", role="candidate"),  # a cordon took it out of line
         event("host_uncordoned", "operator", host="10.0.0.7"),
         event("job_closed", "restart_budget_exhausted"),
         event("something_new", "whatever"),
     ]
     answer = run.lanes(extra=extra)
     assert cells(answer) == {
-        "node-1": ["cordoned"], "node-2": ["member"], "node-8": ["refused"], "node-9": ["cordoned"]
+        "node-1": ["cordoned"], "node-2": ["member"], "node-8": ["refused"], "node-9": ["cordoned"],
+        "node-7": ["cordoned"],
     }  # fmt: skip
     notes = [(n["kind"], n["cause"]) for n in answer["rounds"][0]["notes"]]
     assert notes == [("host_uncordoned", "operator"), ("job_closed", "restart_budget_exhausted"),
