@@ -51,6 +51,7 @@ MAX_PAGE = 1000
 NODE_LISTS = ("nodes", "joining", "waiting", "standby")
 
 _PENDING_STATUS = {"candidate": "joining", "waiting": "joining", "standby": "standby"}
+_MEMBER_STATUS = {"alive": "member"}  # a member's other statuses (dead, left) are lane states
 # Every other departure cause is a death; a cordon taking a node out of line is its own state.
 _DEPARTED = {"left": "left", "join_timeout": "left", "cordoned": "cordoned"}
 _REFUSAL = {"cordoned": "cordoned"}  # every other refusal cause (settings, health check) is "refused"
@@ -73,7 +74,7 @@ def document_page(document: dict[str, Any], offset: int, limit: int) -> dict[str
     return paged
 
 
-@dataclass
+@dataclass(slots=True)
 class _Lane:
     node_id: str
     addr: str | None
@@ -157,25 +158,33 @@ def lanes(
         replay.apply(e)
     now_round, open_ = document["round"], document["state"] == "open"
     placed: dict[str, _Lane] = {}  # a re-joined member of an open round is in two lists: one lane
+    member_round = now_round - 1 if open_ else now_round
+    known = replay.lanes
     for name in NODE_LISTS:
         for n in document[name]:
-            node_id = n["node_id"]
-            lane = placed.get(node_id) or replay.lanes.pop(node_id, None) or _Lane(node_id, n.get("addr"))
-            placed[node_id] = lane
-            lane.addr = n.get("addr")
-            if n.get("node_rank") is not None:
-                lane.node_rank = n["node_rank"]
-            status = n["status"]
+            node_id, status = n["node_id"], n["status"]
             pending = _PENDING_STATUS.get(status)
-            if pending is None:  # a member of the last formed round: alive, dead or left
-                state = "member" if status == "alive" else status
-                round_ = now_round - 1 if open_ else now_round
+            # The document's word on one round: a member's (alive, dead, left) on the formed round's.
+            if pending is None:
+                round_, state, cause = member_round, _MEMBER_STATUS.get(status, status), ""
+            else:
+                round_, state, cause = now_round, pending, status
+            lane = placed.get(node_id)
+            if lane is None and node_id not in known:  # nothing else to say (most nodes of a big job)
+                placed[node_id] = _Lane(node_id, n["addr"], n["node_rank"], {round_: (state, cause)})
+                continue
+            if lane is None:
+                lane = placed[node_id] = known.pop(node_id)
+            lane.addr = n["addr"]
+            if n["node_rank"] is not None:
+                lane.node_rank = n["node_rank"]
+            if pending is None:
                 if state == "member" or not lane.cells:  # a known death is where the timeline put it
                     lane.mark(round_, state, "")
             else:  # the document is authoritative for who is in line now
-                old = lane.cells.get(now_round)
+                old = lane.cells.get(round_)
                 if old is None or _STRENGTH[old[0]] <= _STRENGTH["member"]:
-                    lane.cells[now_round] = (pending, status)
+                    lane.cells[round_] = (state, cause)
     ordered = [*placed.values(), *replay.lanes.values()]  # known only from the timeline: departed, refused
     newest = max([now_round, *replay.rounds])
     oldest = min([now_round, *replay.rounds, *(r for lane in ordered for r in lane.cells)])
