@@ -306,6 +306,7 @@ async function refreshMembership(withLanes = true) {
 let pageOffset = 0; // the first node (and lane) of the page shown
 let drawn = false;
 let lanesDrawn = ''; // what the lanes table shows, to draw it again only when it changed
+let STATE_ORDER = Object.keys(STATE_WORDS); // weakest first; the server's own list replaces it
 
 function showPager(page) {
   const total = page.total;
@@ -351,8 +352,6 @@ function summaryCell(counts, total, round) {
   td.title = `round ${round}: ` + (words.join(', ') || 'no node');
   return td;
 }
-
-let STATE_ORDER = Object.keys(STATE_WORDS);
 
 function showLanes(d, receivedAt) {
   if (Array.isArray(d.states)) STATE_ORDER = d.states;
