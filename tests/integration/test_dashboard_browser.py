@@ -576,6 +576,8 @@ def test_what_a_node_sends_is_shown_as_text_and_never_runs(server: ServerProcess
     assert sorted(tuple(row[1:3]) for row in page.node_rows()) == sorted(nodes.items())
     joined = sorted(tuple(row[4:6]) for row in page.timeline() if row[2] == "node_joined")
     assert joined == sorted(nodes.items()), page.timeline()  # the timeline shows them as text too
+    labels = " ".join(th.text for th in page.dom.by_id("lanes").find("th", **{"class": "label"}))
+    assert all(addr in labels for addr in HOSTILE_ADDRS), labels  # and the lanes
     body = page.dom.find("body")[0]
     assert body.find("img") == [] and body.find("script") == []
     assert not [e.tag for e in page.dom.walk() if any(name.startswith("on") for name in e.attrs)]
