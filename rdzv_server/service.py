@@ -538,18 +538,15 @@ class Service:
         """Job ``rdzv_id``'s membership, as plain data. Raises as :meth:`read`, or NotFound."""
         return await self.read(lambda: self.machine.job(rdzv_id).view(self.now()))
 
-    async def job_history(self, rdzv_id: str) -> dict[str, Any]:
-        """Job ``rdzv_id``'s membership (``view``, plain data) and every timeline event it keeps,
-        read at one point (the job page's lanes). Raises as :meth:`read`, or NotFound."""
+    async def job_timeline(self, rdzv_id: str) -> dict[str, Any]:
+        """Every event job ``rdzv_id``'s timeline keeps (oldest first), ``first_seq`` and the
+        server's ``now``, at once (the job page's lanes). Raises as :meth:`read`, or NotFound."""
 
-        def history() -> dict[str, Any]:
-            job = self.machine.job(rdzv_id)
-            now = self.now()
-            timeline = job.timeline
-            events = [e.to_dict() for e in timeline.since(0)]
-            return {"view": job.view(now), "events": events, "first_seq": timeline.first_seq, "now": now}
+        def timeline() -> dict[str, Any]:
+            kept = self.machine.job(rdzv_id).timeline
+            return {"events": [e.to_dict() for e in kept.since(0)], "first_seq": kept.first_seq, "now": self.now()}
 
-        return await self.read(history)
+        return await self.read(timeline)
 
     def jobs(self) -> list[Entry]:
         """Every job held, as it stands in memory now (metrics: no durability wait)."""

@@ -223,9 +223,11 @@ async def job_lanes(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     rdzv_id = _readable_job(request)
     offset, limit = _page_params(request, 1)
-    history = await svc.job_history(rdzv_id)
-    body = page.lanes(job_document(history["view"]), history["events"], history["first_seq"], history["now"], offset, limit)
-    return encode(request, body)
+    # The document first: whatever happens before the timeline is read is in the timeline, whose
+    # deaths and refusals win over the document's older word (page.py).
+    document = job_document(await svc.job_view(rdzv_id))
+    kept = await svc.job_timeline(rdzv_id)
+    return encode(request, page.lanes(document, kept["events"], kept["first_seq"], kept["now"], offset, limit))
 
 
 def _page_params(request: web.Request, least_limit: int) -> tuple[int, int]:

@@ -2,8 +2,9 @@
 
 What it owns: :func:`document_page` (``GET /v1/jobs/{rdzv_id}?offset=O&limit=L``) and
 :func:`lanes` (``GET /v1/jobs/{rdzv_id}/lanes``): the job over time, one lane per node across
-rounds, drawn by the job page. Both are pure functions of what the service read at one point
-(the membership document, the timeline's events, the server's ``now``).
+rounds, drawn by the job page. Both are pure functions of what the service read: the
+membership document, then the timeline's events and the server's ``now`` (two reads: a change
+between them shows in the timeline, whose deaths and refusals win; the next read catches up).
 
 Rules:
 - Paging: the nodes are in one order, the document's own: ``nodes`` (node_rank order), then
@@ -25,8 +26,9 @@ Rules:
   over every lane (not only the page), so a 16,384-node job is drawn as a page of lanes plus
   one bar per round.
 - Event kinds this module does not know (added later) are kept as the round's ``notes``; a
-  ``node_refused`` whose cause is ``cordoned``, and ``host_cordoned`` naming a node, make the
-  node's cell ``cordoned``; ``host_uncordoned``, ``job_closed`` and the like are notes.
+  ``node_refused`` or ``node_departed`` whose cause is ``cordoned``, and ``host_cordoned``
+  naming a node, make the node's cell ``cordoned``; ``host_uncordoned``, ``job_closed`` and
+  the like are notes.
 
 What it must not know: the service, the machine, HTTP; how the page draws any of it.
 """
@@ -49,7 +51,9 @@ MAX_PAGE = 1000
 NODE_LISTS = ("nodes", "joining", "waiting", "standby")
 
 _PENDING_STATUS = {"candidate": "joining", "waiting": "joining", "standby": "standby"}
-_DEPARTED = {"left": "left", "join_timeout": "left"}  # every other departure cause is a death
+_MEMBER_STATUS = {"alive": "member"}  # a member's other statuses (dead, left) are lane states
+# Every other departure cause is a death; a cordon taking a node out of line is its own state.
+_DEPARTED = {"left": "left", "join_timeout": "left", "cordoned": "cordoned"}
 _REFUSAL = {"cordoned": "cordoned"}  # every other refusal cause (settings, health check) is "refused"
 # Kinds that place nodes in lanes; every other kind is a note on its round.
 _NODE_KINDS = frozenset({"node_joined", "standby_promoted", "node_departed", "join_refused", "node_refused"})
@@ -70,7 +74,7 @@ def document_page(document: dict[str, Any], offset: int, limit: int) -> dict[str
     return paged
 
 
-@dataclass
+@dataclass(slots=True)
 class _Lane:
     node_id: str
     addr: str | None
@@ -154,25 +158,33 @@ def lanes(
         replay.apply(e)
     now_round, open_ = document["round"], document["state"] == "open"
     placed: dict[str, _Lane] = {}  # a re-joined member of an open round is in two lists: one lane
+    member_round = now_round - 1 if open_ else now_round
+    known = replay.lanes
     for name in NODE_LISTS:
         for n in document[name]:
-            node_id = n["node_id"]
-            lane = placed.get(node_id) or replay.lanes.pop(node_id, None) or _Lane(node_id, n.get("addr"))
-            placed[node_id] = lane
-            lane.addr = n.get("addr")
-            if n.get("node_rank") is not None:
-                lane.node_rank = n["node_rank"]
-            status = n["status"]
+            node_id, status = n["node_id"], n["status"]
             pending = _PENDING_STATUS.get(status)
-            if pending is None:  # a member of the last formed round: alive, dead or left
-                state = "member" if status == "alive" else status
-                round_ = now_round - 1 if open_ else now_round
+            # The document's word on one round: a member's (alive, dead, left) on the formed round's.
+            if pending is None:
+                round_, state, cause = member_round, _MEMBER_STATUS.get(status, status), ""
+            else:
+                round_, state, cause = now_round, pending, status
+            lane = placed.get(node_id)
+            if lane is None and node_id not in known:  # nothing else to say (most nodes of a big job)
+                placed[node_id] = _Lane(node_id, n["addr"], n["node_rank"], {round_: (state, cause)})
+                continue
+            if lane is None:
+                lane = placed[node_id] = known.pop(node_id)
+            lane.addr = n["addr"]
+            if n["node_rank"] is not None:
+                lane.node_rank = n["node_rank"]
+            if pending is None:
                 if state == "member" or not lane.cells:  # a known death is where the timeline put it
                     lane.mark(round_, state, "")
             else:  # the document is authoritative for who is in line now
-                old = lane.cells.get(now_round)
+                old = lane.cells.get(round_)
                 if old is None or _STRENGTH[old[0]] <= _STRENGTH["member"]:
-                    lane.cells[now_round] = (pending, status)
+                    lane.cells[round_] = (state, cause)
     ordered = [*placed.values(), *replay.lanes.values()]  # known only from the timeline: departed, refused
     newest = max([now_round, *replay.rounds])
     oldest = min([now_round, *replay.rounds, *(r for lane in ordered for r in lane.cells)])

@@ -113,13 +113,16 @@ def test_a_graceful_leave_is_left_not_dead_and_an_open_round_shows_who_joined_it
 
 
 def test_the_membership_document_is_authoritative_for_the_current_round() -> None:
-    run = Run(min_nodes=1, max_nodes=1)
+    run = Run(min_nodes=2, max_nodes=2)
     run.at(1.0).join("node-1")
-    run.join("node-2")  # a spare
+    run.join("node-2")
+    run.join("node-3")  # a spare
+    run.at(2.0).die("node-2")  # the document still holds it, marked dead, until the next round
     # Drop every event but the round's: as a 16K-node job whose joins the timeline no longer keeps.
     formed = [e for e in run.events() if e["kind"] == "round_formed"]
     answer = page.lanes(run.document(), formed, formed[0]["seq"], run.now, 0, 100)
-    assert cells(answer) == {"node-1": ["member"], "node-2": ["standby"]}
+    assert cells(answer) == {"node-1": ["member"], "node-2": ["dead"], "node-3": ["standby"]}
+    assert [lane["causes"] for lane in answer["lanes"]] == [[None], [None], ["standby"]]
     assert answer["first_seq"] > 1
 
 
@@ -139,13 +142,16 @@ def test_kinds_added_by_fleet_control_show_as_cordoned_or_refused_and_notes() ->
         event("host_cordoned", "operator", "node-1", host="10.0.0.1", reason="bad HBM"),
         event("node_refused", "health_check_failed", "node-8", reason="nvidia-smi failed"),
         event("node_refused", "cordoned", "node-9", reason="cordoned by operator"),
+        event("node_joined", "candidate", "node-7"),
+        event("node_departed", "cordoned", "node-7", role="candidate"),  # a cordon took it out of line
         event("host_uncordoned", "operator", host="10.0.0.7"),
         event("job_closed", "restart_budget_exhausted"),
         event("something_new", "whatever"),
     ]
     answer = run.lanes(extra=extra)
     assert cells(answer) == {
-        "node-1": ["cordoned"], "node-2": ["member"], "node-8": ["refused"], "node-9": ["cordoned"]
+        "node-1": ["cordoned"], "node-2": ["member"], "node-8": ["refused"], "node-9": ["cordoned"],
+        "node-7": ["cordoned"],
     }  # fmt: skip
     notes = [(n["kind"], n["cause"]) for n in answer["rounds"][0]["notes"]]
     assert notes == [("host_uncordoned", "operator"), ("job_closed", "restart_budget_exhausted"),

@@ -234,12 +234,22 @@ class NodeTable {
 
 const tables = {};
 
+// The job-wide restart budget and why the job closed, where the server reports them (fleet control).
+function fleetWords(j) {
+  let words = '';
+  if (typeof j.restarts === 'number') {
+    words += `, restarts ${j.restarts}` + (typeof j.max_restarts === 'number' ? ` of ${j.max_restarts}` : ' (no budget)');
+  }
+  if (typeof j.closed_cause === 'string' && j.closed_cause) words += `, closed: ${j.closed_cause}`;
+  return words;
+}
+
 function showJob(j) {
   const summary = document.getElementById('summary');
   summary.replaceChildren(
     el('span', j.state, 'state-' + j.state),
     el('span', `, round ${j.round}, ${j.num_nodes} nodes (${j.min_nodes}..${j.max_nodes}), world size ${j.world_size}, `
-      + `num_nodes_waiting ${j.num_nodes_waiting}`));
+      + `num_nodes_waiting ${j.num_nodes_waiting}` + fleetWords(j)));
   const pending = document.getElementById('pending');
   setText(pending, j.pending_reason ? 'Round pending: ' + j.pending_reason : '');
   pending.hidden = !j.pending_reason;
@@ -296,6 +306,7 @@ async function refreshMembership(withLanes = true) {
 let pageOffset = 0; // the first node (and lane) of the page shown
 let drawn = false;
 let lanesDrawn = ''; // what the lanes table shows, to draw it again only when it changed
+let STATE_ORDER = Object.keys(STATE_WORDS); // weakest first; the server's own list replaces it
 
 function showPager(page) {
   const total = page.total;
@@ -341,8 +352,6 @@ function summaryCell(counts, total, round) {
   td.title = `round ${round}: ` + (words.join(', ') || 'no node');
   return td;
 }
-
-let STATE_ORDER = Object.keys(STATE_WORDS);
 
 function showLanes(d, receivedAt) {
   if (Array.isArray(d.states)) STATE_ORDER = d.states;
