@@ -51,7 +51,7 @@ from .core.error import (
 )
 from .core.event import Cause, JobEvent
 from .core.machine import Entry, Outcome, StateMachine, events_topic, key_topic, round_topic, watch_topic
-from .core.rendezvous import Departure, Job, departure_cause
+from .core.rendezvous import Departure, Job, JobSummary, JobView, departure_cause
 from .core.store import KeyValueStore
 from .role import Role, Single
 from .storage import (
@@ -525,13 +525,13 @@ class Service:
 
     # -- queries (what the API reads; it never reaches into the machine or the replica) -----
 
-    async def job_summaries(self, readable: Callable[[str], bool]) -> list[dict[str, Any]]:
+    async def job_summaries(self, readable: Callable[[str], bool]) -> list[JobSummary]:
         """One summary per job that ``readable(rdzv_id)`` allows. Raises as :meth:`read`."""
         return await self.read(lambda: [e.job.summary() for e in self.machine.jobs.values() if readable(e.job.rdzv_id)])
 
-    async def job_document(self, rdzv_id: str) -> dict[str, Any]:
-        """Job ``rdzv_id``'s membership document. Raises as :meth:`read`, or NotFound."""
-        return await self.read(lambda: self.machine.job(rdzv_id).describe(self.now()))
+    async def job_view(self, rdzv_id: str) -> JobView:
+        """Job ``rdzv_id``'s membership, as plain data. Raises as :meth:`read`, or NotFound."""
+        return await self.read(lambda: self.machine.job(rdzv_id).view(self.now()))
 
     def jobs(self) -> list[Entry]:
         """Every job held, as it stands in memory now (metrics: no durability wait)."""

@@ -57,6 +57,7 @@ from ..core.error import Forbidden
 from ..service import Service
 from .auth import OPEN, Grant, TokenTable, bearer_token
 from .codec import decode, encode
+from .document import job_document, job_summary
 from .error import error_middleware
 from .header import security_headers
 from .metric import Metrics
@@ -182,7 +183,7 @@ async def operation(request: web.Request) -> web.Response:
 async def list_jobs(request: web.Request) -> web.Response:
     svc, grant = request.app[SERVICE], _grant(request)
     jobs = await svc.job_summaries(lambda rdzv_id: grant.allows(False, rdzv_id))
-    return encode(request, {"jobs": jobs})
+    return encode(request, {"jobs": [job_summary(s) for s in jobs]})
 
 
 T = TypeVar("T", int, float)
@@ -204,7 +205,7 @@ def _readable_job(request: web.Request) -> str:
 async def show_job(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     rdzv_id = _readable_job(request)
-    return encode(request, await svc.job_document(rdzv_id))
+    return encode(request, job_document(await svc.job_view(rdzv_id)))
 
 
 async def job_events(request: web.Request) -> web.Response:

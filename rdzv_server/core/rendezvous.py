@@ -180,6 +180,53 @@ class Node:
 #: A node's place in its job: its role and, for a member, whether it is still alive.
 NodeStatus = tuple[Role, Liveness]
 
+@dataclass(frozen=True)
+class NodeView:
+    """One node of a :class:`JobView`, as it stood when the view was taken."""
+
+    node_id: str
+    addr: str
+    role: Role
+    liveness: Liveness
+    node_rank: int | None  # of the last formed round: kept by a member that re-joined
+    nproc_per_node: int
+    global_rank_start: int | None
+    last_heartbeat: float | None  # server clock; None once it departed
+    topology: str = ""  # its topology path ("" when it reported none)
+
+
+@dataclass(frozen=True)
+class JobView:
+    """A job at one instant (``now``), as plain data: what the queries hand out."""
+
+    rdzv_id: str
+    state: JobState
+    round: int
+    settings: JobSettings
+    num_nodes: int  # of the last formed round; 0 while a round forms
+    world_size: int  # likewise
+    members: tuple[NodeView, ...]  # the last formed round's nodes still known, node_rank order
+    nodes: tuple[NodeView, ...]  # every node of the job, in arrival order
+    num_nodes_waiting: int  # rule 4, for an agent of the current round
+    pending_reason: str | None  # why the round is still open (None unless OPEN)
+    now: float
+    restarts: int = 0  # failures counted against the restart budget (rule 7)
+    closed_cause: str = ""  # why the job closed ("" while it is not)
+
+
+@dataclass(frozen=True)
+class JobSummary:
+    """A job in one line of the job list, as plain data."""
+
+    rdzv_id: str
+    state: JobState
+    round: int
+    num_nodes: int
+    world_size: int
+    settings: JobSettings
+    pending: int  # nodes in line: candidates, waiting and standby
+
+
 # Remember why at most this many departed nodes went away (a node that polls after its
 # departure gets the reason); older reasons are dropped first.
 MAX_DEPARTURE_REASONS = 10_000
@@ -195,7 +242,6 @@ class Job:
     members: list[str] = field(default_factory=list)  # last formed round, node_rank order
     last_call_deadline: float | None = None
     arrivals: int = 0
-    version: int = 0  # bumped on every membership change: wakes watchers
     idle_since: float | None = None
     closed_at: float | None = None
     departed: OrderedDict[str, str] = field(default_factory=OrderedDict)
@@ -739,60 +785,35 @@ class Job:
             (n.node_id, now) for n in self.nodes.values() if n.pending or (n.role is Role.MEMBER and n.liveness is Liveness.ALIVE)
         )
 
-    def describe(self, now: float) -> dict[str, Any]:
-        """The membership document of ``GET /v1/jobs/{rdzv_id}`` (DESIGN.md)."""
+    def view(self, now: float) -> JobView:
+        """The job at ``now`` as plain data (the API builds its membership document from it)."""
 
-        def entry(node: Node) -> dict[str, Any]:
-            beat = self.heartbeats.get(node.node_id)
-            start = node.global_rank_start
-            ranks = list(range(start, start + node.nproc_per_node)) if start is not None and node.role is Role.MEMBER else []
-            return {
-                "node_id": node.node_id,
-                "addr": node.addr,
-                "node_rank": node.node_rank if node.role is Role.MEMBER else None,
-                "nproc_per_node": node.nproc_per_node,
-                "global_ranks": ranks,
-                "alive": node.liveness is Liveness.ALIVE,
-                "status": node.liveness.value if node.role is Role.MEMBER else node.role.value,
-                "last_heartbeat_age_s": None if beat is None else round(max(0.0, now - beat), 3),
-                "topology": node.topology or None,
-            }
+        def node_view(node: Node) -> NodeView:
+            return NodeView(
+                node.node_id, node.addr, node.role, node.liveness, node.node_rank, node.nproc_per_node,
+                node.global_rank_start, self.heartbeats.get(node.node_id), node.topology,
+            )
 
-        by_arrival = sorted(self.nodes.values(), key=lambda n: n.arrival)
-        members = [self.nodes[m] for m in self.members if m in self.nodes]
-        return {
-            "rdzv_id": self.rdzv_id,
-            "state": self.state.value,
-            "round": self.round,
-            "min_nodes": self.settings.min_nodes,
-            "max_nodes": self.settings.max_nodes,
-            "num_nodes": self.num_nodes(),
-            "world_size": self.world_size(),
-            "nodes": [entry(n) for n in members],
-            "joining": [entry(n) for n in by_arrival if n.role is Role.CANDIDATE],
-            "waiting": [entry(n) for n in by_arrival if n.role is Role.WAITING],
-            "standby": [entry(n) for n in by_arrival if n.role is Role.STANDBY],
-            "num_nodes_waiting": self.num_nodes_waiting(self.round),
-            "pending_reason": self.pending_reason(now),
-            "last_call_timeout": self.settings.last_call_timeout,
-            "join_timeout": self.settings.join_timeout,
-            "heartbeat_ttl": self.settings.heartbeat_ttl,
-            "restarts": self.restarts,  # failures counted against the budget (rule 7)
-            "max_restarts": self.settings.max_restarts,
-            "closed_cause": self.closed_cause or None,
-        }
+        return JobView(
+            rdzv_id=self.rdzv_id,
+            state=self.state,
+            round=self.round,
+            settings=self.settings,
+            num_nodes=self.num_nodes(),
+            world_size=self.world_size(),
+            members=tuple(node_view(self.nodes[m]) for m in self.members if m in self.nodes),
+            nodes=tuple(node_view(n) for n in sorted(self.nodes.values(), key=lambda n: n.arrival)),
+            num_nodes_waiting=self.num_nodes_waiting(self.round),
+            pending_reason=self.pending_reason(now),
+            now=now,
+            restarts=self.restarts,
+            closed_cause=self.closed_cause,
+        )
 
-    def summary(self) -> dict[str, Any]:
-        return {
-            "rdzv_id": self.rdzv_id,
-            "state": self.state.value,
-            "round": self.round,
-            "num_nodes": self.num_nodes(),
-            "world_size": self.world_size(),
-            "min_nodes": self.settings.min_nodes,
-            "max_nodes": self.settings.max_nodes,
-            "pending": sum(1 for n in self.nodes.values() if n.pending),
-        }
+    def summary(self) -> JobSummary:
+        """The job in a line of the job list, as plain data."""
+        pending = self._count(Role.CANDIDATE) + self._count(Role.WAITING) + self._count(Role.STANDBY)
+        return JobSummary(self.rdzv_id, self.state, self.round, self.num_nodes(), self.world_size(), self.settings, pending)
 
     # -- snapshot ----------------------------------------------------------------------------
 
@@ -812,7 +833,7 @@ class Job:
             "members": list(self.members),
             "last_call_deadline": self.last_call_deadline,
             "arrivals": self.arrivals,
-            "version": self.version,
+            "version": 0,  # read by releases before this one (they restore it, and nothing reads it)
             "idle_since": self.idle_since,
             "closed_at": self.closed_at,
             "departed": list(self.departed.items()),
@@ -835,7 +856,6 @@ class Job:
         job.members = list(data["members"])
         job.last_call_deadline = data["last_call_deadline"]
         job.arrivals = data["arrivals"]
-        job.version = data["version"]
         job.idle_since = data["idle_since"]
         job.closed_at = data["closed_at"]
         job.departed = OrderedDict((k, v) for k, v in data["departed"])

@@ -36,7 +36,7 @@ def test_a_round_records_its_joins_then_its_formation_with_reason_and_duration()
     log = Log()
     log.join("a", 10.0)
     log.join("b", 11.0)
-    assert log.sm.job(JOB).describe(12.0)["pending_reason"] == "last call ends in 4.0 s (2 of up to 3 joined)"
+    assert log.sm.job(JOB).pending_reason(12.0) == "last call ends in 4.0 s (2 of up to 3 joined)"
     log.join("c", 12.5)  # max_nodes: forms at once
     assert log.events() == [
         ("job_created", "join", None),
@@ -50,13 +50,13 @@ def test_a_round_records_its_joins_then_its_formation_with_reason_and_duration()
         "seq": 5, "time": 12.5, "kind": "round_formed", "cause": "max_nodes", "round": 0, "node_id": None,
         "addr": None, "num_nodes": 3, "world_size": 6, "formation_s": 2.5, "standby": 0,
     }
-    assert log.sm.job(JOB).describe(13.0)["pending_reason"] is None
+    assert log.sm.job(JOB).pending_reason(13.0) is None
 
 
 def test_a_round_formed_at_its_last_call_says_so() -> None:
     log = Log()
     log.join("a", 0.0)
-    assert log.sm.job(JOB).describe(0.0)["pending_reason"] == "waiting for min_nodes: 1 of 2 joined"
+    assert log.sm.job(JOB).pending_reason(0.0) == "waiting for min_nodes: 1 of 2 joined"
     log.join("b", 1.0)
     log.apply(c.LastCall(JOB, 0), 6.0)
     assert log.events()[-1] == ("round_formed", "last_call", None)
@@ -75,7 +75,7 @@ def test_deaths_say_how_they_were_noticed_and_the_next_round_why_it_formed() -> 
     ]
     log.join("c", 41.0)  # the survivor restarts its workers and re-joins
     log.join("d", 41.5)  # a replacement
-    assert log.sm.job(JOB).describe(42.0)["pending_reason"].startswith("last call ends in 4.5 s")
+    assert log.sm.job(JOB).pending_reason(42.0).startswith("last call ends in 4.5 s")
     log.apply(c.LastCall(JOB, 1), 46.5)
     assert log.events()[-3:] == [
         ("node_joined", "rejoined", "c"),

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from rdzv_client.record import JobSettings
+from rdzv_server.api.document import job_document, job_summary
 from rdzv_server.core import command as c
 from rdzv_server.core.error import (
     BadRequest,
@@ -127,6 +128,11 @@ class Cluster:
 
 def snapshot(sm: StateMachine) -> dict[str, Any]:
     return copy.deepcopy(sm.to_snapshot())
+
+
+def describe(job: Job, now: float) -> dict[str, Any]:
+    """The membership document of ``GET /v1/jobs/{rdzv_id}`` (api/document.py) of ``job`` at ``now``."""
+    return job_document(job.view(now))
 
 
 def without_heartbeat_ages(doc: dict[str, Any]) -> dict[str, Any]:
@@ -343,7 +349,7 @@ def test_a_first_round_ranks_its_nodes_in_natural_host_order_not_by_arrival() ->
     assert cl.ranks() == {"a": 0, "b": 1, "c": 2, "d": 3}
 
 
-def test_retried_join_of_a_candidate_changes_nothing_but_the_version() -> None:
+def test_retried_join_of_a_candidate_changes_nothing() -> None:
     cl = Cluster()
     cl.join("a", 0.0)
     node = copy.deepcopy(cl.job.nodes["a"])
@@ -365,7 +371,7 @@ def test_global_ranks_are_prefix_sums_of_heterogeneous_nproc_per_node() -> None:
         assert (a.node_rank, a.global_rank_start, a.nproc_per_node) == (rank, start, nproc)
         assert (a.num_nodes, a.world_size, a.round) == (3, 6, 0)
         assert a.master_addr == "a.example"
-    doc = cl.job.describe(0.0)
+    doc = describe(cl.job, 0.0)
     assert [e["global_ranks"] for e in doc["nodes"]] == [[0, 1], [2], [3, 4, 5]]
     assert doc["world_size"] == 6
 
@@ -567,7 +573,7 @@ def test_overflow_beyond_max_nodes_stays_standby_with_no_rank() -> None:
     assert cl.ranks() == {"a": 0, "c": 1}
     assert cl.role("d") is Role.STANDBY
     assert cl.job.nodes["d"].node_rank is None
-    doc = cl.job.describe(8.0)
+    doc = describe(cl.job, 8.0)
     assert ids(doc["standby"]) == ["d"]
     assert doc["standby"][0]["node_rank"] is None and doc["standby"][0]["global_ranks"] == []
 
@@ -1196,7 +1202,7 @@ def test_describe_has_the_membership_document_of_the_design() -> None:
     cl.join("w", 10.0)
     cl.join("s", 11.0)
     cl.sm.heartbeat(RDZV_ID, "a", 12.0)
-    doc = cl.job.describe(12.5)
+    doc = describe(cl.job, 12.5)
     for name in (
         "rdzv_id", "state", "round", "min_nodes", "max_nodes", "num_nodes", "world_size", "nodes", "waiting", "standby",
     ):
@@ -1223,7 +1229,7 @@ def test_describe_marks_a_dead_member_not_alive() -> None:
     cl = Cluster(min_nodes=2, max_nodes=2)
     form(cl, ["a", "b"])
     cl.die("b", 1.0)
-    doc = cl.job.describe(2.0)
+    doc = describe(cl.job, 2.0)
     entry = doc["nodes"][1]
     assert (entry["node_id"], entry["alive"], entry["status"], entry["last_heartbeat_age_s"]) == ("b", False, "dead", None)
     assert entry["node_rank"] == 1
@@ -1232,7 +1238,7 @@ def test_describe_marks_a_dead_member_not_alive() -> None:
 def test_describe_of_an_open_job_has_no_formed_round_size() -> None:
     cl = Cluster()
     cl.join("a", 0.0)
-    doc = cl.job.describe(1.0)
+    doc = describe(cl.job, 1.0)
     assert (doc["state"], doc["num_nodes"], doc["world_size"], doc["nodes"]) == ("open", 0, 0, [])
     assert ids(doc["joining"]) == ["a"]
 
@@ -1241,7 +1247,7 @@ def test_describe_of_a_closed_job() -> None:
     cl = Cluster(min_nodes=2, max_nodes=2)
     form(cl, ["a", "b"])
     cl.close(1.0)
-    doc = cl.job.describe(1.0)
+    doc = describe(cl.job, 1.0)
     # a closed job still shows its last formed round
     assert (doc["state"], doc["num_nodes"], doc["world_size"], doc["num_nodes_waiting"]) == ("closed", 2, 2, 0)
     assert ids(doc["nodes"]) == ["a", "b"]
@@ -1251,7 +1257,7 @@ def test_summary_lists_state_round_and_node_count() -> None:
     cl = Cluster(min_nodes=2, max_nodes=3, last_call_timeout=0.0)
     form(cl, ["a", "b"], nprocs=[2, 2])
     cl.join("c", 1.0)
-    assert cl.job.summary() == {
+    assert job_summary(cl.job.summary()) == {
         "rdzv_id": RDZV_ID, "state": "complete", "round": 0, "num_nodes": 2, "world_size": 4,
         "min_nodes": 2, "max_nodes": 3, "pending": 1,
     }
@@ -1501,7 +1507,7 @@ def assert_same_behaviour(live: StateMachine, restored: StateMachine, now: float
     assert restored.to_snapshot() == live.to_snapshot()
     for rdzv_id in live.jobs:
         lj, rj = live.job(rdzv_id), restored.job(rdzv_id)
-        assert without_heartbeat_ages(rj.describe(now)) == without_heartbeat_ages(lj.describe(now))
+        assert without_heartbeat_ages(describe(rj, now)) == without_heartbeat_ages(describe(lj, now))
         assert rj.summary() == lj.summary()
         assert +rj.counts == +lj.counts
         assert dict(rj.join_clock) == dict(lj.join_clock) and rj.untimed == lj.untimed
@@ -1519,6 +1525,17 @@ def outcome_of(call: Any, *args: Any) -> Any:
         return call(*args)
     except Exception as exc:  # noqa: BLE001 - compared by type and text
         return (type(exc), str(exc))
+
+
+def test_a_snapshot_of_an_earlier_release_with_a_job_version_restores_to_the_same_state() -> None:
+    cl = busy_cluster()
+    data = copy.deepcopy(cl.sm.to_snapshot())
+    for job, _kv in data["jobs"]:
+        job["version"] = 17  # earlier releases counted membership changes here; nothing read it
+    restored = StateMachine(max_value_bytes=MAX_VALUE_BYTES, job_ttl=JOB_TTL)
+    restored.restore(data)
+    assert restored.to_snapshot() == cl.sm.to_snapshot()
+    assert_same_behaviour(cl.sm, restored, 20.0)
 
 
 def test_restore_reproduces_snapshot_describe_and_assignments() -> None:
@@ -1628,6 +1645,6 @@ def test_describe_keeps_the_last_rounds_global_ranks_disjoint_after_a_member_rej
     form(cl, ["a", "b"], nprocs=[1, 1])
     cl.join("a", 1.0, nproc=2)  # round 1 opens
     cl.die("a", 2.0)  # a is a dead member of round 0 again
-    doc = cl.job.describe(2.0)
+    doc = describe(cl.job, 2.0)
     ranks = [r for entry in doc["nodes"] for r in entry["global_ranks"]]
     assert len(ranks) == len(set(ranks)), doc["nodes"]
