@@ -589,7 +589,9 @@ class Job:
                 assert node.next_addr is not None and node.next_port is not None
                 node.addr, node.nproc_per_node, node.master_port = node.next_addr, node.next_nproc, node.next_port
                 node.next_addr = node.next_nproc = node.next_port = None
-            host, topology = node.host or node.addr, node.topology
+            # Natural host order is by the address every node reports (the plug-in's default is its
+            # host's FQDN): one kind of name for every node, the one the job document shows.
+            host, topology = node.addr, node.topology
             if node.role is Role.CANDIDATE:
                 if node.node_id in previous and node.node_rank is not None:
                     tier, order = Tier.PREVIOUS, node.node_rank
