@@ -7,6 +7,7 @@ Construction validates everything, so a bad setting stops the server before it b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,8 @@ DEFAULT_QUARANTINE_WINDOW = 3600.0
 # looks, and lets a transient problem (a reboot, a driver reload) heal without an operator;
 # `rdzvctl uncordon` ends it earlier, `rdzvctl cordon` without --for keeps it out for good.
 DEFAULT_QUARANTINE_FOR = 3600.0
+# A window longer than a year would count deaths no one remembers.
+MAX_QUARANTINE_WINDOW_S = 366 * 86400.0
 # Records between snapshots: bounds replay time (~1 s per million records) and log size.
 DEFAULT_SNAPSHOT_EVERY = 100_000
 # -- limits (README "Limits"): nothing a client sends grows the server without bound. --
@@ -106,6 +109,132 @@ class ConfigError(ValueError):
     """A setting is out of range; the message names the flag and what is allowed."""
 
 
+#: One rule over a configuration: the message of its ConfigError, or None when it holds.
+Check = Callable[["ServerConfig"], "str | None"]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _in_range(name: str, low: int, high: int) -> Check:
+    def check(config: ServerConfig) -> str | None:
+        value = getattr(config, name)
+        return None if low <= value <= high else f"{_flag(name)} must be {low}..{high}, got {value}"
+
+    return check
+
+
+def _one_of(name: str, allowed: tuple[str, ...]) -> Check:
+    def check(config: ServerConfig) -> str | None:
+        value = getattr(config, name)
+        return None if value in allowed else f"{_flag(name)} must be one of {', '.join(allowed)}, got {value!r}"
+
+    return check
+
+
+def _at_least(name: str, minimum: int, why: str = "") -> Check:
+    """``name`` >= ``minimum``; ``why`` follows the number in the message (a unit, a reason)."""
+
+    def check(config: ServerConfig) -> str | None:
+        return None if getattr(config, name) >= minimum else f"{_flag(name)} must be at least {minimum}{why}"
+
+    return check
+
+
+def _not_below(name: str, other: str) -> Check:
+    """``name`` >= the setting ``other``: one holds what the other sends."""
+
+    def check(config: ServerConfig) -> str | None:
+        return None if getattr(config, name) >= getattr(config, other) else f"{_flag(name)} must be at least {_flag(other)}"
+
+    return check
+
+
+def _positive(name: str) -> Check:
+    def check(config: ServerConfig) -> str | None:
+        return None if getattr(config, name) > 0 else f"{_flag(name)} must be > 0"
+
+    return check
+
+
+def _span(name: str, longest: float) -> Check:
+    """A duration ``name`` in (0, ``longest``] seconds."""
+
+    def check(config: ServerConfig) -> str | None:
+        value = getattr(config, name)
+        return None if 0 < value <= longest else f"{_flag(name)} must be > 0 s and at most {longest:.0f} s, got {value}"
+
+    return check
+
+
+def _paired(first: str, second: str) -> Check:
+    """Two settings that only work together: both, or neither."""
+
+    def check(config: ServerConfig) -> str | None:
+        if (getattr(config, first) is None) == (getattr(config, second) is None):
+            return None
+        return f"{_flag(first)} and {_flag(second)} go together: give both, or neither"
+
+    return check
+
+
+def _one_log(config: ServerConfig) -> str | None:
+    if config.memory and config.data_dir is not None:
+        return "--memory and --data-dir exclude each other: pick one"
+    return None
+
+
+def _pre_auth_share(config: ServerConfig) -> str | None:
+    """Strangers' share of the buffer holds one whole request head, and fits in the buffer."""
+    share = config.pre_auth_bytes()
+    if config.max_head_bytes <= share <= config.max_buffered_bytes:
+        return None
+    return (
+        f"--max-pre-auth-bytes ({share}) must be at least --max-head-bytes ({config.max_head_bytes}) "
+        f"and at most --max-buffered-bytes ({config.max_buffered_bytes})"
+    )
+
+
+def _auth_or_none(config: ServerConfig) -> str | None:
+    if config.no_auth and (config.token_file is not None or config.read_token_file is not None):
+        return "--no-auth excludes --token-file and --read-token-file: pick one"
+    return None
+
+
+def _etcd_or_local_log(config: ServerConfig) -> str | None:
+    if config.etcd and (config.memory or config.data_dir is not None):
+        return "--etcd keeps the log in etcd: it excludes --memory and --data-dir"
+    return None
+
+
+def _etcd_urls(config: ServerConfig) -> str | None:
+    for url in config.etcd:
+        if not url.startswith(("http://", "https://")):
+            return f"--etcd takes client URLs such as http://10.0.0.1:2379, got {url!r}"
+    return None
+
+
+def _etcd_prefix(config: ServerConfig) -> str | None:
+    prefix = config.etcd_prefix
+    if prefix.startswith("/") and prefix.rstrip("/") != "":
+        return None
+    return f"--etcd-prefix must be a path under / such as /rdzv, got {prefix!r}"
+
+
+def _advertise_url(config: ServerConfig) -> str | None:
+    url = config.advertise_url
+    if url is None or url.startswith(("http://", "https://")):
+        return None
+    return f"--advertise-url must be http://HOST:PORT or https://HOST:PORT, got {url!r}"
+
+
+def _client_ca_needs_tls(config: ServerConfig) -> str | None:
+    if config.tls_client_ca is not None and config.tls_cert is None:
+        return "--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)"
+    return None
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "0.0.0.0"
@@ -164,74 +293,15 @@ class ServerConfig:
     replica_id: str | None = None  # default: the host name and port
 
     def __post_init__(self) -> None:
+        """Fit the sizes to etcd's limits (with ``--etcd``), then run ``CHECKS`` in order:
+        the first that fails raises :class:`ConfigError` with its message."""
         if self.etcd:  # what etcd takes (see ETCD_MAX_VALUE_BYTES); the server logs it at start
             object.__setattr__(self, "max_value_bytes", min(self.max_value_bytes, ETCD_MAX_VALUE_BYTES))
             object.__setattr__(self, "max_body_bytes", min(self.max_body_bytes, ETCD_MAX_BODY_BYTES))
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"--port must be 0..65535, got {self.port}")
-        if self.fsync not in FSYNC_POLICIES:
-            raise ConfigError(f"--fsync must be one of {', '.join(FSYNC_POLICIES)}, got {self.fsync!r}")
-        if self.log_level not in LOG_LEVELS:
-            raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
-        if self.log_format not in LOG_FORMATS:
-            raise ConfigError(f"--log-format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
-        if self.memory and self.data_dir is not None:
-            raise ConfigError("--memory and --data-dir exclude each other: pick one")
-        if self.max_value_bytes < 1:
-            raise ConfigError("--max-value-bytes must be at least 1")
-        if self.max_body_bytes < self.max_value_bytes:
-            raise ConfigError("--max-body-bytes must be at least --max-value-bytes")
-        if self.max_buffered_bytes < self.max_body_bytes:
-            raise ConfigError("--max-buffered-bytes must be at least --max-body-bytes")
-        if self.max_session_bytes < self.max_value_bytes:
-            raise ConfigError("--max-session-bytes must be at least --max-value-bytes")
-        if self.max_job_bytes < self.max_value_bytes:
-            raise ConfigError("--max-job-bytes must be at least --max-value-bytes")
-        for name in (
-            "max_connections", "max_jobs", "max_keys_per_job", "max_sessions", "max_session_writes", "max_log_queue",
-            "max_log_queue_bytes",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-        if self.max_head_bytes < MIN_HEAD_BYTES:
-            raise ConfigError(f"--max-head-bytes must be at least {MIN_HEAD_BYTES} (a browser's ordinary request head)")
-        if not self.max_head_bytes <= self.pre_auth_bytes() <= self.max_buffered_bytes:
-            raise ConfigError(
-                f"--max-pre-auth-bytes ({self.pre_auth_bytes()}) must be at least --max-head-bytes "
-                f"({self.max_head_bytes}) "
-                f"and at most --max-buffered-bytes ({self.max_buffered_bytes})"
-            )
-        durations = ("max_hold", "disconnect_grace", "job_ttl", "idle_timeout", "read_timeout", "session_ttl")
-        for name in (*durations, "auth_timeout"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
-        if self.snapshot_every < 1:
-            raise ConfigError("--snapshot-every must be at least 1")
-        if not 0 <= self.quarantine_after <= MAX_DEATHS_PER_HOST:
-            raise ConfigError(f"--quarantine-after must be 0 (off) .. {MAX_DEATHS_PER_HOST}, got {self.quarantine_after}")
-        if not 0 < self.quarantine_window <= 366 * 86400:
-            raise ConfigError("--quarantine-window must be > 0 s and at most a year")
-        if not 0 < self.quarantine_for <= MAX_CORDON_S:
-            raise ConfigError(f"--quarantine-for must be > 0 s and at most {MAX_CORDON_S:.0f} s")
-        if self.no_auth and (self.token_file is not None or self.read_token_file is not None):
-            raise ConfigError("--no-auth excludes --token-file and --read-token-file: pick one")
-        if self.etcd and (self.memory or self.data_dir is not None):
-            raise ConfigError("--etcd keeps the log in etcd: it excludes --memory and --data-dir")
-        for url in self.etcd:
-            if not url.startswith(("http://", "https://")):
-                raise ConfigError(f"--etcd takes client URLs such as http://10.0.0.1:2379, got {url!r}")
-        if not self.etcd_prefix.startswith("/") or self.etcd_prefix.rstrip("/") == "":
-            raise ConfigError(f"--etcd-prefix must be a path under / such as /rdzv, got {self.etcd_prefix!r}")
-        if self.etcd_lease_ttl < 2:
-            raise ConfigError("--etcd-lease-ttl must be at least 2 s (etcd's shortest lease is about 1.5 s)")
-        if (self.etcd_cert is None) != (self.etcd_key is None):
-            raise ConfigError("--etcd-cert and --etcd-key go together: give both, or neither")
-        if self.advertise_url is not None and not self.advertise_url.startswith(("http://", "https://")):
-            raise ConfigError(f"--advertise-url must be http://HOST:PORT or https://HOST:PORT, got {self.advertise_url!r}")
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ConfigError("--tls-cert and --tls-key go together: give both, or neither")
-        if self.tls_client_ca is not None and self.tls_cert is None:
-            raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
+        for check in CHECKS:
+            problem = check(self)
+            if problem is not None:
+                raise ConfigError(problem)
 
     def pre_auth_bytes(self) -> int:
         """Bytes connections not yet authenticated may hold together (``--max-pre-auth-bytes``)."""
@@ -259,3 +329,42 @@ class ServerConfig:
         if self.memory:
             return None
         return self.data_dir if self.data_dir is not None else default_data_dir()
+
+
+_COUNTS = (
+    "max_connections", "max_jobs", "max_keys_per_job", "max_sessions", "max_session_writes", "max_log_queue",
+    "max_log_queue_bytes",
+)
+_DURATIONS = ("max_hold", "disconnect_grace", "job_ttl", "idle_timeout", "read_timeout", "session_ttl", "auth_timeout")
+
+#: Every rule a ServerConfig keeps, in the order they are checked (the first broken one is
+#: reported). A new flag adds its row here.
+CHECKS: tuple[Check, ...] = (
+    _in_range("port", 0, 65535),
+    _one_of("fsync", FSYNC_POLICIES),
+    _one_of("log_level", LOG_LEVELS),
+    _one_of("log_format", LOG_FORMATS),
+    _one_log,
+    _at_least("max_value_bytes", 1),
+    _not_below("max_body_bytes", "max_value_bytes"),
+    _not_below("max_buffered_bytes", "max_body_bytes"),
+    _not_below("max_session_bytes", "max_value_bytes"),
+    _not_below("max_job_bytes", "max_value_bytes"),
+    *(_at_least(name, 1) for name in _COUNTS),
+    _at_least("max_head_bytes", MIN_HEAD_BYTES, " (a browser's ordinary request head)"),
+    _pre_auth_share,
+    *(_positive(name) for name in _DURATIONS),
+    _at_least("snapshot_every", 1),
+    _in_range("quarantine_after", 0, MAX_DEATHS_PER_HOST),
+    _span("quarantine_window", MAX_QUARANTINE_WINDOW_S),
+    _span("quarantine_for", MAX_CORDON_S),
+    _auth_or_none,
+    _etcd_or_local_log,
+    _etcd_urls,
+    _etcd_prefix,
+    _at_least("etcd_lease_ttl", 2, " s (etcd's shortest lease is about 1.5 s)"),
+    _paired("etcd_cert", "etcd_key"),
+    _advertise_url,
+    _paired("tls_cert", "tls_key"),
+    _client_ca_needs_tls,
+)

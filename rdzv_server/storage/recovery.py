@@ -54,14 +54,14 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .data_dir import fsync_directory
 from .error import LogCorruptError
 from .log import Recovered
-from .segment import parse_segment_name, scan_segment
+from .segment import SegmentScan, parse_segment_name, scan_segment
 from .snapshot import TEMP_SUFFIX, parse_snapshot_name, read_snapshot
 
 logger = logging.getLogger(__name__)
@@ -126,6 +126,42 @@ class _Damage:
     verified_after: int
 
 
+@dataclass(frozen=True)
+class _Base:
+    """The snapshot replay starts from (rule 2): ``index`` None when none verifies;
+    ``skipped`` holds the newer snapshots that do not verify, by index."""
+
+    state: dict[str, Any] | None
+    index: int | None
+    skipped: dict[int, LogCorruptError]
+
+    @property
+    def last(self) -> int:
+        """The last record the base covers (0: none)."""
+        return self.index or 0
+
+
+@dataclass
+class _Replay:
+    """What replaying the segments after the base found (rules 3 to 5).
+
+    ``replayed`` are the first indices of the segments read, ascending; ``end_index`` is one
+    past the last record seen; ``damage`` is where the trustworthy log ends (None: nowhere).
+    """
+
+    replayed: list[int]
+    end_index: int
+    records: list[dict[str, Any]] = field(default_factory=list)
+    truncated_bytes: int = 0
+    damage: _Damage | None = None
+
+    def kept(self) -> list[int]:
+        """The segments that stay in the log: all of them, or those before the damage (and the
+        damaged one, unless it is dropped whole)."""
+        damage = self.damage
+        return self.replayed if damage is None else self.replayed[: damage.position + (0 if damage.whole else 1)]
+
+
 def _recover(
     data_dir: Path,
     snapshots: dict[int, Path],
@@ -133,8 +169,36 @@ def _recover(
     fsync: Callable[[int], None],
     truncate_corrupt: bool,
 ) -> RecoveryOutcome:
-    state: dict[str, Any] | None = None
-    base_index: int | None = None
+    """The module's rules 2 to 7, in order, over the files :func:`recover` found."""
+    base = _choose_snapshot(data_dir, snapshots)
+    replay = _replay_segments(segments, base, fsync)
+    last_index = base.last + len(replay.records)
+    if replay.damage is not None and not truncate_corrupt:
+        raise _refusal(data_dir, segments[replay.replayed[replay.damage.position]], replay.damage, last_index)
+    _check_skipped_snapshots(data_dir, snapshots, base, last_index)
+    firsts = sorted(segments)
+    kept = replay.kept()
+    if replay.damage is not None:
+        damaged = replay.replayed[replay.damage.position :]
+        _set_aside_damage(data_dir, [segments[first] for first in damaged], replay.damage, last_index, fsync)
+        firsts = [first for first in firsts if first not in replay.replayed[len(kept) :]]
+    append_exists = bool(kept) and replay.end_index == last_index + 1  # rule 7
+    return RecoveryOutcome(
+        recovered=Recovered(
+            snapshot=base.state,
+            records=replay.records,
+            truncated_bytes=replay.truncated_bytes,
+            last_index=last_index,
+        ),
+        snapshot_index=base.index,
+        segment_firsts=tuple(firsts),
+        append_first=kept[-1] if append_exists else last_index + 1,
+        append_exists=append_exists,
+    )
+
+
+def _choose_snapshot(data_dir: Path, snapshots: dict[int, Path]) -> _Base:
+    """Rule 2: the newest snapshot that verifies; newer ones that do not are skipped, with a warning."""
     skipped: dict[int, LogCorruptError] = {}
     for index in sorted(snapshots, reverse=True):
         try:
@@ -149,120 +213,120 @@ def _recover(
             )
             skipped[index] = exc
             continue
-        base_index = index
-        break
-    base = base_index or 0
+        return _Base(state, index, skipped)
+    return _Base(None, None, skipped)
 
+
+def _replay_segments(segments: dict[int, Path], base: _Base, fsync: Callable[[int], None]) -> _Replay:
+    """Rules 3 to 5: read the segments after the base in order, truncating a torn tail, up to
+    the first damage (recorded, not raised: rule 6 may cut it off)."""
     firsts = sorted(segments)
-    start = bisect.bisect_right(firsts, base + 1) - 1
-    records: list[dict[str, Any]] = []
-    truncated_bytes = 0
-    end_index = base + 1  # one past the last record replay has seen
-    replayed = firsts[max(start, 0) :]
-    damage: _Damage | None = None
-    for position, first in enumerate(replayed):
+    start = bisect.bisect_right(firsts, base.last + 1) - 1
+    replay = _Replay(firsts[max(start, 0) :], end_index=base.last + 1)
+    for position, first in enumerate(replay.replayed):
+        replay.damage = _gap(base, position, first, replay.end_index)
+        if replay.damage is not None:
+            break
         path = segments[first]
-        if position == 0 and first > end_index:
-            damage = _Damage(
-                f"records {base + 1} to {first - 1} are missing: the oldest segment starts "
-                f"at record {first} but "
-                + (
-                    f"the snapshot used covers only up to {base}"
-                    if base_index is not None
-                    else "no usable snapshot covers the records before it"
-                )
-                + _skipped_note(skipped),
-                position,
-                0,
-                whole=True,
-                verified_after=0,
-            )
-            break
-        if position > 0 and first != end_index:
-            damage = _Damage(
-                f"segment starts at record {first} but the segment before it ends at record "
-                f"{end_index - 1}" + _skipped_note(skipped),
-                position,
-                0,
-                whole=True,
-                verified_after=0,
-            )
-            break
-        scan = scan_segment(path, first, decode_after=base)
-        records.extend(scan.records)
-        end_index = first + scan.count
+        scan = scan_segment(path, first, decode_after=base.last)
+        replay.records.extend(scan.records)
+        replay.end_index = first + scan.count
         if scan.problem is None:
             continue
-        bad = f"{scan.problem} (record {end_index})" if not scan.undecodable else scan.problem
-        if position != len(replayed) - 1:
-            message = (
-                f"{bad} in a segment that is not the last one, so it is not a torn write and "
-                "records after it would be lost"
-            )
-        elif scan.undecodable:
-            message = f"{bad}: damage or a bug, never a torn write"
-        elif scan.resumes_at is not None:
-            message = (
-                f"{bad}, and {scan.verified_after} whole, verified records follow it from offset "
-                f"{scan.resumes_at}, so this is damage to written records, not a write torn by a crash"
-            )
-        else:
-            truncated_bytes = scan.size - scan.valid_end
-            logger.warning(
-                "Truncating %d bytes from the end of %s at offset %d because %s "
-                "(a write torn by a crash); the %d records before it are kept.",
-                truncated_bytes,
-                path,
-                scan.valid_end,
-                scan.problem,
-                scan.count,
-            )
-            _truncate(path, scan.valid_end, fsync)
+        last = position == len(replay.replayed) - 1
+        if last and not scan.undecodable and scan.resumes_at is None:
+            replay.truncated_bytes = _truncate_torn_tail(path, scan, fsync)
             continue
-        damage = _Damage(message, position, scan.valid_end, whole=False, verified_after=scan.verified_after)
+        message = _damage_message(scan, replay.end_index, last)
+        replay.damage = _Damage(message, position, scan.valid_end, whole=False, verified_after=scan.verified_after)
         break
+    return replay
 
-    kept = replayed if damage is None else replayed[: damage.position + (0 if damage.whole else 1)]
-    last_index = base + len(records)
-    if damage is not None and not truncate_corrupt:
-        path = segments[replayed[damage.position]]
-        raise LogCorruptError(
-            damage.message,
-            path,
-            damage.offset,
-            remedy=(
-                f"Refusing to start, so that no acknowledged write is dropped silently: restore "
-                f"{data_dir} from a backup, or start once with --truncate-corrupt-log to keep the "
-                f"records before this point (through record {last_index}) and set the damaged files "
-                "aside (renamed *.corrupt-<time>, never deleted)."
-            ),
+
+def _gap(base: _Base, position: int, first: int, end_index: int) -> _Damage | None:
+    """Rule 3: the segment at ``position`` must start right after what came before it (the
+    base, or the previous segment, which ended at ``end_index - 1``); else it is dropped whole."""
+    if position == 0 and first > end_index:
+        covered = (
+            f"the snapshot used covers only up to {base.last}"
+            if base.index is not None
+            else "no usable snapshot covers the records before it"
         )
-    if skipped:
-        newest_skipped = max(skipped)
-        if last_index < newest_skipped:
-            raise LogCorruptError(
-                f"snapshot {newest_skipped} does not verify and the older snapshot and log "
-                f"only reach record {last_index}",
-                snapshots[newest_skipped],
-                0,
-                remedy=f"Refusing to start: restore {data_dir} from a backup.",
-            )
-    if damage is not None:
-        _set_aside_damage(data_dir, [segments[first] for first in replayed[damage.position :]], damage, last_index, fsync)
-        firsts = [first for first in firsts if first not in replayed[len(kept) :]]
-    append_exists = bool(kept) and end_index == last_index + 1
-    return RecoveryOutcome(
-        recovered=Recovered(
-            snapshot=state,
-            records=records,
-            truncated_bytes=truncated_bytes,
-            last_index=last_index,
-        ),
-        snapshot_index=base_index,
-        segment_firsts=tuple(firsts),
-        append_first=kept[-1] if append_exists else last_index + 1,
-        append_exists=append_exists,
+        message = (
+            f"records {base.last + 1} to {first - 1} are missing: the oldest segment starts "
+            f"at record {first} but " + covered + _skipped_note(base.skipped)
+        )
+        return _Damage(message, position, 0, whole=True, verified_after=0)
+    if position > 0 and first != end_index:
+        message = (
+            f"segment starts at record {first} but the segment before it ends at record "
+            f"{end_index - 1}" + _skipped_note(base.skipped)
+        )
+        return _Damage(message, position, 0, whole=True, verified_after=0)
+    return None
+
+
+def _damage_message(scan: SegmentScan, end_index: int, last: bool) -> str:
+    """Rule 5: why a bad frame of a segment (the ``last`` one or not) is damage, not a torn write."""
+    bad = f"{scan.problem} (record {end_index})" if not scan.undecodable else scan.problem
+    if not last:
+        return (
+            f"{bad} in a segment that is not the last one, so it is not a torn write and "
+            "records after it would be lost"
+        )
+    if scan.undecodable:
+        return f"{bad}: damage or a bug, never a torn write"
+    return (
+        f"{bad}, and {scan.verified_after} whole, verified records follow it from offset "
+        f"{scan.resumes_at}, so this is damage to written records, not a write torn by a crash"
     )
+
+
+def _truncate_torn_tail(path: Path, scan: SegmentScan, fsync: Callable[[int], None]) -> int:
+    """Rule 4: cut the last segment's torn tail off (durably); returns the bytes dropped."""
+    dropped = scan.size - scan.valid_end
+    logger.warning(
+        "Truncating %d bytes from the end of %s at offset %d because %s "
+        "(a write torn by a crash); the %d records before it are kept.",
+        dropped,
+        path,
+        scan.valid_end,
+        scan.problem,
+        scan.count,
+    )
+    _truncate(path, scan.valid_end, fsync)
+    return dropped
+
+
+def _refusal(data_dir: Path, path: Path, damage: _Damage, last_index: int) -> LogCorruptError:
+    """Rule 5: the error that refuses to start on damage, naming the way out."""
+    return LogCorruptError(
+        damage.message,
+        path,
+        damage.offset,
+        remedy=(
+            f"Refusing to start, so that no acknowledged write is dropped silently: restore "
+            f"{data_dir} from a backup, or start once with --truncate-corrupt-log to keep the "
+            f"records before this point (through record {last_index}) and set the damaged files "
+            "aside (renamed *.corrupt-<time>, never deleted)."
+        ),
+    )
+
+
+def _check_skipped_snapshots(data_dir: Path, snapshots: dict[int, Path], base: _Base, last_index: int) -> None:
+    """Rule 2: falling back past a snapshot that does not verify is only accepted if replay
+    reached its index. Raises :class:`LogCorruptError` otherwise."""
+    if not base.skipped:
+        return
+    newest_skipped = max(base.skipped)
+    if last_index < newest_skipped:
+        raise LogCorruptError(
+            f"snapshot {newest_skipped} does not verify and the older snapshot and log "
+            f"only reach record {last_index}",
+            snapshots[newest_skipped],
+            0,
+            remedy=f"Refusing to start: restore {data_dir} from a backup.",
+        )
 
 
 def _set_aside_damage(
