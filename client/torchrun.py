@@ -75,6 +75,7 @@ from .policy import _tls_context, _tls_endpoints
 from .credential import find_token
 from .error import (
     ConflictError,
+    HostCordonedError,
     JobClosedError,
     JobClosedInLineError,
     RdzvConnectionError,
@@ -299,6 +300,9 @@ class RdzvServerHandler(RendezvousHandler):
         self._topology = health.topology_path(params.get("topology_env"))
         hostname = socket.gethostname()
         self._host = hostname if hostname != self._addr else ""
+        # This node was refused (its health check failed, its host is cordoned): it never got a
+        # place, so its exit must not close the job the others run (see shutdown()).
+        self._refused = False
         self._num_waiting = 0
         self._closed = False
         self._reservation: PortReservation | None = None  # the offered master port, while in line
@@ -376,6 +380,7 @@ class RdzvServerHandler(RendezvousHandler):
             except RdzvError as exc:
                 log.warning("Node %s could not report its failed health check to job %s: %s",
                             self._node_id, self._run_id, exc)
+            self._refused = True
             raise RendezvousError(
                 f"node {self._node_id} failed {name} and does not join job {self._run_id}: {result.detail}"
             )
@@ -409,6 +414,8 @@ class RdzvServerHandler(RendezvousHandler):
         except RdzvError as exc:
             if isinstance(exc, RdzvTimeoutError):
                 self._leave_quietly()  # do not hold a place in a round we stopped waiting for
+            if isinstance(exc, HostCordonedError):
+                self._refused = True
             if isinstance(exc, JobClosedInLineError):
                 self._gracefully_exited = True
                 log.info("Node %s: job %s closed while this node was in line; it exits gracefully.",
@@ -467,6 +474,11 @@ class RdzvServerHandler(RendezvousHandler):
         code 0. A torch that handles the graceful exit itself never gets here with it.
         """
         self._stop_watch(for_good=True)
+        if self._refused:  # refused: the job is the others' (a refused node must not end it)
+            log.info("Node %s was refused by job %s; it leaves the job to the others.", self._node_id, self._run_id)
+            self._closed = True
+            self._leave_quietly()  # a member cordoned mid-round leaves its place (a no-op for a new node)
+            return True
         try:
             self._client.close_job(self._run_id, cause="agent")
             self._client.leave(self._run_id, self._node_id)

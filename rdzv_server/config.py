@@ -43,6 +43,8 @@ DEFAULT_QUARANTINE_WINDOW = 3600.0
 # looks, and lets a transient problem (a reboot, a driver reload) heal without an operator;
 # `rdzvctl uncordon` ends it earlier, `rdzvctl cordon` without --for keeps it out for good.
 DEFAULT_QUARANTINE_FOR = 3600.0
+# A window longer than a year would count deaths no one remembers.
+MAX_QUARANTINE_WINDOW_S = 366 * 86400.0
 # Records between snapshots: bounds replay time (~1 s per million records) and log size.
 DEFAULT_SNAPSHOT_EVERY = 100_000
 # -- limits (README "Limits"): nothing a client sends grows the server without bound. --
@@ -156,6 +158,16 @@ def _positive(name: str) -> Check:
     return check
 
 
+def _span(name: str, longest: float) -> Check:
+    """A duration ``name`` in (0, ``longest``] seconds."""
+
+    def check(config: ServerConfig) -> str | None:
+        value = getattr(config, name)
+        return None if 0 < value <= longest else f"{_flag(name)} must be > 0 s and at most {longest:.0f} s, got {value}"
+
+    return check
+
+
 def _paired(first: str, second: str) -> Check:
     """Two settings that only work together: both, or neither."""
 
@@ -215,16 +227,6 @@ def _advertise_url(config: ServerConfig) -> str | None:
     if url is None or url.startswith(("http://", "https://")):
         return None
     return f"--advertise-url must be http://HOST:PORT or https://HOST:PORT, got {url!r}"
-
-
-def _quarantine(config: ServerConfig) -> str | None:
-    if not 0 <= config.quarantine_after <= MAX_DEATHS_PER_HOST:
-        return f"--quarantine-after must be 0 (off) .. {MAX_DEATHS_PER_HOST}, got {config.quarantine_after}"
-    if not 0 < config.quarantine_window <= 366 * 86400:
-        return "--quarantine-window must be > 0 s and at most a year"
-    if not 0 < config.quarantine_for <= MAX_CORDON_S:
-        return f"--quarantine-for must be > 0 s and at most {MAX_CORDON_S:.0f} s"
-    return None
 
 
 def _client_ca_needs_tls(config: ServerConfig) -> str | None:
@@ -353,7 +355,9 @@ CHECKS: tuple[Check, ...] = (
     _pre_auth_share,
     *(_positive(name) for name in _DURATIONS),
     _at_least("snapshot_every", 1),
-    _quarantine,
+    _in_range("quarantine_after", 0, MAX_DEATHS_PER_HOST),
+    _span("quarantine_window", MAX_QUARANTINE_WINDOW_S),
+    _span("quarantine_for", MAX_CORDON_S),
     _auth_or_none,
     _etcd_or_local_log,
     _etcd_urls,

@@ -38,7 +38,7 @@ def job_document(view: JobView) -> dict[str, Any]:
         "last_call_timeout": settings.last_call_timeout,
         "join_timeout": settings.join_timeout,
         "heartbeat_ttl": settings.heartbeat_ttl,
-        "restarts": view.restarts,
+        "restarts": view.restarts,  # the job-wide restart budget (README "Fleet control")
         "max_restarts": settings.max_restarts,
         "closed_cause": view.closed_cause or None,
     }

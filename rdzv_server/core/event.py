@@ -73,7 +73,7 @@ class Cause(str, enum.Enum):
     SETTINGS_CONFLICT = "settings_conflict"  # the node asked for other --nnodes / --rdzv-conf settings
     # node_refused
     HEALTH_CHECK_FAILED = "health_check_failed"  # the node's health_check command failed before its join
-    CORDONED = "cordoned"  # the node's host is cordoned
+    CORDONED = "cordoned"  # the node's host is cordoned (node_refused; node_departed: taken out of line)
     # host_cordoned, host_uncordoned: OPERATOR (rdzvctl), or
     FLAPPING = "flapping"  # the server quarantined a host whose nodes kept dying
     # restart_counted

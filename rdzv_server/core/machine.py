@@ -350,7 +350,22 @@ class StateMachine:
         if cmd.by == Cause.FLAPPING.value:
             self.cordons.forget_deaths(cmd.host)  # its next quarantine counts deaths after this one
         detail = {"host": cordon.host, "reason": cordon.reason, "until": cordon.until}
-        return self._host_event(cmd.rdzv_id, cmd.host, now, Kind.HOST_CORDONED, Cause(cmd.by), detail)
+        outcome = self._host_event(cmd.rdzv_id, cmd.host, now, Kind.HOST_CORDONED, Cause(cmd.by), detail)
+        # Nodes of the host still in line (no workers yet) leave the line now: each one's poll
+        # answers node_not_found, its client joins again and is refused, naming the cordon. A
+        # member of a running round is not disturbed: it is refused at its next join.
+        wakes, events = list(outcome.wakes), list(outcome.events)
+        for entry in self.jobs.values():
+            job = entry.job
+            in_line = [n.node_id for n in job.nodes.values() if n.pending and cmd.host in (n.addr, n.host)]
+            if in_line:
+                seen = job.timeline.next_seq - 1
+                change = self._membership_change(
+                    entry, lambda job: {"left": [job.depart(n, Departure.LEFT, now, Cause.CORDONED) for n in in_line]}
+                )
+                wakes += [*change.wakes, events_topic(job.rdzv_id)]
+                events += job.timeline.since(seen)
+        return Outcome({}, tuple(dict.fromkeys(wakes)), events=tuple(events))
 
     def _uncordon(self, cmd: c.Uncordon, now: float) -> Outcome:
         cordon = self.cordons.uncordon(cmd.host)

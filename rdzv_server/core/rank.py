@@ -24,6 +24,7 @@ Pure functions over plain values; no clock, no I/O.
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,18 +61,30 @@ def admission_order(candidates: Sequence[Candidate]) -> list[Candidate]:
     return sorted(candidates, key=lambda c: (c.tier, c.order))
 
 
-_DIGITS = re.compile(r"(\d+)")
-NaturalKey = tuple[tuple[int, int, str], ...]
+_DIGITS = re.compile(r"\d+")
+# A digit run becomes NUL, a character saying how many digits it has, then the digits: runs
+# sort by value (a shorter number is smaller), before any text at the same place. Components
+# of a topology path are joined by two NULs, which sort before anything a component holds.
+# Flat strings: sorting 16K nodes compares strings, not nested tuples (about 10x faster).
+_COMPONENT = "\x00\x00"
 
 
-def natural_key(text: str) -> NaturalKey:
-    """``text`` as people sort it: runs of digits by their value (``node7`` < ``node66``)."""
-    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in _DIGITS.split(text) if part)
+def _number(match: re.Match[str]) -> str:
+    digits = match.group().lstrip("0") or "0"
+    return "\x00" + chr(0x21 + len(digits)) + digits
 
 
-def placement_key(c: Candidate) -> tuple[bool, tuple[NaturalKey, ...], NaturalKey, int]:
-    """Topology path (none last), then host, then arrival: the order new nodes take ranks in."""
-    path = tuple(natural_key(part) for part in c.topology.split("/")) if c.topology else ()
+@functools.lru_cache(maxsize=1 << 17)  # hosts and path components recur at every formation
+def natural_key(text: str) -> str:
+    """``text`` as people sort it: runs of digits by their value (``node7`` < ``node66``).
+    Text is a printable host name or path component (the wire refuses control characters)."""
+    return _DIGITS.sub(_number, text) if any(ch.isdigit() for ch in text) else text
+
+
+def placement_key(c: Candidate) -> tuple[bool, str, str, int]:
+    """Topology path (none last; component by component), then host, then arrival: the order
+    new nodes take the free node ranks in."""
+    path = _COMPONENT.join(natural_key(part) for part in c.topology.split("/")) if c.topology else ""
     return (not c.topology, path, natural_key(c.host), c.arrival)
 
 

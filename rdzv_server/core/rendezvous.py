@@ -192,7 +192,7 @@ class NodeView:
     nproc_per_node: int
     global_rank_start: int | None
     last_heartbeat: float | None  # server clock; None once it departed
-    topology: str  # the path the node reported ("" for none)
+    topology: str = ""  # its topology path ("" when it reported none)
 
 
 @dataclass(frozen=True)
@@ -209,9 +209,9 @@ class JobView:
     nodes: tuple[NodeView, ...]  # every node of the job, in arrival order
     num_nodes_waiting: int  # rule 4, for an agent of the current round
     pending_reason: str | None  # why the round is still open (None unless OPEN)
-    restarts: int  # failures counted against the budget (rule 7)
-    closed_cause: str  # why the job closed ("" while open)
     now: float
+    restarts: int = 0  # failures counted against the restart budget (rule 7)
+    closed_cause: str = ""  # why the job closed ("" while it is not)
 
 
 @dataclass(frozen=True)
@@ -589,7 +589,9 @@ class Job:
                 assert node.next_addr is not None and node.next_port is not None
                 node.addr, node.nproc_per_node, node.master_port = node.next_addr, node.next_nproc, node.next_port
                 node.next_addr = node.next_nproc = node.next_port = None
-            host, topology = node.host or node.addr, node.topology
+            # Natural host order is by the address every node reports (the plug-in's default is its
+            # host's FQDN): one kind of name for every node, the one the job document shows.
+            host, topology = node.addr, node.topology
             if node.role is Role.CANDIDATE:
                 if node.node_id in previous and node.node_rank is not None:
                     tier, order = Tier.PREVIOUS, node.node_rank
@@ -805,9 +807,9 @@ class Job:
             nodes=tuple(node_view(n) for n in sorted(self.nodes.values(), key=lambda n: n.arrival)),
             num_nodes_waiting=self.num_nodes_waiting(self.round),
             pending_reason=self.pending_reason(now),
+            now=now,
             restarts=self.restarts,
             closed_cause=self.closed_cause,
-            now=now,
         )
 
     def summary(self) -> JobSummary:

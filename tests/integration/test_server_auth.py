@@ -522,6 +522,7 @@ WRITES: list[tuple[str, dict[str, Any]]] = [
     ("watch", {"node_id": "member", "round": 0, "known": -1}),
     ("leave", {"node_id": "member"}),
     ("close", {}),
+    ("refuse", {"node_id": "member", "addr": "10.0.0.1", "cause": "health_check_failed"}),
 ]
 assert {op for op, _ in WRITES} | {"get", "multi_get", "wait", "check", "num_keys", "list_keys"} == set(wire.REQUESTS)
 

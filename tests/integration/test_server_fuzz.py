@@ -114,6 +114,7 @@ VALID: dict[str, dict[str, Any]] = {
     "watch": {"node_id": "n1", "round": 0},
     "leave": {"node_id": "n1"},
     "close": {},
+    "refuse": {"node_id": "n1", "addr": "10.0.0.1", "cause": "health_check_failed", "detail": "ECC"},
 }
 OPS = sorted(wire.REQUESTS)
 

@@ -106,3 +106,17 @@ def test_the_log_queue_bounds_are_flags() -> None:
     assert (config.max_log_queue, config.max_log_queue_bytes) == (7, 4096)
     with pytest.raises(ConfigError, match="--max-log-queue"):
         ServerConfig(max_log_queue=0)
+
+
+def test_automatic_quarantine_flags_have_defaults_environment_variables_and_bounds(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = parse([])
+    assert (config.quarantine_after, config.quarantine_window, config.quarantine_for) == (3, 3600.0, 3600.0)
+    monkeypatch.setenv("RDZV_QUARANTINE_AFTER", "0")  # off
+    assert parse(["--quarantine-for", "600"]).quarantine_after == 0 and parse(["--quarantine-for", "600"]).quarantine_for == 600.0
+    for argv, flag in ((["--quarantine-after", "65"], "--quarantine-after"), (["--quarantine-window", "0"], "--quarantine-window"),
+                       (["--quarantine-for", "-1"], "--quarantine-for")):
+        with pytest.raises(SystemExit):
+            parse(argv)
+        assert flag in capsys.readouterr().err

@@ -12,7 +12,7 @@ from rdzv_client.record import JobSettings, WireError
 from rdzv_server.api.document import job_document
 from rdzv_server.core import command as c
 from rdzv_server.core.cordon import MAX_DEATHS_PER_HOST, CordonTable
-from rdzv_server.core.error import HostCordoned, JobClosed
+from rdzv_server.core.error import HostCordoned, JobClosed, NodeNotFound
 from rdzv_server.core.machine import StateMachine
 from rdzv_server.core.rank import Candidate, Tier, natural_key, place
 
@@ -74,14 +74,12 @@ def test_a_cordoned_host_is_refused_with_the_cordon_named_and_nothing_changes() 
     log = Log()
     log.join("a", 0.0, addr="10.0.0.1")
     log.apply(c.Cordon("", host="node7", reason="bad DIMM", duration=None), 1.0)
-    job = log.sm.job(JOB)
-    membership = (job.round, job.state, {n: (node.role, node.node_rank) for n, node in job.nodes.items()})
+    before = log.sm.to_snapshot()
     with pytest.raises(HostCordoned, match=r"host node7 is cordoned by an operator: bad DIMM .*until uncordoned.*rdzvctl uncordon node7"):
         log.join("b", 2.0, addr="10.0.0.2", host="node7")
     with pytest.raises(HostCordoned, match="node7"):  # by address as well
         log.join("b", 2.0, addr="node7")
-    assert (job.round, job.state, {n: (node.role, node.node_rank) for n, node in job.nodes.items()}) == membership
-    assert "b" not in job.nodes
+    assert log.sm.to_snapshot() == before  # refused before anything changed
     assert log.apply(c.Uncordon("", host="node7"), 3.0) == {"uncordoned": True}
     assert log.apply(c.Uncordon("", host="node7"), 3.0) == {"uncordoned": False}
     log.join("b", 4.0, addr="10.0.0.2", host="node7")
@@ -90,7 +88,7 @@ def test_a_cordoned_host_is_refused_with_the_cordon_named_and_nothing_changes() 
 
 def test_a_cordon_and_its_lifting_reach_the_timeline_of_every_job_with_a_node_on_the_host() -> None:
     log = Log()
-    log.join("a", 0.0, addr="10.0.0.1", host="node7")
+    log.join("a", 0.0, addr="10.0.0.1", host="node7", min_nodes=1, max_nodes=1)  # a member of a running round
     log.join("x", 0.0, addr="10.0.0.9", job="other")
     log.apply(c.Cordon("", host="node7", reason="bad DIMM"), 1.0)
     log.apply(c.Uncordon("", host="node7"), 2.0)
@@ -305,3 +303,19 @@ def test_a_member_cordoned_mid_round_finishes_its_round_and_is_refused_at_its_ne
     with pytest.raises(HostCordoned, match="10.0.0.2 is cordoned"):
         log.join("b", 2.0, addr="10.0.0.2")  # its workers restarted: refused at the next round
     assert job.state.value == "complete" and job.round == 0  # the refused join changed nothing
+
+
+def test_a_cordon_takes_the_hosts_nodes_out_of_line_and_their_next_join_is_refused() -> None:
+    log = Log()
+    log.join("a", 0.0, addr="10.0.0.1", min_nodes=3, max_nodes=3)
+    log.join("b", 0.0, addr="10.0.0.2", min_nodes=3, max_nodes=3)  # in line: the round needs three
+    outcome = log.sm.apply(c.Cordon("", host="10.0.0.2", reason="bad DIMM"), 1.0)
+    job = log.sm.job(JOB)
+    assert "b" not in job.nodes and job.state.value == "open"
+    assert [(e.kind.value, e.cause.value, e.node_id) for e in outcome.events] == [
+        ("host_cordoned", "operator", "b"), ("node_departed", "cordoned", "b")
+    ]
+    with pytest.raises(NodeNotFound, match="join again"):  # its poll: its client joins again ...
+        log.sm.assignment(JOB, "b", 0)
+    with pytest.raises(HostCordoned):  # ... and is refused, naming the cordon
+        log.join("b", 2.0, addr="10.0.0.2", min_nodes=3, max_nodes=3)
