@@ -207,11 +207,18 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
         self._replying = False
         self._buffer = bytearray()  # a fatal error may have left a partial frame
         self._untrack()
-        for task in self.in_flight:
-            task.cancel()
+        if self.in_flight:
+            # On the next pass, not now: a request that came with the bytes before the close has
+            # its task's first step scheduled already, and takes it first (a watch counts its
+            # node's open poll there), so the cancellation reaches it where it waits.
+            self._loop.call_soon(self._cancel_in_flight)
         self._server.connections.discard(self)
         if not self.closed.done():
             self.closed.set_result(None)
+
+    def _cancel_in_flight(self) -> None:
+        for waiting in list(self.in_flight):
+            waiting.cancel()
 
     def pause_writing(self) -> None:
         self._writing_paused = True
