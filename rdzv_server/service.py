@@ -16,8 +16,9 @@ Rules:
 - Reads answer only after every record applied so far is durable (:meth:`_sync`), so no
   client ever observes a write that a crash could still take back.
 - The server clock is monotonic and continues across restarts from the last logged
-  time; elapsed time is read only from the :class:`~.clock.Clock` given (a fake one in tests), so deadlines neither fire nor stretch because the server was down; heartbeat
-  times are reset on recovery (each node gets one full TTL of grace).
+  time, so deadlines neither fire nor stretch because the server was down; heartbeat
+  times are reset on recovery (each node gets one full TTL of grace). Elapsed time is
+  read only from the :class:`~.clock.Clock` given (tests pass a fake one).
 - The timer only detects; what it decides is applied as ordinary logged commands.
 - Whether it runs alone, follows or leads is its :class:`~.role.Role`'s business, asked
   through that one interface (:class:`~.role.Single` for the one server; with ``--etcd`` the

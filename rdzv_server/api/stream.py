@@ -207,11 +207,18 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
         self._replying = False
         self._buffer = bytearray()  # a fatal error may have left a partial frame
         self._untrack()
-        for task in self.in_flight:
-            task.cancel()
+        if self.in_flight:
+            # On the next pass, not now: a request that came with the bytes before the close has
+            # its task's first step scheduled already, and takes it first (a watch counts its
+            # node's open poll there), so the cancellation reaches it where it waits.
+            self._loop.call_soon(self._cancel_in_flight)
         self._server.connections.discard(self)
         if not self.closed.done():
             self.closed.set_result(None)
+
+    def _cancel_in_flight(self) -> None:
+        for waiting in list(self.in_flight):
+            waiting.cancel()
 
     def pause_writing(self) -> None:
         self._writing_paused = True
@@ -320,7 +327,10 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
                     self._metrics.auth_failed("missing")
                     self._fail(401, wire.ErrorCode.UNAUTHORIZED, f"send {wire.HELLO_OP!r} with the token first")
                 else:
-                    self._serve(tag, op, rdzv_id, fields)
+                    try:
+                        self._serve(tag, op, rdzv_id, fields)
+                    except Exception:  # (never expected: the operation maps every failure to a reply)
+                        log.exception("Answering a stream request failed.")
                 return
         self._send(_tag_of(msg), 400, wire.error_body(wire.ErrorCode.BAD_REQUEST, _SHAPE))
 
@@ -361,20 +371,24 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
         if append.cancelled():
             waiting.cancel()  # as a task awaiting it would end: nothing to answer
             return
-        status, body = durable.reply()
-        self._send(tag, status, body)
-        waiting.set_result(None)
+        try:
+            status, body = durable.reply()
+            self._send(tag, status, body)
+        finally:
+            waiting.set_result(None)
 
     def _parked(self, tag: int, task: asyncio.Task[Reply]) -> None:
         """A parked request's task ended: answer it (a cancelled one is not answered)."""
-        if not task.cancelled():
-            failure = task.exception()
-            if failure is None:
-                status, body = task.result()
-                self._send(tag, status, body)
-            else:  # (never expected: the operation maps every failure to a reply)
-                log.error("Answering a stream request failed.", exc_info=failure)
-        self._finished(task)
+        try:
+            if not task.cancelled():
+                failure = task.exception()
+                if failure is None:
+                    status, body = task.result()
+                    self._send(tag, status, body)
+                else:  # (never expected: the operation maps every failure to a reply)
+                    log.error("Answering a stream request failed.", exc_info=failure)
+        finally:
+            self._finished(task)
 
     def _finished(self, waiting: asyncio.Future[Any]) -> None:
         self.in_flight.discard(waiting)

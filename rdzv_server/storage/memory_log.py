@@ -31,6 +31,9 @@ class MemoryLog:
         # One Packer: msgpack.packb builds one (with its buffer) per call, which costs more
         # than encoding a record. The loop's thread only, as every append.
         self._pack = msgpack.Packer(use_bin_type=True).pack
+        # What every append returns: one future, resolved once (asking for the running loop
+        # costs a getpid() system call per append).
+        self._appended: asyncio.Future[None] | None = None
 
     @property
     def records_since_snapshot(self) -> int:
@@ -41,7 +44,7 @@ class MemoryLog:
         """Nothing to refuse: there is no queue, and no size limit but memory's."""
 
     def append(self, record: dict[str, Any]) -> asyncio.Future[None]:
-        """Return an already-resolved future.
+        """Return an already-resolved future (the same one every time).
 
         Raises ``TypeError`` for a record msgpack cannot encode and
         :class:`~.error.LogClosedError` after :meth:`close`.
@@ -50,8 +53,10 @@ class MemoryLog:
             raise LogClosedError("The in-memory log is closed; cannot append.")
         self._pack(record)
         self._last_index += 1
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        future.set_result(None)
+        future = self._appended
+        if future is None:
+            future = self._appended = asyncio.get_running_loop().create_future()
+            future.set_result(None)
         return future
 
     def snapshot(self, replica: ReplicaFactory) -> asyncio.Future[None]:

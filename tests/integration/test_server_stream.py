@@ -577,6 +577,27 @@ def test_a_dropped_stream_with_a_parked_watch_marks_the_node_dead_within_the_gra
     assert nodes_alive(grace_server, job) == {"a": False, "b": True}
 
 
+def test_a_watch_cut_short_by_a_fatal_frame_in_the_same_read_still_counts_as_a_dropped_poll(
+    grace_server: ServerProcess, stream_to: Callable[..., Stream]
+) -> None:
+    """A watch and, in the same read, a header over the frame limit (413, the connection
+    closes): the watch was received, so the node held a poll that dropped, and is marked dead
+    within the grace as any node whose watch connection drops."""
+    job = new_job()
+    a, b, round_ = join_two(grace_server, stream_to, job)
+    watch = encode_frame([5, "watch", job, {"node_id": "a", "round": round_, "known": 0, "hold": 10.0}])
+    a.sock.sendall(watch + struct.pack(">I", 1 << 30))
+    reply = a.recv()
+    assert (reply.tag, reply.status, reply.error) == (0, 413, "body_too_large"), reply
+    started = time.monotonic()
+    while True:
+        seen = b.ok("watch", job, node_id="b", round=round_, known=0, hold=max(0.0, 10.0 - (time.monotonic() - started)))
+        if seen["num_nodes_waiting"] > 0 or time.monotonic() - started > 10.0:
+            break
+    assert seen["num_nodes_waiting"] == 1
+    assert nodes_alive(grace_server, job) == {"a": False, "b": True}
+
+
 def test_a_watch_answered_on_a_live_stream_keeps_the_node_alive(
     grace_server: ServerProcess, stream_to: Callable[..., Stream]
 ) -> None:

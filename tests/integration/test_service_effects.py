@@ -12,7 +12,7 @@ import pytest
 from rdzv_client import wire
 from rdzv_server.api.auth import OPEN
 from rdzv_server.api.metric import Metrics
-from rdzv_server.api.operation import run_operation
+from rdzv_server.api.operation import Durable, run_operation, start_operation
 from rdzv_server.config import ServerConfig
 from rdzv_client.record import JobSettings
 from rdzv_server.core import command as c
@@ -79,6 +79,28 @@ READS = {
     "watch": {"node_id": "a", "round": 0, "known": 0, "hold": 0},
     "set": {"key": "k", "value": "v"},
 }
+
+
+async def test_an_operation_is_answered_now_from_its_append_or_as_a_task_only_when_it_parks(tmp_path: Path) -> None:
+    """The stream's fast path: what does not wait is answered at once, a write whose record is
+    being fsynced from its append's completion, and only a request that parks needs a task."""
+    svc = await started(tmp_path)
+    metrics = Metrics(svc)
+    try:
+        await svc.write(c.Create(JOB, JobSettings(1, 1, 1.0, 600.0, 600.0)))
+        add = start_operation(svc, metrics, OPEN, "add", JOB, {"key": b"n", "amount": 1})
+        assert isinstance(add, Durable)
+        assert not add.append.done()  # applied, its record with the writer thread
+        await asyncio.wait((add.append,))
+        assert add.reply() == (200, {"value": 1})
+        assert start_operation(svc, metrics, OPEN, "get", JOB, {"key": b"n"}) == (200, {"found": True, "value": b"1"})
+        parked = start_operation(svc, metrics, OPEN, "get", JOB, {"key": b"later", "timeout": 10.0})
+        assert asyncio.iscoroutine(parked)
+        polling = asyncio.ensure_future(parked)
+        await svc.write(c.Set(JOB, b"later", b"here"))
+        assert await asyncio.wait_for(polling, 5.0) == (200, {"found": True, "value": b"here"})
+    finally:
+        await svc.close()
 
 
 @pytest.mark.parametrize("op", sorted(READS))
