@@ -18,7 +18,7 @@ client certificate signed by that CA); peers still talk plain http on loopback.
 Faults: :meth:`EtcdCluster.kill` (a crash), :meth:`EtcdCluster.pause` and
 :meth:`EtcdCluster.resume` (a member gone silent: its connections stay open and nothing
 answers); :meth:`EtcdCluster.leader` says which member is etcd's leader, to kill that one or
-to spare it.
+to spare it; :meth:`EtcdCluster.wait_for_watchers` waits until a member serves a client's watch.
 """
 
 from __future__ import annotations
@@ -230,6 +230,22 @@ class EtcdCluster:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the etcd members did not agree on a leader in time (they name {named})")
             time.sleep(0.05)
+
+    def watchers(self, i: int) -> int:
+        """How many watches member ``i`` serves now (its ``etcd_debugging_mvcc_watcher_total``)."""
+        with urllib.request.urlopen(self.client_urls[i] + "/metrics", timeout=5, context=self._ssl_context()) as answer:
+            for line in answer.read().decode().splitlines():
+                if line.startswith("etcd_debugging_mvcc_watcher_total "):
+                    return int(float(line.split()[1]))
+        raise RuntimeError(f"etcd member m{i} reports no etcd_debugging_mvcc_watcher_total")
+
+    def wait_for_watchers(self, i: int, count: int, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
+        """Until member ``i`` serves at least ``count`` watches (a client's watch is open on it); bounded."""
+        deadline = time.monotonic() + timeout_s
+        while (seen := self.watchers(i)) < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"etcd member m{i} serves {seen} watches, not {count}, after {timeout_s} s")
+            time.sleep(0.02)
 
     def pause(self, i: int) -> None:
         """SIGSTOP member ``i``: it goes silent, its connections stay open (a hung host)."""
