@@ -4,8 +4,8 @@ Under pytest-xdist's ``--dist loadfile`` (README's test command) each test file 
 worker, so a file's tests never run at the same time as each other and share its
 module-scoped fixtures, as in a serial run. The files in :data:`SPREAD_FILES` are long (real
 torchrun jobs) and are cut into :data:`SPREAD_PARTS` parts, so that no one worker runs them
-all. Files are handed out in collection order (e2e, then integration, then unit: the longest
-first), not by xdist's default reorder by test count.
+all; their parts are collected first. Files are handed out in collection order (the parts,
+then e2e, integration, unit: the longest first), not by xdist's default reorder by test count.
 """
 
 from __future__ import annotations
@@ -50,6 +50,23 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.loadscopereorder = False  # hand files out in collection order: the longest first
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a pytest-xdist worker, :data:`SPREAD_FILES` first: their parts are the longest units
+    of work, so they start first (every worker sorts alike, as xdist requires)."""
+    if not hasattr(config, "workerinput"):
+        return
+    spread = {id(item) for item in items if _tests_path(item.path) in SPREAD_FILES}
+    items.sort(key=lambda item: id(item) not in spread)  # stable: the order within each kept
+
+
+def _tests_path(path: Path) -> str:
+    """``path`` from the tests folder (as :data:`SPREAD_FILES` names files), else as given."""
+    try:
+        return path.resolve().relative_to(TESTS_DIR).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadfile``, with each of :data:`SPREAD_FILES` cut into :data:`SPREAD_PARTS` parts."""
@@ -65,7 +82,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
         def _split_scope(self, nodeid: str) -> str:
             scope: str = super()._split_scope(nodeid)
-            name = Path(config.rootpath, scope).resolve().relative_to(TESTS_DIR).as_posix()
+            name = _tests_path(Path(config.rootpath, scope))
             if name not in SPREAD_FILES:
                 return scope
             if nodeid not in self._scopes:  # the first call sees the collection in order
