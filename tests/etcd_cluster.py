@@ -18,7 +18,7 @@ client certificate signed by that CA); peers still talk plain http on loopback.
 Faults: :meth:`EtcdCluster.kill` (a crash), :meth:`EtcdCluster.pause` and
 :meth:`EtcdCluster.resume` (a member gone silent: its connections stay open and nothing
 answers); :meth:`EtcdCluster.leader` says which member is etcd's leader, to kill that one or
-to spare it.
+to spare it; :meth:`EtcdCluster.wait_for_watchers` waits until a member serves a client's watch.
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ ETCD_MISSING = "etcd not installed: apt-get install etcd-server"
 # Long enough for three members to elect a leader on a loaded 2-core runner; short enough
 # that a broken etcd fails the test quickly.
 DEFAULT_START_TIMEOUT_S = 20.0
+# Starts on fresh ports after a member lost its port to another process (see EtcdCluster.start).
+PORT_RACE_ATTEMPTS = 3
 
 
 def require_etcd() -> str:
@@ -101,15 +103,37 @@ class EtcdCluster:
         self.extra_args = tuple(extra_args)
         self._own_dir = base_dir is None
         self.dir = Path(tempfile.mkdtemp(prefix="rdzv-etcd-")) if base_dir is None else base_dir
-        ports = _free_ports(2 * size)
-        self.client_ports = ports[:size]
-        self.peer_ports = ports[size:]
-        scheme = "https" if tls is not None else "http"
-        self.client_urls = [f"{scheme}://127.0.0.1:{port}" for port in self.client_ports]
         self.processes: list[subprocess.Popen[bytes] | None] = [None] * size
+        self._pick_ports()
+
+    def _pick_ports(self) -> None:
+        ports = _free_ports(2 * self.size)
+        self.client_ports = ports[: self.size]
+        self.peer_ports = ports[self.size :]
+        scheme = "https" if self.tls is not None else "http"
+        self.client_urls = [f"{scheme}://127.0.0.1:{port}" for port in self.client_ports]
 
     def start(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> EtcdCluster:
-        """Start every member and wait until each reports healthy (a leader elected)."""
+        """Start every member and wait until each reports healthy (a leader elected).
+
+        A port is free when picked but is bound only when the member starts; another process
+        (a parallel test's server or connection) may take it in between. A member that exits
+        because its port was taken makes the cluster start again on new ports (bounded)."""
+        for attempt in range(PORT_RACE_ATTEMPTS):
+            try:
+                return self._start(timeout_s)
+            except RuntimeError:
+                taken = any("address already in use" in self.log_tail(i, 200) for i in range(self.size))
+                if not taken or attempt == PORT_RACE_ATTEMPTS - 1:
+                    raise
+                for i in range(self.size):
+                    self.kill(i)
+                    shutil.rmtree(self.dir / f"m{i}", ignore_errors=True)
+                    (self.dir / f"m{i}.log").unlink(missing_ok=True)
+                self._pick_ports()
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout_s: float) -> EtcdCluster:
         cluster = ",".join(f"m{i}=http://127.0.0.1:{port}" for i, port in enumerate(self.peer_ports))
         token = f"rdzv-test-{uuid.uuid4().hex[:12]}"
         for i in range(self.size):
@@ -230,6 +254,22 @@ class EtcdCluster:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the etcd members did not agree on a leader in time (they name {named})")
             time.sleep(0.05)
+
+    def watchers(self, i: int) -> int:
+        """How many watches member ``i`` serves now (its ``etcd_debugging_mvcc_watcher_total``)."""
+        with urllib.request.urlopen(self.client_urls[i] + "/metrics", timeout=5, context=self._ssl_context()) as answer:
+            for line in answer.read().decode().splitlines():
+                if line.startswith("etcd_debugging_mvcc_watcher_total "):
+                    return int(float(line.split()[1]))
+        raise RuntimeError(f"etcd member m{i} reports no etcd_debugging_mvcc_watcher_total")
+
+    def wait_for_watchers(self, i: int, count: int, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
+        """Until member ``i`` serves at least ``count`` watches (a client's watch is open on it); bounded."""
+        deadline = time.monotonic() + timeout_s
+        while (seen := self.watchers(i)) < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"etcd member m{i} serves {seen} watches, not {count}, after {timeout_s} s")
+            time.sleep(0.02)
 
     def pause(self, i: int) -> None:
         """SIGSTOP member ``i``: it goes silent, its connections stay open (a hung host)."""

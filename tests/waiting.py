@@ -83,7 +83,7 @@ def parked_long_polls(srv: ServerProcess) -> int:
 
 def wait_for_parked(srv: ServerProcess, count: int, *, timeout: float = PATIENCE) -> None:
     """Until ``srv`` holds at least ``count`` parked long-polls."""
-    wait_until(lambda: parked_long_polls(srv) >= count, timeout=timeout, what=f"{count} long-polls parked on the server")
+    wait_until(lambda: parked_long_polls(srv) >= count, timeout=timeout, what=f"{count} long-polls parked")
 
 
 def wait_for_log(srv: ServerProcess, text: str, *, timeout: float = PATIENCE) -> str:

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from server_process import ServerProcess
 from torch_feature import NO_ENTRY_POINTS, NO_STORE_CLONE, READS_ENTRY_POINTS
 
 from rdzv_client.torchrun import RdzvStore
@@ -37,6 +38,16 @@ PREFIX = "test_prefix"
 
 def new_job() -> str:
     return f"conf-job-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One memory-only server for the module (conftest's is one per test): every test works
+    in a job of its own and none stops the server or reads its log or metrics."""
+    srv = ServerProcess(tmp_path_factory.mktemp("conformance-server"), durable=False)
+    srv.start()
+    yield srv
+    srv.close()
 
 
 @pytest.fixture

@@ -568,7 +568,9 @@ def test_a_nodes_death_and_the_next_round_are_in_the_jobs_events(server: Any, cl
         rounds = shot.rounds()
         assert [row[0] for row in rounds][:1] == [str(reformed["round"])], rounds  # newest first
         assert rounds[0][2:5] == [reformed["cause"], "2", "2"], rounds
-        assert rounds[0][6].endswith(" s") and rounds[-1][0] == str(formed["round"]), rounds
+        # The round of 3 is listed below the survivors' (a loaded runner may have formed a round
+        # of 2 before the third node arrived: then that one is listed below it).
+        assert rounds[0][6].endswith(" s") and str(formed["round"]) in [row[0] for row in rounds[1:]], rounds
         assert sorted(row[1] for row in shot.node_rows()) == sorted(
             e["node_id"]
             for e in cluster.job(server, job)["nodes"]  # type: ignore[index]

@@ -387,6 +387,8 @@ async def test_a_watch_whose_member_goes_silent_fails_within_seconds_not_never(e
     key = new_key()
     try:
         revision = await client.put(key, b"one")
+        silent = etcd3.client_urls.index(urls[0])
+        watching_before = await asyncio.to_thread(etcd3.watchers, silent)
         watch = client.watch(key, start_revision=revision + 1)
         seen: list[WatchBatch] = []
 
@@ -395,8 +397,7 @@ async def test_a_watch_whose_member_goes_silent_fails_within_seconds_not_never(e
                 seen.append(batch)
 
         consumer = asyncio.ensure_future(consume())
-        await asyncio.sleep(0.5)  # the watch is open on the first follower
-        silent = etcd3.client_urls.index(urls[0])
+        await asyncio.to_thread(etcd3.wait_for_watchers, silent, watching_before + 1)  # open on the first follower
         etcd3.pause(silent)
         try:
             with pytest.raises(EtcdUnavailableError, match="silent"):

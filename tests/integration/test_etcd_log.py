@@ -623,8 +623,10 @@ async def test_a_candidate_keeps_campaigning_when_the_member_its_watch_used_dies
         first = Election(first_client, prefix, "first", ttl_s=DEFAULT_LEASE_TTL_S)
         await first.campaign(timeout_s=STEP_S)
         second = Election(second_client, prefix, "second", ttl_s=DEFAULT_LEASE_TTL_S)
+        watching_before = await asyncio.to_thread(etcd3.watchers, follower)
         campaign = asyncio.ensure_future(second.campaign())
-        await asyncio.sleep(1.0)  # registered, and watching the first's key
+        # Registered, and watching the first's key.
+        await asyncio.to_thread(etcd3.wait_for_watchers, follower, watching_before + 1)
         assert not campaign.done()
         etcd3.kill(follower)
         await asyncio.sleep(1.0)  # the watch broke
@@ -656,8 +658,10 @@ async def test_a_tail_whose_member_goes_silent_reopens_on_another_and_misses_not
                 assert record == {"n": index}
                 seen.append(index)
 
+        watching_before = await asyncio.to_thread(etcd3.watchers, follower)
         follower_task = asyncio.ensure_future(follow())
-        await asyncio.sleep(0.5)  # the tail's watch is open on that member
+        # The tail's watch is open on that member.
+        await asyncio.to_thread(etcd3.wait_for_watchers, follower, watching_before + 1)
         etcd3.pause(follower)
         try:
             for n in range(6, 11):

@@ -476,7 +476,12 @@ def test_metrics_show_how_close_each_connection_limit_is(short_server: ServerPro
         opened.append(Stream(short_server.port))
     for _ in range(2):
         opened.append(socket.create_connection(("127.0.0.1", short_server.port), timeout=PATIENCE))
-    time.sleep(0.2)
+
+    def counted(m: dict[str, float]) -> bool:  # once the server has read what each one sent
+        stream, undecided = (m.get(f'rdzv_connections{{protocol="{p}"}}', 0) for p in ("stream", "undecided"))
+        return stream >= 3 and undecided >= 2
+
+    assert eventually(lambda: counted(metrics(short_server)))
     m = metrics(short_server)
     assert m['rdzv_connections{protocol="stream"}'] >= 3
     assert m['rdzv_connections{protocol="undecided"}'] >= 2

@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 from server_process import ServerProcess
+from waiting import wait_for_parked
 
 from rdzv_client import (
     AsyncClient,
@@ -214,14 +215,16 @@ async def test_conflicting_settings_are_a_409_settings_conflict(server: ServerPr
 # --------------------------------------------------------------------------- later rounds
 
 
-async def test_a_late_node_is_waiting_members_see_it_and_the_next_round_takes_it(aclient: AsyncClient) -> None:
+async def test_a_late_node_is_waiting_members_see_it_and_the_next_round_takes_it(
+    server: ServerProcess, aclient: AsyncClient
+) -> None:
     job = new_job()
     join = joiner(aclient, job, min_nodes=2, max_nodes=3, last_call_timeout=0.3)
     first = dict(zip(("a", "b"), await asyncio.gather(join("a"), join("b"))))
     round_ = first["a"].round
     assert (await aclient.watch(job, "a", round=round_, known=-1)).num_nodes_waiting == 0
     watching = asyncio.ensure_future(aclient.watch(job, "a", round=round_, known=0, hold=10))
-    await asyncio.sleep(0.2)
+    await asyncio.to_thread(wait_for_parked, server, 1)
     assert not watching.done()
     start = time.monotonic()
     late = asyncio.ensure_future(join("c"))
@@ -417,11 +420,13 @@ async def test_a_graceful_leave_does_not_raise_num_nodes_waiting(aclient: AsyncC
 # --------------------------------------------------------------------------- close, timeouts
 
 
-async def test_a_closed_job_refuses_joins_and_watchers_see_it_closed(aclient: AsyncClient) -> None:
+async def test_a_closed_job_refuses_joins_and_watchers_see_it_closed(
+    server: ServerProcess, aclient: AsyncClient
+) -> None:
     job = new_job()
     got = await joiner(aclient, job, min_nodes=1, max_nodes=2, last_call_timeout=0.0)("member")
     watching = asyncio.ensure_future(aclient.watch(job, "member", round=got.round, known=0, hold=10))
-    await asyncio.sleep(0.2)
+    await asyncio.to_thread(wait_for_parked, server, 1)
     try:
         await aclient.close_job(job)
         seen = await asyncio.wait_for(watching, PROMPTLY)  # the close wakes the long-poll

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from server_process import ServerProcess
+from waiting import parked_long_polls, wait_for_parked
 
 from rdzv_client import BadRequestError, Client, ConflictError, RdzvTimeoutError, wire
 
@@ -247,22 +248,25 @@ def test_multi_key_long_polls_wake_when_the_last_missing_key_arrives(
     server: Any, client: Client, job: str, op: str
 ) -> None:
     client.set(job, "k1", "one")
+    parked_after_k2: list[int] = []
 
     def set_the_rest() -> None:
+        wait_for_parked(server, 1)
         with Client(server.endpoint, retry_budget=10.0) as other:
-            other.set(job, "k2", "two")  # still one missing: no answer yet
-            time.sleep(0.4)
+            other.set(job, "k2", "two")  # applied when acknowledged: still one missing, no answer yet
+            parked_after_k2.append(parked_long_polls(server))
             other.set(job, "k3", "three")
 
     start = time.monotonic()
-    writer = later(0.2, set_the_rest)
+    writer = later(0.0, set_the_rest)
     if op == "multi_get":
         assert client.multi_get(job, ["k1", "k2", "k3"], timeout=20) == [b"one", b"two", b"three"]
     else:
         client.wait(job, ["k1", "k2", "k3"], timeout=20)
     elapsed = time.monotonic() - start
     writer.join(timeout=10)
-    assert 0.55 <= elapsed < WOKEN_WITHIN
+    assert parked_after_k2 == [1]
+    assert elapsed < WOKEN_WITHIN
 
 
 @pytest.mark.parametrize("op", ["get", "wait", "multi_get"])

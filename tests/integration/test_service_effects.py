@@ -8,6 +8,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from waiting import wait_until_async
 
 from rdzv_client import wire
 from rdzv_server.api.auth import OPEN
@@ -30,6 +31,15 @@ async def started(tmp_path: Path) -> Service:
     svc = Service(ServerConfig(data_dir=tmp_path / "data", fsync="always"))
     await svc.start()
     return svc
+
+
+async def parked(svc: Service, count: int) -> None:
+    """Until ``svc`` holds ``count`` parked long-polls (bounded)."""
+
+    async def holds() -> bool:
+        return len(svc.waiters) >= count
+
+    await wait_until_async(holds, what=f"{count} long-polls parked")
 
 
 async def test_a_join_cancelled_during_its_fsync_still_schedules_the_last_call(tmp_path: Path) -> None:
@@ -59,7 +69,7 @@ async def test_a_cancelled_write_still_wakes_the_waiters_of_its_key(tmp_path: Pa
     try:
         await svc.write(c.Create(JOB, JobSettings(1, 1, 1.0, 600.0, 600.0)))
         waiting = asyncio.ensure_future(svc.get(JOB, None, b"k", hold=10.0))
-        await asyncio.sleep(0.05)
+        await parked(svc, 1)
         request = asyncio.ensure_future(svc.write(c.Set(JOB, b"k", b"v")))
         await asyncio.sleep(0)
         request.cancel()
@@ -119,7 +129,7 @@ async def test_an_events_poll_parks_until_the_job_has_something_new(tmp_path: Pa
         seen = await svc.events(JOB, 0, hold=0.0, limit=100)
         assert [e["kind"] for e in seen["events"]] == ["job_created", "node_joined"]
         waiting = asyncio.ensure_future(svc.events(JOB, seen["next_seq"] - 1, hold=10.0, limit=100))
-        await asyncio.sleep(0.05)
+        await parked(svc, 1)
         assert not waiting.done()
         await svc.write(join("b"))
         news = await asyncio.wait_for(waiting, 5.0)

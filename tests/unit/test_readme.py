@@ -30,6 +30,16 @@ def test_ci_runs_the_readme_test_command_in_a_fresh_venv() -> None:
     assert "activate" in ci[venv_at : ci.index(test)]
 
 
+def test_the_test_commands_worker_flags_come_from_a_plugin_the_test_extra_installs() -> None:
+    """``-n``/``--dist`` are pytest-xdist's: an empty venv gets it from ``.[test]``, or pytest
+    stops with "unrecognized arguments" before running a test."""
+    _, test = _readme_commands()
+    extra = re.search(r"^test = \[(.*?)^\]", (ROOT / "pyproject.toml").read_text(), re.DOTALL | re.MULTILINE)
+    assert extra is not None, "pyproject has a test extra"
+    if " -n " in f"{test} " or "--dist" in test:
+        assert re.search(r'^\s*"pytest-xdist\b', extra.group(1), re.MULTILINE), extra.group(1)
+
+
 def _high_availability_lines() -> list[str]:
     section = (ROOT / "README.md").read_text().split("## High availability", 1)[1].split("\n## ", 1)[0]
     block = re.search(r"```bash\n(.*?)```", section, re.DOTALL)
