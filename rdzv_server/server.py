@@ -59,7 +59,7 @@ DRAIN_TIMEOUT = 10.0
 # Thousands of agents connect at once when a job starts; the default backlog (128) resets
 # the rest. The kernel caps it at net.core.somaxconn.
 LISTEN_BACKLOG = 65535
-# Each node holds a connection or two: lift the soft fd limit to the hard one.
+# Each node holds one connection: lift the soft fd limit to the hard one.
 WANTED_OPEN_FILES = 1 << 20
 # The cyclic GC's defaults (700, 10, 10) cost a server that parks thousands of long-polls a
 # large share of its CPU: a watch lives seconds, so each one is promoted to the oldest
@@ -184,6 +184,8 @@ class Listener:
 
 
 def _raise_open_files_limit() -> None:
+    """Lift the soft open-files limit to the hard one (at most WANTED_OPEN_FILES): each node
+    holds one connection, so the soft limit (often 1,024) would cap a job at about that."""
     try:
         import resource
     except ImportError:  # not on this platform
@@ -195,6 +197,17 @@ def _raise_open_files_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
         except (ValueError, OSError) as exc:
             log.warning("Could not raise the open-files limit from %d to %d: %s", soft, target, exc)
+
+
+def _open_files_limit() -> str:
+    """The open-files limit, as the start-up line says it."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return "unknown"
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    shown = lambda n: "unlimited" if n == resource.RLIM_INFINITY else str(n)  # noqa: E731
+    return f"{shown(soft)} (hard {shown(hard)})"
 
 
 def connection_limit(wanted: int) -> int:
@@ -278,7 +291,12 @@ async def serve(config: ServerConfig, stop: asyncio.Event) -> None:
     assert runner.server is not None  # set by setup()
     limit = connection_limit(config.max_connections)
     clamped = f" (--max-connections {config.max_connections} clamped to the open-files limit)"
-    log.info("Serving at most %d connections%s.", limit, clamped if limit < config.max_connections else "")
+    log.info(
+        "Serving at most %d connections%s, with an open-files limit of %s: room for about %d nodes "
+        "(a node holds one connection); connections beyond it are refused with too_many_connections. "
+        "Raise the hard open-files limit (ulimit -Hn, systemd LimitNOFILE=) for more.",
+        limit, clamped if limit < config.max_connections else "", _open_files_limit(), limit,
+    )  # fmt: skip
     table = ConnectionTable(
         max_connections=limit,
         max_buffered_bytes=config.max_buffered_bytes,
