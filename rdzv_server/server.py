@@ -206,8 +206,8 @@ def _open_files_limit() -> str:
     except ImportError:  # not on this platform
         return "unknown"
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    shown = lambda n: "unlimited" if n == resource.RLIM_INFINITY else str(n)  # noqa: E731
-    return f"{shown(soft)} (hard {shown(hard)})"
+    soft_text, hard_text = ("unlimited" if n == resource.RLIM_INFINITY else str(n) for n in (soft, hard))
+    return f"{soft_text} (hard {hard_text})"
 
 
 def connection_limit(wanted: int) -> int:
