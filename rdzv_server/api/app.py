@@ -185,6 +185,8 @@ async def list_jobs(request: web.Request) -> web.Response:
 
 
 T = TypeVar("T", int, float)
+# The membership document's node lists, which ?offset= and ?limit= page.
+NODE_LISTS = ("nodes", "joining", "waiting", "standby")
 # Events per answer of GET /v1/jobs/{rdzv_id}/events: a job keeps about this many.
 EVENTS_PAGE = 1000
 # A ?wait= beyond any sane long-poll is a mistake, not a wish; within it, --max-hold caps it.
@@ -201,9 +203,31 @@ def _readable_job(request: web.Request) -> str:
 
 
 async def show_job(request: web.Request) -> web.Response:
+    """The membership document. ``?offset=M&limit=K`` pages its node lists (``nodes`` by
+    node_rank, ``joining``, ``waiting``, ``standby`` by arrival: each holds at most K
+    entries from the M-th on; ``limit=0``: counts only); ``counts`` says how many each
+    list holds in all. Without them every node is listed, as before."""
     svc = request.app[SERVICE]
     rdzv_id = _readable_job(request)
-    return encode(request, await svc.job_document(rdzv_id))
+    offset = _query_number(request, "offset", 0, int, 0, 2**31 - 1)
+    limit = _query_number(request, "limit", -1, int, 0, 2**31 - 1)
+    paged = "offset" in request.query or "limit" in request.query
+    doc = await svc.job_document(rdzv_id)
+    return encode(request, page_of(doc, offset, None if limit < 0 else limit, paged=paged))
+
+
+def page_of(doc: dict[str, Any], offset: int, limit: int | None, *, paged: bool) -> dict[str, Any]:
+    """``doc`` with ``counts`` (every node list's length) and, when ``paged``, its node lists
+    cut to ``[offset, offset + limit)`` and a ``page`` saying so: a 16,384-node document is
+    ~4 MB of JSON, which no page should fetch every second."""
+    counts = {name: len(doc[name]) for name in NODE_LISTS}
+    out = {**doc, "counts": counts}
+    if paged:
+        end = None if limit is None else offset + limit
+        for name in NODE_LISTS:
+            out[name] = doc[name][offset:end]
+        out["page"] = {"offset": offset, "limit": limit}
+    return out
 
 
 async def job_events(request: web.Request) -> web.Response:
