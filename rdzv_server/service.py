@@ -49,7 +49,7 @@ from .core.error import (
     ShuttingDown,
 )
 from .core.event import Cause, JobEvent
-from .core.machine import Entry, Outcome, StateMachine, events_topic, key_topic, round_topic, watch_topic
+from .core.machine import Entry, Outcome, StateMachine, events_topic, key_topic, node_topic, round_topic, watch_topic
 from .core.rendezvous import Departure, Job, departure_cause
 from .core.store import KeyValueStore
 from .role import Role, Single
@@ -642,7 +642,7 @@ class Service:
         with self._node_poll(rdzv_id, node_id, fast_death=False):
             assignment = await self.long_poll(
                 lambda: self.machine.assignment(rdzv_id, node_id, round_),
-                lambda: (round_topic(rdzv_id),),
+                lambda: (round_topic(rdzv_id), node_topic(rdzv_id, node_id)),
                 self._node_hold(hold, job),
             )
         self._beat(rdzv_id, node_id)
