@@ -670,7 +670,11 @@ class Service:
             if rdzv_id not in self.machine.jobs:
                 return {"round": round_, "state": "closed", "num_nodes_waiting": 0, "closed": True}
             view = self.machine.watch_view(rdzv_id, round_)
-            return view if view["num_nodes_waiting"] != known or view["closed"] else None
+            if view["closed"]:
+                return view
+            if known > 0 and view["round"] > round_:
+                return None  # it knows to re-join already: a later round's joins tell it nothing new
+            return view if view["num_nodes_waiting"] != known else None
 
         with self._node_poll(rdzv_id, node_id):
             view = await self.long_poll(changed, lambda: (watch_topic(rdzv_id),), hold)

@@ -110,6 +110,14 @@ def key_topic(rdzv_id: str, scope: int | None, key: bytes) -> Hashable:
     return ("key", rdzv_id, scope, key)
 
 
+def _watched(job: Job) -> tuple[Any, ...]:
+    """What a change must alter to wake the job's watchers. While a round is open, every
+    watcher watches an earlier, formed round and sees "at least 1" waiting (rule 4): how many
+    more have joined changes nothing it acts on, and waking every parked watch at each of
+    thousands of re-joins made a re-formation cost O(nodes^2)."""
+    return (job.state, job.round, job.num_nodes_waiting(job.round) if job.state is JobState.COMPLETE else None)
+
+
 def round_topic(rdzv_id: str) -> Hashable:
     """Woken when a round forms or opens, or the job closes (a departure wakes :func:`node_topic`)."""
     return ("round", rdzv_id)
@@ -319,7 +327,7 @@ class StateMachine:
     def _membership_change(self, entry: Entry, change: Callable[[Job], dict[str, Any]]) -> Outcome:
         job = entry.job
         before_round = (job.state, job.round)
-        before_watch = (job.state, job.round, job.num_nodes_waiting(job.round))
+        before_watch = _watched(job)
         departures, runs = job.departures, job.runs
         result = change(job)
         if job.runs != runs:  # a fresh run in a closed job: it starts with no keys
@@ -336,7 +344,7 @@ class StateMachine:
                 wakes += [node_topic(job.rdzv_id, node_id) for node_id in itertools.islice(reversed(job.departed), gone)]
             else:
                 wakes.append(round_topic(job.rdzv_id))
-        if (job.state, job.round, job.num_nodes_waiting(job.round)) != before_watch:
+        if _watched(job) != before_watch:
             wakes.append(watch_topic(job.rdzv_id))
         if job.state is JobState.COMPLETE and (job.state, job.round) != before_round:
             entry.kv.drop_rounds_before(job.round - 1)

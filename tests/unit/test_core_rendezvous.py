@@ -1447,6 +1447,20 @@ def test_a_departure_from_the_line_wakes_only_that_nodes_poll() -> None:
     assert node_topic(RDZV_ID, "b") in outcome.wakes and round_topic(RDZV_ID) not in outcome.wakes
 
 
+def test_while_the_next_round_is_open_more_joins_do_not_wake_the_watchers() -> None:
+    # Rule 4: watchers of the formed round see "at least 1" once the next round is open; each
+    # of thousands of re-joins must not wake (and answer) every parked watch.
+    cl = Cluster(min_nodes=3, max_nodes=3)
+    form(cl, ["a", "b", "c"])
+    first = cl.sm.apply(cl.join_command("a"), 5.0)
+    assert watch_topic(RDZV_ID) in first.wakes  # the round opened: watchers must re-join
+    second = cl.sm.apply(cl.join_command("b"), 6.0)
+    assert watch_topic(RDZV_ID) not in second.wakes
+    assert cl.job.num_nodes_waiting(cl.job.round - 1) >= 1
+    third = cl.sm.apply(cl.join_command("c"), 7.0)
+    assert watch_topic(RDZV_ID) in third.wakes  # formed: state and round changed
+
+
 def test_forming_a_round_wakes_round_and_watch_waiters() -> None:
     cl = Cluster(min_nodes=2, max_nodes=2)
     cl.join("a", 0.0)
