@@ -27,9 +27,9 @@ The connections open before the common start (preface and hello answered): the f
 clock measures the joins, not the kernel's accept backlog (``net.core.somaxconn``).
 
 Worker protocol (a pipe per worker, parent's commands): ``go`` (every agent joins now),
-``stats`` (per phase: agents formed, the last one's ``time.monotonic()``, errors; plus the
-watches answered and the worker's CPU seconds), ``ranks PHASE`` (the node ranks and world
-sizes seen), ``kill INDEX`` (the agent's connection is aborted and its tasks end: the
+``stats`` (per round: agents placed in it, the last one's ``time.monotonic()``, errors;
+plus the watches answered and the worker's CPU seconds), ``ranks ROUND`` (the node ranks and
+world sizes seen), ``kill INDEX`` (the agent's connection is aborted and its tasks end: the
 server sees what a dead process leaves), ``stop``.
 """
 
@@ -80,8 +80,8 @@ class AgentSpec:
 
 
 @dataclass
-class PhaseSeen:
-    """What one worker's agents saw in one phase (formation 0, the re-formations after)."""
+class RoundSeen:
+    """What one worker's agents saw of one round: how many got a place in it, and when the last did."""
 
     formed: int = 0
     last: float = 0.0  # time.monotonic() of the last agent to get its assignment
@@ -166,9 +166,8 @@ class Agent:
             task.cancel()
 
 
-async def _life(agent: Agent, seen: dict[int, PhaseSeen], errors: list[str], rng: random.Random) -> None:
+async def _life(agent: Agent, seen: dict[int, RoundSeen], errors: list[str], rng: random.Random) -> None:
     """Formation, then a re-join whenever the watch sees nodes waiting (torchrun's monitor loop)."""
-    phase = 0
     while not agent.dead:
         try:
             a = await agent.next_rendezvous()
@@ -177,12 +176,11 @@ async def _life(agent: Agent, seen: dict[int, PhaseSeen], errors: list[str], rng
                 errors.append(f"{agent.node_id}: next_rendezvous: {exc!r}")
             return
         now = time.monotonic()
-        got = seen.setdefault(phase, PhaseSeen())
+        got = seen.setdefault(a.round, RoundSeen())
         got.formed += 1
         got.last = max(got.last, now)
         got.ranks.append(a.node_rank)
         got.world_sizes.add(a.num_nodes)
-        phase += 1
         await agent.changed.wait()
         await asyncio.sleep(rng.uniform(0.0, MONITOR_INTERVAL))
 
@@ -214,7 +212,7 @@ async def _serve(conn: multiprocessing.connection.Connection, spec: AgentSpec, f
 
     await asyncio.gather(*(connect(a) for a in agents))
     conn.send(("ok", count))
-    seen: dict[int, PhaseSeen] = {}
+    seen: dict[int, RoundSeen] = {}
     errors: list[str] = []
     lives: list[asyncio.Task[None]] = []
     commands: asyncio.Queue[Any] = asyncio.Queue()
@@ -233,7 +231,7 @@ async def _serve(conn: multiprocessing.connection.Connection, spec: AgentSpec, f
             phases = {p: (s.formed, s.last) for p, s in seen.items()}
             conn.send(("ok", (phases, errors[:5], len(errors), sum(a.watches for a in agents), usage.ru_utime + usage.ru_stime)))
         elif verb == "ranks":
-            got = seen.get(args[0], PhaseSeen())
+            got = seen.get(args[0], RoundSeen())
             conn.send(("ok", (got.ranks, sorted(got.world_sizes))))
         elif verb == "kill":
             agents[args[0]].kill()
@@ -303,7 +301,7 @@ class AgentFleet:
         return t
 
     def stats(self) -> tuple[dict[int, tuple[int, float]], list[str], int, float]:
-        """Per phase (agents formed, time of the last), errors, watches answered, workers' CPU s."""
+        """Per round (agents placed in it, time of the last), errors, watches answered, workers' CPU s."""
         phases: dict[int, tuple[int, float]] = {}
         errors: list[str] = []
         watches = 0
@@ -317,24 +315,30 @@ class AgentFleet:
             cpu += seconds
         return phases, errors, watches, cpu
 
-    def wait_formed(self, phase: int, nodes: int, timeout: float) -> float:
-        """Wait until ``nodes`` agents hold an assignment of ``phase``; the last one's time."""
+    def wait_formed(self, after: int, nodes: int, timeout: float) -> tuple[int, float]:
+        """Wait until ``nodes`` agents hold an assignment of one round later than ``after``;
+        that round and the time its last agent got it. Rounds that formed without everyone
+        (nodes dropped and re-joined under load) are passed over: their time counts."""
         deadline = time.monotonic() + timeout
         while True:
-            phases, errors, _, _ = self.stats()
+            rounds, errors, _, _ = self.stats()
             if errors:
                 raise RuntimeError(f"agents failed: {errors[0]}")
-            formed, last = phases.get(phase, (0, 0.0))
-            if formed >= nodes:
-                return last
+            full = sorted(r for r, (formed, _) in rounds.items() if r > after and formed >= nodes)
+            if full:
+                return full[0], rounds[full[0]][1]
             if time.monotonic() >= deadline:
-                raise Timeout(f"{nodes} agents to form (phase {phase}): {formed} within {timeout:g} s")
+                best = max((formed for r, (formed, _) in rounds.items() if r > after), default=0)
+                raise Timeout(
+                    f"{nodes} agents to hold a place in one round after round {after}: at most {best} "
+                    f"(rounds {sorted(r for r in rounds if r > after)[-5:]}) within {timeout:g} s"
+                )
             time.sleep(0.1)
 
-    def ranks(self, phase: int) -> tuple[list[int], list[int]]:
+    def ranks(self, round_: int) -> tuple[list[int], list[int]]:
         ranks: list[int] = []
         sizes: set[int] = set()
-        for got, world_sizes in self._all(("ranks", phase), 60.0, "the ranks"):
+        for got, world_sizes in self._all(("ranks", round_), 60.0, "the ranks"):
             ranks += got
             sizes.update(world_sizes)
         return ranks, sorted(sizes)

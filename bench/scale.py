@@ -7,7 +7,9 @@ speaking the plug-in's protocol) in one job with ``min_nodes = N-1``, ``max_node
 defaults (every 2 s, TTL 10 s, so each agent's watch is held ~TTL/3 and re-sent at once).
 
 - ``formation_s``: from the common start (every agent sends its join) to the last agent
-  holding its assignment. Ranks must be 0..N-1 once each, every world size N.
+  holding its assignment of the first round that holds all N (on an overloaded host nodes
+  can drop out of line and re-join: the later round's time counts). Ranks must be 0..N-1
+  once each, every world size N.
 - ``server_fds``, ``server_rss_mb``: the server's descriptors and RSS once every agent
   watches (steady state), read by psutil; ``rss_per_node_kb`` is the growth over the idle
   server, per agent.
@@ -16,7 +18,8 @@ defaults (every 2 s, TTL 10 s, so each agent's watch is held ~TTL/3 and re-sent 
 - ``reform_s``: one agent is killed (its connection aborted, as the kernel does for a dead
   process); from the kill to the last survivor holding its assignment of the next round.
   It includes the server's disconnect grace (0.5 s) and the round's last call (1 s: N-1
-  survivors are ``min_nodes``, not ``max_nodes``). Ranks must be 0..N-2.
+  survivors are ``min_nodes``, not ``max_nodes``). Ranks must be 0..N-2; the round is the
+  first after the formation's that holds N-1 agents.
 
 The agents and the server share the machine: the table's detail says the load average and
 the agents' own CPU. The last line :func:`summary` gives is the JSON the issue asks for.
@@ -89,10 +92,12 @@ def _one(plan: Plan, n: int) -> tuple[list[Row], dict[str, Any] | None]:
             # -- formation
             t0 = fleet.go()
             try:
-                run["formation_s"] = fleet.wait_formed(0, n, plan.timeout) - t0
+                formed, last = fleet.wait_formed(-1, n, plan.timeout)
+                run["formation_s"] = last - t0
+                run["formation_round"] = formed
             except (Timeout, RuntimeError) as exc:
                 return fail("formation", "s", "timeout" if isinstance(exc, Timeout) else "error", str(exc)), run
-            ranks, sizes = fleet.ranks(0)
+            ranks, sizes = fleet.ranks(formed)
             wrong = _ranks_wrong(ranks, sizes, n)
             if wrong:
                 return fail("formation", "s", "error", wrong), run
@@ -120,11 +125,13 @@ def _one(plan: Plan, n: int) -> tuple[list[Row], dict[str, Any] | None]:
             # -- re-formation after a kill
             t_kill = fleet.kill(n // 2)
             try:
-                run["reform_s"] = fleet.wait_formed(1, n - 1, plan.timeout) - t_kill
+                reformed, last = fleet.wait_formed(formed, n - 1, plan.timeout)
+                run["reform_s"] = last - t_kill
+                run["reform_round"] = reformed
             except (Timeout, RuntimeError) as exc:
                 rows += fail("re-formation", "s", "timeout" if isinstance(exc, Timeout) else "error", str(exc))
             else:
-                ranks, sizes = fleet.ranks(1)
+                ranks, sizes = fleet.ranks(reformed)
                 wrong = _ranks_wrong(ranks, sizes, n - 1)
                 if wrong:
                     rows += fail("re-formation", "s", "error", wrong)
@@ -132,10 +139,14 @@ def _one(plan: Plan, n: int) -> tuple[list[Row], dict[str, Any] | None]:
             run["server_rss_mb_max"] = round(max(rss, proc.memory_info().rss / 1e6), 1)
     finally:
         server.stop()
+    # Nodes the server dropped by the heartbeat TTL (alive, but their polls came too late): 0
+    # unless the host is overloaded; each one re-joins, and a member's departure re-forms.
+    run["expired_by_ttl"] = server.log_path.read_text(errors="replace").count("departed (heartbeat_expired)")
     run["load_after"] = load_average()
     load = f"load {run['load_before']:.1f}->{run['load_after']:.1f}"
     rows.insert(0, Row("scale", "rdzv-server", "formation", n, run["formation_s"], "s",
-                       detail=f"{workers} agent processes; connections opened first in {run['connect_s']:.1f} s; {load}"))
+                       detail=f"{workers} agent processes; connections opened first in {run['connect_s']:.1f} s; "
+                              f"{run['expired_by_ttl']} TTL expiries; {load}"))
     if "reform_s" in run:
         rows.append(Row("scale", "rdzv-server", "re-formation (kill)", n, run["reform_s"], "s",
                         detail=f"incl. disconnect grace 0.5 s + last call {LAST_CALL_S:g} s"))

@@ -180,6 +180,16 @@ TARGETS = (
         lambda r: r.measurement == "server" and r.metric.startswith("recovery") and r.n == 1_000_000,
         _at_most(3.0),
     ),
+    # Issue 17: 16,384 nodes on one server (2 cores, agents and server sharing them).
+    Target("<= 10 s", lambda r: r.measurement == "scale" and r.metric == "formation" and r.n == 16384, _at_most(10.0)),
+    Target(
+        "<= 5 s",
+        lambda r: r.measurement == "scale" and r.metric.startswith("re-formation") and r.n == 16384,
+        _at_most(5.0),
+    ),
+    Target("<= 1.05", lambda r: r.measurement == "scale" and r.metric == "server fds per node" and (r.n or 0) >= 4096, _at_most(1.05)),
+    Target("<= 400 MB", lambda r: r.measurement == "scale" and r.metric == "server RSS" and r.n == 16384, _at_most(400.0)),
+    Target("<= 25 %", lambda r: r.measurement == "scale" and r.metric == "heartbeat CPU" and r.n == 16384, _at_most(25.0)),
 )
 
 

@@ -576,7 +576,9 @@ class WatchRequest(Request):
 
     Holding this request open is also the fast liveness signal: when the connection drops
     without a following request within the server's grace, the node is considered dead.
-    ``hold=0`` is a plain heartbeat that answers at once.
+    ``hold=0`` is a plain heartbeat that answers at once. Once a later round is open or
+    formed, a watcher that already knows a positive count (it is to re-join) is answered at
+    the end of its hold or when the job closes, not at every node that joins the later round.
     """
 
     op: ClassVar[str] = "watch"

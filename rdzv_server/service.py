@@ -56,7 +56,7 @@ from .core.error import (
     ShuttingDown,
 )
 from .core.event import Cause, JobEvent
-from .core.machine import Entry, Outcome, StateMachine, events_topic, key_topic, round_topic, watch_topic
+from .core.machine import Entry, Outcome, StateMachine, events_topic, key_topic, node_topic, round_topic, watch_topic
 from .core.rendezvous import Departure, Job, JobSummary, JobView, departure_cause
 from .core.store import KeyValueStore
 from .deadline import Deadlines
@@ -692,7 +692,7 @@ class Service:
         with self._node_poll(rdzv_id, node_id, fast_death=False):
             assignment = await self.long_poll(
                 lambda: self.machine.assignment(rdzv_id, node_id, round_),
-                lambda: (round_topic(rdzv_id),),
+                lambda: (round_topic(rdzv_id), node_topic(rdzv_id, node_id)),
                 self._node_hold(hold, job),
             )
         self._beat(rdzv_id, node_id)
@@ -720,7 +720,11 @@ class Service:
             if rdzv_id not in self.machine.jobs:
                 return {"round": round_, "state": "closed", "num_nodes_waiting": 0, "closed": True}
             view = self.machine.watch_view(rdzv_id, round_)
-            return view if view["num_nodes_waiting"] != known or view["closed"] else None
+            if view["closed"]:
+                return view
+            if known > 0 and view["round"] > round_:
+                return None  # it knows to re-join already: a later round's joins tell it nothing new
+            return view if view["num_nodes_waiting"] != known else None
 
         with self._node_poll(rdzv_id, node_id):
             view = await self.long_poll(changed, lambda: (watch_topic(rdzv_id),), hold)

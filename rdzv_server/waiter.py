@@ -23,6 +23,12 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
+def _hold_over(fut: asyncio.Future[None]) -> None:
+    """A long-poll's hold is over: wake it (it re-checks, then answers "not yet")."""
+    if not fut.done():
+        fut.set_result(None)
+
+
 class Waiters:
     """Parked long-polls, keyed by topic; a write wakes exactly the topics it touched."""
 
@@ -70,11 +76,14 @@ class Waiters:
             registered = list(topics())
             for topic in registered:
                 self._by_topic.setdefault(topic, set()).add(fut)
+            # A timer that resolves the future, not asyncio.wait_for: thousands of watches end
+            # by their hold, and wait_for's TimeoutError (raised, caught, its cancel awaited)
+            # cost more than the rest of a heartbeat's wait.
+            timer = loop.call_later(remaining, _hold_over, fut)
             try:
-                await asyncio.wait_for(fut, remaining)
-            except asyncio.TimeoutError:
-                pass
+                await fut
             finally:
+                timer.cancel()
                 for topic in registered:
                     futs = self._by_topic.get(topic)
                     if futs is not None:

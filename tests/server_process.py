@@ -69,8 +69,10 @@ class ServerProcess:
         tls: TLSFiles | None = None,
         mutual_tls: bool = False,
         etcd: list[str] | None = None,
+        open_files: int | None = None,
     ) -> None:
-        """``etcd``: run as a replica over these etcd client URLs (``durable`` is then ignored)."""
+        """``etcd``: run as a replica over these etcd client URLs (``durable`` is then ignored).
+        ``open_files``: the server's open-files limit, soft and hard (RLIMIT_NOFILE), set before it starts."""
         self.workdir = workdir
         self.data_dir = workdir / "data" if durable else None
         self.etcd = etcd
@@ -80,6 +82,7 @@ class ServerProcess:
             if mutual_tls:
                 self.args += ("--tls-client-ca", str(tls.ca))
         self.tls = tls
+        self.open_files = open_files
         self.scheme = "https" if tls is not None else "http"  # as the ready line says
         self.port = 0
         self.proc: subprocess.Popen[str] | None = None
@@ -108,7 +111,10 @@ class ServerProcess:
         cmd = self.command()
         env = {k: v for k, v in os.environ.items() if not k.startswith("RDZV_")}
         with open(self.log_path, "a") as log:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+            self.proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+                preexec_fn=self._limits if self.open_files is not None else None,
+            )
         self.starts += 1
         assert self.proc.stdout is not None
         sel = selectors.DefaultSelector()
@@ -128,6 +134,13 @@ class ServerProcess:
                 return
         self.close()  # its stdout pipe too: a test that expects the refusal leaks nothing
         raise RuntimeError(f"server did not start; its log:\n{self.log_text()}")
+
+    def _limits(self) -> None:
+        """In the child, before exec: the open-files limit asked for."""
+        if self.open_files is not None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_NOFILE, (self.open_files, self.open_files))
 
     @property
     def token(self) -> str:

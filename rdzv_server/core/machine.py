@@ -40,6 +40,7 @@ What it must not know: I/O, asyncio, the wire format, the real clock.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -115,9 +116,22 @@ def key_topic(rdzv_id: str, scope: int | None, key: bytes) -> Hashable:
     return ("key", rdzv_id, scope, key)
 
 
+def _watched(job: Job) -> tuple[Any, ...]:
+    """What a change must alter to wake the job's watchers. While a round is open, every
+    watcher watches an earlier, formed round and sees "at least 1" waiting (rule 4): how many
+    more have joined changes nothing it acts on, and waking every parked watch at each of
+    thousands of re-joins made a re-formation cost O(nodes^2)."""
+    return (job.state, job.round, job.num_nodes_waiting(job.round) if job.state is JobState.COMPLETE else None)
+
+
 def round_topic(rdzv_id: str) -> Hashable:
-    """Woken when a round forms or opens, a pending node departs, or the job closes."""
+    """Woken when a round forms or opens, or the job closes (a departure wakes :func:`node_topic`)."""
     return ("round", rdzv_id)
+
+
+def node_topic(rdzv_id: str, node_id: str) -> Hashable:
+    """Woken when that node departs without the round changing (its own long-poll says why)."""
+    return ("node", rdzv_id, node_id)
 
 
 def events_topic(rdzv_id: str) -> Hashable:
@@ -405,16 +419,24 @@ class StateMachine:
     def _membership_change(self, entry: Entry, change: Callable[[Job], dict[str, Any]]) -> Outcome:
         job = entry.job
         before_round = (job.state, job.round)
-        before_watch = (job.state, job.round, job.num_nodes_waiting(job.round))
+        before_watch = _watched(job)
         departures, runs = job.departures, job.runs
         result = change(job)
         if job.runs != runs:  # a fresh run in a closed job: it starts with no keys
             entry.kv = self._new_store()
         wakes: list[Hashable] = []
-        # A departure of a pending node must reach its own long-poll (join_timeout); rare.
-        if (job.state, job.round) != before_round or job.departures != departures:
+        if (job.state, job.round) != before_round:
             wakes.append(round_topic(job.rdzv_id))
-        if (job.state, job.round, job.num_nodes_waiting(job.round)) != before_watch:
+        elif job.departures != departures:
+            # A departure must reach the departed node's own long-poll (join_timeout, dropped
+            # from the line), and no other: at thousands of nodes in line, waking them all
+            # for each departure made departures cost O(nodes in line) each.
+            gone = job.departures - departures
+            if gone <= len(job.departed):  # the last `gone` remembered are this change's
+                wakes += [node_topic(job.rdzv_id, node_id) for node_id in itertools.islice(reversed(job.departed), gone)]
+            else:
+                wakes.append(round_topic(job.rdzv_id))
+        if _watched(job) != before_watch:
             wakes.append(watch_topic(job.rdzv_id))
         if job.state is JobState.COMPLETE and (job.state, job.round) != before_round:
             entry.kv.drop_rounds_before(job.round - 1)

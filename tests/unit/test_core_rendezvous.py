@@ -27,6 +27,7 @@ from rdzv_server.core.machine import (
     DEDUP_WINDOW,
     StateMachine,
     key_topic,
+    node_topic,
     round_topic,
     watch_topic,
 )
@@ -1439,6 +1440,32 @@ def test_a_store_write_wakes_its_key_topic() -> None:
         key_topic(RDZV_ID, None, b"a"),
         key_topic(RDZV_ID, None, b"b"),
     )
+
+
+def test_a_departure_from_the_line_wakes_only_that_nodes_poll() -> None:
+    # Thousands of nodes in line: one leaving (or expiring) must not wake every other's poll.
+    cl = Cluster(min_nodes=3, max_nodes=3, heartbeat_ttl=10.0)
+    for i, node in enumerate("abc"[:2]):
+        cl.join(node, float(i))
+    outcome = cl.sm.apply(c.Leave(RDZV_ID, "a"), 3.0)
+    assert outcome.wakes[0] == node_topic(RDZV_ID, "a")
+    assert round_topic(RDZV_ID) not in outcome.wakes
+    outcome = cl.sm.apply(c.Expire(RDZV_ID, ("b",), "dead", ""), 4.0)
+    assert node_topic(RDZV_ID, "b") in outcome.wakes and round_topic(RDZV_ID) not in outcome.wakes
+
+
+def test_while_the_next_round_is_open_more_joins_do_not_wake_the_watchers() -> None:
+    # Rule 4: watchers of the formed round see "at least 1" once the next round is open; each
+    # of thousands of re-joins must not wake (and answer) every parked watch.
+    cl = Cluster(min_nodes=3, max_nodes=3)
+    form(cl, ["a", "b", "c"])
+    first = cl.sm.apply(cl.join_command("a"), 5.0)
+    assert watch_topic(RDZV_ID) in first.wakes  # the round opened: watchers must re-join
+    second = cl.sm.apply(cl.join_command("b"), 6.0)
+    assert watch_topic(RDZV_ID) not in second.wakes
+    assert cl.job.num_nodes_waiting(cl.job.round - 1) >= 1
+    third = cl.sm.apply(cl.join_command("c"), 7.0)
+    assert watch_topic(RDZV_ID) in third.wakes  # formed: state and round changed
 
 
 def test_forming_a_round_wakes_round_and_watch_waiters() -> None:
