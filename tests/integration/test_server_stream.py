@@ -182,11 +182,16 @@ def http_get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str,
 
 # --------------------------------------------------------------------------- servers
 
+# The servers below serve every test of the module, and several tests kill nodes of the same
+# made-up hosts (a.local ...): automatic quarantine, which counts a host's deaths across jobs,
+# would let one test's deaths refuse the next test's joins.
+SHARED = ("--quarantine-after", "0")
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """One memory-only server for the module (a start costs ~0.5 s); every test uses its own job."""
-    srv = ServerProcess(tmp_path_factory.mktemp("stream-server"), durable=False)
+    srv = ServerProcess(tmp_path_factory.mktemp("stream-server"), durable=False, args=SHARED)
     srv.start()
     yield srv
     srv.close()
@@ -198,7 +203,7 @@ def small_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
     srv = ServerProcess(
         tmp_path_factory.mktemp("stream-small"),
         durable=False,
-        args=("--max-value-bytes", str(SMALL_VALUE_LIMIT), "--max-body-bytes", str(SMALL_BODY_LIMIT)),
+        args=(*SHARED, "--max-value-bytes", str(SMALL_VALUE_LIMIT), "--max-body-bytes", str(SMALL_BODY_LIMIT)),
     )
     srv.start()
     yield srv
@@ -209,7 +214,7 @@ def small_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
 def grace_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """A server with a short disconnect grace, for the fast death path."""
     srv = ServerProcess(
-        tmp_path_factory.mktemp("stream-grace"), durable=False, args=("--disconnect-grace", str(DISCONNECT_GRACE))
+        tmp_path_factory.mktemp("stream-grace"), durable=False, args=(*SHARED, "--disconnect-grace", str(DISCONNECT_GRACE))
     )
     srv.start()
     yield srv
