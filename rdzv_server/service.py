@@ -631,14 +631,36 @@ class Service:
         }
 
     async def join(self, command: c.Join, rid: tuple[str, int] | None, hold: float) -> dict[str, Any]:
+        """Join, then hold until the node has a place (see :meth:`begin_join`)."""
+        return await self.begin_join(command, rid, hold)
+
+    def begin_join(
+        self, command: c.Join, rid: tuple[str, int] | None, hold: float
+    ) -> Coroutine[Any, Any, dict[str, Any]]:
+        """The synchronous half of :meth:`join`: apply the join (or, for conflicting settings,
+        log the refusal) now, in the order requests arrive; return the rest to await (its
+        durability, then :meth:`await_round`). Raises as :meth:`submit`."""
         try:
-            result = await self.write(command, rid)
+            result, pending = self.submit(command, rid)
         except SettingsConflict as exc:  # the job's timeline says why this node is not in it, once
             refused = c.Refused(command.rdzv_id, command.node_id, command.addr, "settings_conflict", exc.message)
-            if not self.machine.already_refused(refused):
-                await self.write(refused)
-            raise
-        return await self.await_round(command.rdzv_id, command.node_id, result["round"], hold)
+            if self.machine.already_refused(refused):
+                raise
+            _, logged = self.submit(refused)
+            return self._refused(logged, exc)
+        return self._joined(command, result["round"], pending, hold)
+
+    async def _joined(
+        self, command: c.Join, round_: int, pending: asyncio.Future[None] | None, hold: float
+    ) -> dict[str, Any]:
+        if pending is not None:
+            await self._committed(pending)
+        return await self.await_round(command.rdzv_id, command.node_id, round_, hold)
+
+    async def _refused(self, logged: asyncio.Future[None] | None, conflict: SettingsConflict) -> dict[str, Any]:
+        if logged is not None:
+            await self._committed(logged)
+        raise conflict
 
     async def await_round(self, rdzv_id: str, node_id: str, round_: int, hold: float) -> dict[str, Any]:
         """Hold until the node has a place in a formed round >= ``round_``; a heartbeat too."""
