@@ -642,17 +642,39 @@ class Service:
         }
 
     async def join(self, command: c.Join, rid: tuple[str, int] | None, hold: float) -> dict[str, Any]:
+        """Join, then hold until the node has a place (see :meth:`begin_join`)."""
+        return await self.begin_join(command, rid, hold)
+
+    def begin_join(
+        self, command: c.Join, rid: tuple[str, int] | None, hold: float
+    ) -> Coroutine[Any, Any, dict[str, Any]]:
+        """The synchronous half of :meth:`join`: apply the join (or, for conflicting settings,
+        log the refusal) now, in the order requests arrive; return the rest to await (its
+        durability, then :meth:`await_round`). Raises as :meth:`submit`."""
         try:
-            result = await self.write(command, rid)
+            result, pending = self.submit(command, rid)
         except (SettingsConflict, HostCordoned) as exc:  # the job's timeline says why this node is not in it, once
             why = Cause.SETTINGS_CONFLICT if isinstance(exc, SettingsConflict) else Cause.CORDONED
             refused = c.Refused(command.rdzv_id, command.node_id, command.addr, why.value, exc.message)
+            logged: asyncio.Future[None] | None = None
             if command.rdzv_id not in self.machine.jobs:  # a first node refused: the job exists to say why
-                await self.write(c.Create(command.rdzv_id, command.settings))
+                _, logged = self.submit(c.Create(command.rdzv_id, command.settings))
             if not self.machine.already_refused(refused):
-                await self.write(refused)
-            raise
-        return await self.await_round(command.rdzv_id, command.node_id, result["round"], hold)
+                _, logged = self.submit(refused)  # appended after the create: its durability covers both
+            return self._refused(logged, exc)
+        return self._joined(command, result["round"], pending, hold)
+
+    async def _joined(
+        self, command: c.Join, round_: int, pending: asyncio.Future[None] | None, hold: float
+    ) -> dict[str, Any]:
+        if pending is not None:
+            await self._committed(pending)
+        return await self.await_round(command.rdzv_id, command.node_id, round_, hold)
+
+    async def _refused(self, logged: asyncio.Future[None] | None, refusal: SettingsConflict | HostCordoned) -> dict[str, Any]:
+        if logged is not None:
+            await self._committed(logged)
+        raise refusal
 
     async def refuse(self, command: c.Refuse, rid: tuple[Any, ...] | None) -> dict[str, Any]:
         """A node's health check failed: its job's timeline says so, once per repeated refusal."""

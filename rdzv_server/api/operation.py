@@ -11,11 +11,14 @@ Two entries, one path:
   wait (a write whose record is already durable, a read of a key that exists), and are
   answered there and then; a write whose record is still being made durable is answered
   from its append's completion (:class:`Durable`); only an operation that parks (a
-  long-poll) comes back as a coroutine to run as a task.
+  long-poll) comes back as a coroutine to run as a task. What a request changes is applied
+  in the order requests arrive: a join is applied here, and only its wait for a round is
+  left to the task.
 - :func:`run_operation`, a coroutine, for HTTP: the same three cases, awaited.
 
-Each operation has a synchronous half (``now``: its answer, the append it still waits on,
-or None when it has to park) and, if it can park, an asynchronous one (``later``).
+Each operation has a synchronous half (``now``: its answer and the append it still waits
+on; what is left of it to run as a task; or None when it parks from the start) and, if it
+can park from the start, an asynchronous one (``later``).
 
 What it must not know: HTTP, frames, how bodies are encoded.
 """
@@ -38,8 +41,9 @@ from .metric import Metrics
 Body = dict[str, Any]
 Reply = tuple[int, Body]
 #: The synchronous half of an operation: its reply body and the append it waits on (see
-#: ``Service.submit``), or None when it has to park (then ``later`` serves it).
-Now = Callable[[Service, str, Any], "Answer[Body] | None"]
+#: ``Service.submit``); or, for one that went as far as it could now, the rest of it to run
+#: as a task; or None when it has to park from the start (then ``later`` serves it).
+Now = Callable[[Service, str, Any], "Answer[Body] | Coroutine[Any, Any, Body] | None"]
 #: The asynchronous half: serves an operation that parks.
 Later = Callable[[Service, str, Any], Awaitable[Body]]
 
@@ -107,8 +111,8 @@ def _list_keys(svc: Service, rdzv_id: str, req: wire.ListKeysRequest) -> Answer[
     return {"keys": keys}, pending
 
 
-async def _join(svc: Service, rdzv_id: str, req: c.Join) -> Body:
-    return await svc.join(req, req.rid, req.hold)
+def _join(svc: Service, rdzv_id: str, req: c.Join) -> Coroutine[Any, Any, Body]:
+    return svc.begin_join(req, req.rid, req.hold)  # applied now, in the order requests arrive
 
 
 async def _refuse(svc: Service, rdzv_id: str, req: c.Refuse) -> Body:
@@ -139,7 +143,7 @@ OPERATIONS: dict[str, Operation] = {
     "num_keys": Operation(_num_keys, None),
     "list_keys": Operation(_list_keys, None),
     "create": _WRITE,
-    "join": Operation(None, _join),
+    "join": Operation(_join, None),
     "await_round": Operation(None, _await_round),
     "watch": Operation(None, _watch),
     "leave": _WRITE,
@@ -230,6 +234,8 @@ def start_operation(
     if answer is None:
         assert operation.later is not None  # (the table's assert)
         return _parked(svc, metrics, op, rdzv_id, started, operation.later, req)
+    if not isinstance(answer, tuple):
+        return _finish(metrics, op, rdzv_id, started, answer)
     body, pending = answer
     if pending is None:
         return _answered(metrics, op, started, body)
@@ -239,8 +245,14 @@ def start_operation(
 async def _parked(
     svc: Service, metrics: Metrics, op: str, rdzv_id: str, started: float, later: Later, req: Any
 ) -> Reply:
+    """The reply of an operation that parks from the start (its ``later`` half, begun here)."""
+    return await _finish(metrics, op, rdzv_id, started, later(svc, rdzv_id, req))
+
+
+async def _finish(metrics: Metrics, op: str, rdzv_id: str, started: float, rest: Awaitable[Body]) -> Reply:
+    """The reply of an operation once ``rest``, what is left of it, is done."""
     try:
-        body = await later(svc, rdzv_id, req)
+        body = await rest
     except Exception as exc:  # noqa: BLE001 (error_reply logs the traceback of anything unmapped)
         return _failed(metrics, op, rdzv_id, started, exc)
     return _answered(metrics, op, started, body)

@@ -385,6 +385,21 @@ def test_a_parked_get_does_not_block_a_later_set_on_the_same_connection(
     assert time.monotonic() - started < PROMPTLY  # woken by the set, not by the 5 s timeout
 
 
+def test_requests_in_one_read_apply_in_order_a_join_then_a_set_on_the_job_it_created(
+    server: ServerProcess, stream_to: Callable[..., Stream]
+) -> None:
+    """A join parks (waiting for its round) but is applied where it stands among the frames of
+    its read: the set behind it finds the job the join created."""
+    job = new_job()
+    s = stream_to(server)
+    settings = {"nproc_per_node": 1, "min_nodes": 2, "max_nodes": 2, "hold": 0.5}
+    join = encode_frame([1, "join", job, {"node_id": "a", "addr": "a.local", **settings}])
+    s.sock.sendall(join + encode_frame([2, "set", job, {"key": b"k", "value": b"v"}]))
+    assert s.recv() == Reply(2, 200, {})
+    joined = s.recv()
+    assert (joined.tag, joined.status, joined.body["assignment"]) == (1, 200, None)  # no round: one node of two
+
+
 def test_frames_split_across_reads_and_many_in_one_read_are_all_served(
     server: ServerProcess, job: str, stream_to: Callable[..., Stream]
 ) -> None:
