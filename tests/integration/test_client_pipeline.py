@@ -1,0 +1,75 @@
+"""One pipelined stream connection per client (rdzv_client.pipeline): requests of many
+threads (or tasks) share it, a parked long-poll does not hold up the calls behind it, and a
+connection the server dropped is replaced at once."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import threading
+from typing import Any
+
+from server_process import ServerProcess
+
+from rdzv_client import AsyncClient, Client
+from rdzv_client.credential import find_token
+from rdzv_client.pipeline import AsyncStreamTransport, PipelinedSocketTransport
+
+
+def stream_connections(server: ServerProcess) -> float:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+    try:
+        conn.request("GET", "/metrics", headers=server.auth)
+        body = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    return next(float(l.rsplit(" ", 1)[1]) for l in body.splitlines() if l.startswith('rdzv_connections{protocol="stream"}'))
+
+
+def pipelined(server: ServerProcess) -> tuple[Client, PipelinedSocketTransport]:
+    transport = PipelinedSocketTransport(token=server.token)
+    return Client(server.endpoint, retry_budget=10.0, transport=transport), transport
+
+
+def test_threads_share_one_connection_and_a_parked_get_does_not_block_the_set_behind_it(server: ServerProcess) -> None:
+    client, transport = pipelined(server)
+    with client:
+        client.create_job("pipe", min_nodes=1, max_nodes=1)
+        got: list[Any] = []
+        waiter = threading.Thread(target=lambda: got.append(client.get("pipe", "k", timeout=30)))
+        waiter.start()
+        # The set travels on the connection the get is parked on, and wakes it.
+        for i in range(20):
+            client.add("pipe", "n", 1)
+        client.set("pipe", "k", "v")
+        waiter.join(30)
+        assert got == [b"v"]
+        assert client.add("pipe", "n", 0) == 20
+        assert transport.connections == 1
+        assert stream_connections(server) == 1
+
+
+def test_a_connection_the_server_dropped_is_replaced_at_once(server: ServerProcess) -> None:
+    client, transport = pipelined(server)
+    with client:
+        client.create_job("again", min_nodes=1, max_nodes=1)
+        server.restart()  # a memory server: it comes back empty, on the same port
+        client.create_job("again", min_nodes=1, max_nodes=1)  # on a fresh connection, no error
+        assert client.num_keys("again") == 0
+        assert transport.connections == 1
+
+
+def test_asyncio_tasks_share_one_connection(server: ServerProcess) -> None:
+    async def main() -> tuple[list[int], int]:
+        transport = AsyncStreamTransport(token=find_token(None, None))
+        async with AsyncClient(server.endpoint, transport=transport) as client:
+            await client.create_job("tasks", min_nodes=1, max_nodes=1)
+            parked = asyncio.ensure_future(client.get("tasks", "k", timeout=30))
+            counts = await asyncio.gather(*(client.add("tasks", f"c{i % 4}", 1) for i in range(100)))
+            await client.set("tasks", "k", "v")
+            assert await parked == b"v"
+            return sorted(counts), transport.connections
+
+    counts, connections = asyncio.run(main())
+    assert counts == sorted(n for _ in range(4) for n in range(1, 26))
+    assert connections == 1
