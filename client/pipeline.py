@@ -4,8 +4,11 @@ What it owns:
 - :class:`PipelinedSocketTransport`, the blocking transport of the torchrun plug-in: the
   threads of one agent (its watch thread, the agent's own calls, its store) send their
   requests on **one** stream connection per endpoint and each waits for the reply with its
-  tag; a reader thread per connection hands the replies out. The server so holds one
-  descriptor per node instead of one per concurrent call.
+  tag. No reader thread (leader/follower): a waiting caller who finds nobody reading reads
+  itself, hands out the other callers' replies it reads and, once its own is in, hands the
+  reading role on to a caller still waiting; a call alone reads its own reply, with no hop
+  between threads. The server so holds one descriptor per node instead of one per
+  concurrent call.
 - :class:`AsyncStreamTransport`, the same for :class:`AsyncClient`: one pipelined stream
   connection per endpoint in one event loop (the bench's simulated agents, thousands per
   process, each speaking the protocol the plug-in speaks).
@@ -24,11 +27,12 @@ Rules it keeps (on top of :mod:`rdzv_client.transport`'s):
 - A connection that ends (EOF, reset) fails every request in flight on it with
   :class:`TransportError`; one that was opened before the request and fails with nothing
   received for it raises the transport's ``_Stale`` so the call is resent once on a fresh
-  connection at once (safe: a write's rid makes it apply once).
+  connection at once (safe: a write's rid makes it apply once). Nobody reads an idle
+  connection: the server closing it is seen by the next request, which is so resent.
 - A request whose answer does not come within its timeout closes the connection: a server
   silent that long is stuck (or the path is), and the other requests on it would wait as long.
 - Over TLS (``https://``) the blocking transport keeps the base class's one connection per
-  call in flight: a blocking ``SSLSocket`` cannot be read by the reader thread while another
+  call in flight: a blocking ``SSLSocket`` cannot be read by one thread while another
   thread writes (one OpenSSL object). The asyncio transport pipelines over TLS too.
 - JSON pages (``fetch``) are not operations: they travel over HTTP as before, on short-lived
   connections.
@@ -314,6 +318,14 @@ class PipelinedSocketTransport(SocketTransport):
         if old is not None and old is not link and old.ended is None:
             old.end(EOFError("replaced by a fresh connection"))
         return link, False
+
+    def close(self) -> None:
+        """Close every connection; calls in flight raise :class:`ClientClosedError`."""
+        super().close()
+        with self._lock:
+            links = list(self._links.values())
+        for link in links:  # also the idle ones, which nobody reads now
+            link.end(ClientClosedError("the rdzv client was closed while this call was in flight"))
 
     def _drop(self, sock: socket.socket) -> None:
         with self._lock:
