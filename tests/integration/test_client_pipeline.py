@@ -83,7 +83,9 @@ def test_many_threads_hand_the_reading_role_on_and_every_reply_finds_its_caller(
     with client:
         client.create_job("many", min_nodes=1, max_nodes=1)
         got: list[Any] = []
-        parked = [threading.Thread(target=lambda i=i: got.append(client.get("many", f"k{i}", timeout=60))) for i in range(3)]
+        parked = [
+            threading.Thread(target=lambda i=i: got.append(client.get("many", f"k{i}", timeout=60))) for i in range(3)
+        ]
         for t in parked:
             t.start()
         counts: list[int] = []
