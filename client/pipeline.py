@@ -4,11 +4,8 @@ What it owns:
 - :class:`PipelinedSocketTransport`, the blocking transport of the torchrun plug-in: the
   threads of one agent (its watch thread, the agent's own calls, its store) send their
   requests on **one** stream connection per endpoint and each waits for the reply with its
-  tag. No reader thread (leader/follower): a waiting caller who finds nobody reading reads
-  itself, hands out the other callers' replies it reads and, once its own is in, hands the
-  reading role on to a caller still waiting; a call alone reads its own reply, with no hop
-  between threads. The server so holds one descriptor per node instead of one per
-  concurrent call.
+  tag; a reader thread per connection hands the replies out. The server so holds one
+  descriptor per node instead of one per concurrent call.
 - :class:`AsyncStreamTransport`, the same for :class:`AsyncClient`: one pipelined stream
   connection per endpoint in one event loop (the bench's simulated agents, thousands per
   process, each speaking the protocol the plug-in speaks).
@@ -27,12 +24,11 @@ Rules it keeps (on top of :mod:`rdzv_client.transport`'s):
 - A connection that ends (EOF, reset) fails every request in flight on it with
   :class:`TransportError`; one that was opened before the request and fails with nothing
   received for it raises the transport's ``_Stale`` so the call is resent once on a fresh
-  connection at once (safe: a write's rid makes it apply once). Nobody reads an idle
-  connection: the server closing it is seen by the next request, which is so resent.
+  connection at once (safe: a write's rid makes it apply once).
 - A request whose answer does not come within its timeout closes the connection: a server
   silent that long is stuck (or the path is), and the other requests on it would wait as long.
 - Over TLS (``https://``) the blocking transport keeps the base class's one connection per
-  call in flight: a blocking ``SSLSocket`` cannot be read by one thread while another
+  call in flight: a blocking ``SSLSocket`` cannot be read by the reader thread while another
   thread writes (one OpenSSL object). The asyncio transport pipelines over TLS too.
 - JSON pages (``fetch``) are not operations: they travel over HTTP as before, on short-lived
   connections.
@@ -43,16 +39,11 @@ What it must not know: client policy (retries, deadlines, error codes).
 from __future__ import annotations
 
 import asyncio
-import errno
 import itertools
-import math
 import os
-import select
 import socket
 import ssl
 import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
 from . import frame, wire
@@ -89,42 +80,29 @@ def _reply(payload: bytes, limit: int) -> tuple[int, int, Any]:
 
 
 class _Slot:
-    """One request's wait for its reply (or for the connection's end, or for its turn to read)."""
+    """One request's wait for its reply (or for the connection's end)."""
 
-    __slots__ = ("wake", "finished", "answer", "error")
+    __slots__ = ("done", "answer", "error")
 
     def __init__(self) -> None:
-        self.wake = threading.Event()  # set when finished, or when the reading role is offered
-        self.finished = False
+        self.done = threading.Event()
         self.answer: Answer | None = None
         self.error: BaseException | None = None
 
 
 class _Link:
-    """One stream connection and the requests waiting on it.
+    """One stream connection and the requests waiting on it; its reader thread hands out replies."""
 
-    No reader thread: a caller whose reply has not come and who finds nobody reading takes
-    the reading role (leader/follower), reads frames, answers the other callers' slots with
-    the replies it reads, and hands the role on as soon as its own reply is in (or its wait
-    ends): the common case, one call at a time, reads its reply in its own thread.
-    """
-
-    def __init__(self, sock: socket.socket, hello: int, limit: int, on_close: Callable[[socket.socket], None]) -> None:
+    def __init__(self, sock: socket.socket, hello: int, limit: int) -> None:
         self.sock = sock
         self.pid = os.getpid()
         self.hello = hello
         self.limit = limit
-        self.lock = threading.Lock()  # slots, ended, reading, closed
+        self.lock = threading.Lock()  # slots, ended
         self.send_lock = threading.Lock()  # whole frames, one at a time
         self.slots: dict[int, _Slot] = {}
         self.ended: BaseException | Answer | None = None
-        self.reading = False  # a caller holds the reading role (reads the socket, decodes)
-        self.closed = False
         self.received = 0  # replies read so far: a request sent after one is not on a stale link
-        self._on_close = on_close
-        self._replies = frame.FrameDecoder(limit)  # only the reading role touches it
-        self._poll = select.poll()
-        self._poll.register(sock.fileno(), select.POLLIN)
 
     def expect(self, tag: int) -> _Slot | None:
         """A slot for ``tag``; None when the link has ended."""
@@ -139,103 +117,53 @@ class _Link:
             self.slots.pop(tag, None)
 
     def end(self, why: BaseException | Answer) -> None:
-        """Answer (or fail) every waiting request with ``why``; later ones find the link ended.
-        The socket is shut down at once (a reader wakes) and closed once nobody reads it."""
+        """Answer (or fail) every waiting request with ``why``; later ones find the link ended."""
         with self.lock:
             if self.ended is None:
                 self.ended = why
             slots, self.slots = self.slots, {}
-            for slot in slots.values():
-                if isinstance(why, Answer):
-                    slot.answer = why
-                else:
-                    slot.error = why
-                slot.finished = True
-                slot.wake.set()
-            close = not self.reading and not self.closed
-            self.closed = self.closed or close
+        for slot in slots.values():
+            if isinstance(why, Answer):
+                slot.answer = why
+            else:
+                slot.error = why
+            slot.done.set()
         try:
             socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
         except OSError:
             pass
-        if close:
-            self._on_close(self.sock)
 
-    def wait(self, slot: _Slot, timeout: float) -> bool:
-        """Until ``slot`` is answered (True) or ``timeout`` has passed (False), reading the
-        socket whenever nobody else does."""
-        deadline = time.monotonic() + timeout
-        while True:
-            with self.lock:
-                if slot.finished:
-                    return True
-                lead = not self.reading
-                if lead:
-                    self.reading = True
-                else:
-                    slot.wake.clear()
-            if lead:
-                self._lead(slot, deadline)
-                with self.lock:
-                    return slot.finished
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not slot.wake.wait(remaining):
-                with self.lock:
-                    return slot.finished
-
-    def _lead(self, slot: _Slot, deadline: float) -> None:
-        """The reading role: hand out replies until ``slot``'s is in, the deadline passes or
-        the connection ends; then hand the role on to a waiting caller."""
+    def read_replies(self) -> None:
+        """The reader thread: hand out every reply until the connection ends."""
+        replies = frame.FrameDecoder(self.limit)
+        why: BaseException | Answer
         try:
-            self._read_until(slot, deadline)
+            while True:
+                chunk = self.sock.recv(DEFAULT_READ_BUFSIZE)
+                if not chunk:
+                    raise EOFError("the server closed the connection")
+                replies.feed(chunk)
+                while True:
+                    try:
+                        payload = replies.next_payload()
+                    except frame.FrameTooLarge as exc:
+                        raise ServerError(f"the server's reply of {exc.length} bytes exceeds the client's limit") from exc
+                    if payload is None:
+                        break
+                    tag, status, body = _reply(payload, self.limit)
+                    self.received += 1
+                    if tag == 0 or (tag == self.hello and status != 200):
+                        self.end(Answer(status, body))  # refused: the answer of every request on it
+                        return
+                    with self.lock:
+                        slot = self.slots.pop(tag, None)
+                    if slot is not None:
+                        slot.answer = Answer(status, body)
+                        slot.done.set()
         except (OSError, EOFError, ServerError) as exc:
-            self.end(exc)
-        finally:
-            with self.lock:
-                self.reading = False
-                close = self.ended is not None and not self.closed
-                self.closed = self.closed or close
-                if self.slots:  # the oldest waiting caller reads next (or finds its reply in)
-                    next(iter(self.slots.values())).wake.set()
-            if close:
-                self._on_close(self.sock)
-
-    def _read_until(self, slot: _Slot, deadline: float) -> None:
-        replies = self._replies
-        while True:
-            while True:  # every whole reply buffered, before looking at our own
-                try:
-                    payload = replies.next_payload()
-                except frame.FrameTooLarge as exc:
-                    raise ServerError(f"the server's reply of {exc.length} bytes exceeds the client's limit") from exc
-                if payload is None:
-                    break
-                tag, status, body = _reply(payload, self.limit)
-                self.received += 1
-                if tag == 0 or (tag == self.hello and status != 200):
-                    self.end(Answer(status, body))  # refused: the answer of every request on it
-                    return
-                with self.lock:
-                    waiting = self.slots.pop(tag, None)
-                    if waiting is not None:
-                        waiting.answer = Answer(status, body)
-                        waiting.finished = True
-                        if waiting is not slot:
-                            waiting.wake.set()
-            if slot.finished or self.ended is not None:
-                return
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            events = self._poll.poll(math.ceil(remaining * 1000))
-            if not events:
-                continue  # the deadline is checked above
-            if events[0][1] & select.POLLNVAL:
-                raise OSError(errno.EBADF, "the connection was closed")
-            chunk = self.sock.recv(DEFAULT_READ_BUFSIZE)
-            if not chunk:
-                raise EOFError("the server closed the connection")
-            replies.feed(chunk)
+            why = exc
+        self.end(why)
+        self.sock.close()
 
 
 class PipelinedSocketTransport(SocketTransport):
@@ -275,7 +203,7 @@ class PipelinedSocketTransport(SocketTransport):
                 link.sock.sendall(payload)
         except OSError as exc:
             link.end(exc)
-        if not link.wait(slot, timeout):
+        if not slot.done.wait(timeout):
             link.forget(tag)
             link.end(TimeoutError(f"no answer within {timeout:g} s"))
             raise TransportError(f"{endpoint}: no answer within {timeout:g} s")
@@ -301,12 +229,12 @@ class PipelinedSocketTransport(SocketTransport):
                 return link, True
         sock, _ = self._checkout(endpoint, timeout, fresh=True)  # connected (and TLS), counted as busy
         hello = next(self._tags) if self._token else 0
-        link = _Link(sock, hello, self._max_response_bytes, self._drop)
+        link = _Link(sock, hello, self._max_response_bytes)
         opening = wire.STREAM_PREFACE
         if hello:
             opening += wire.frame([hello, wire.HELLO_OP, "", {"token": self._token}])
         try:
-            sock.settimeout(None)  # blocking; the reading caller polls up to its own deadline
+            sock.settimeout(None)  # the reader blocks; each request's timeout is its own wait
             sock.sendall(opening)
         except OSError as exc:
             self._drop(sock)
@@ -317,15 +245,15 @@ class PipelinedSocketTransport(SocketTransport):
             self._links[endpoint] = link
         if old is not None and old is not link and old.ended is None:
             old.end(EOFError("replaced by a fresh connection"))
+        reader = threading.Thread(target=self._read, args=(link,), name=f"rdzv-stream-{endpoint}", daemon=True)
+        reader.start()
         return link, False
 
-    def close(self) -> None:
-        """Close every connection; calls in flight raise :class:`ClientClosedError`."""
-        super().close()
-        with self._lock:
-            links = list(self._links.values())
-        for link in links:  # also the idle ones, which nobody reads now
-            link.end(ClientClosedError("the rdzv client was closed while this call was in flight"))
+    def _read(self, link: _Link) -> None:
+        try:
+            link.read_replies()
+        finally:
+            self._drop(link.sock)
 
     def _drop(self, sock: socket.socket) -> None:
         with self._lock:

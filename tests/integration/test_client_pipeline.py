@@ -13,7 +13,6 @@ from server_process import ServerProcess
 
 from rdzv_client import AsyncClient, Client
 from rdzv_client.credential import find_token
-from rdzv_client.error import ClientClosedError
 from rdzv_client.pipeline import AsyncStreamTransport, PipelinedSocketTransport
 
 
@@ -74,61 +73,3 @@ def test_asyncio_tasks_share_one_connection(server: ServerProcess) -> None:
     counts, connections = asyncio.run(main())
     assert counts == sorted(n for _ in range(4) for n in range(1, 26))
     assert connections == 1
-
-
-def test_many_threads_hand_the_reading_role_on_and_every_reply_finds_its_caller(server: ServerProcess) -> None:
-    # No reader thread: whichever caller waits reads for all. Parked gets, while they read,
-    # must hand the adds' replies out; adds finishing must hand the reading role on to them.
-    client, transport = pipelined(server)
-    with client:
-        client.create_job("many", min_nodes=1, max_nodes=1)
-        got: list[Any] = []
-        parked = [
-            threading.Thread(target=lambda i=i: got.append(client.get("many", f"k{i}", timeout=60))) for i in range(3)
-        ]
-        for t in parked:
-            t.start()
-        counts: list[int] = []
-        lock = threading.Lock()
-
-        def adds() -> None:
-            for _ in range(100):
-                n = client.add("many", "n", 1)
-                with lock:
-                    counts.append(n)
-
-        workers = [threading.Thread(target=adds) for _ in range(6)]
-        for t in workers:
-            t.start()
-        for t in workers:
-            t.join(60)
-        assert sorted(counts) == list(range(1, 601))
-        for i in range(3):
-            client.set("many", f"k{i}", f"v{i}")
-        for t in parked:
-            t.join(60)
-        assert sorted(got) == [b"v0", b"v1", b"v2"]
-        assert transport.connections == 1
-
-
-def test_close_fails_a_parked_call_with_client_closed_error(server: ServerProcess) -> None:
-    client, transport = pipelined(server)
-    client.create_job("shut", min_nodes=1, max_nodes=1)
-    failures: list[BaseException] = []
-    started = threading.Event()
-
-    def park() -> None:
-        started.set()
-        try:
-            client.get("shut", "never", timeout=60)
-        except BaseException as exc:  # noqa: BLE001 - the test inspects it
-            failures.append(exc)
-
-    waiter = threading.Thread(target=park)
-    waiter.start()
-    started.wait(30)
-    client.add("shut", "n", 1)  # the connection is busy with the get or the get is yet to start
-    client.close()
-    waiter.join(30)
-    assert not waiter.is_alive()
-    assert len(failures) == 1 and isinstance(failures[0], ClientClosedError), failures
