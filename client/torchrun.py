@@ -557,17 +557,22 @@ class RdzvServerHandler(RendezvousHandler):
                     self._node_id, self._run_id, seen.num_nodes_waiting, seen.round, seen.state,
                 )
             known = seen.num_nodes_waiting
-            if seen.closed and seen.cause == "restart_budget_exhausted":
-                # The server stopped the job: the agent must stop its workers and fail, not
-                # train on until they finish. A re-rendezvous now fails with the closed error.
-                log.error("Node %s: job %s spent its restart budget (max_restarts); stopping.",
-                          self._node_id, self._run_id)
-                self._num_waiting, self._closed = 1, True
-                with self._watch_cv:  # nothing more to watch: the next join fails, naming the budget
+            if seen.closed:
+                if seen.cause == "restart_budget_exhausted":
+                    # The server stopped the job: the agent must stop its workers and fail, not
+                    # train on until they finish. A re-rendezvous now fails with the closed error.
+                    log.error("Node %s: job %s spent its restart budget (max_restarts); stopping.",
+                              self._node_id, self._run_id)
+                    known = 1
+                self._num_waiting, self._closed = known, True
+                # A closed job forms no other round and needs no heartbeat, and its watch answers
+                # at once: watching on would spin. Its workers run to their end (or, budget
+                # spent, are stopped); the next rendezvous fails with the closed error.
+                with self._watch_cv:
                     self._watch_cv.wait_for(lambda: self._watching != current)
                 return
             self._num_waiting = known
-            self._closed = seen.closed
+            self._closed = False
 
 
 def _exchange_master_address(node_rank: int, store: Store, addr: str, port: int) -> RendezvousStoreInfo:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import socket
 import threading
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -110,6 +111,26 @@ def nodes(server: Any) -> Iterator[Nodes]:
 
 
 # -- waiting in line, and the end of the job --------------------------------------------------------
+
+
+def watches_served(server: Any) -> int:
+    """How many watches ``server`` answered so far (``rdzv_requests_total{op="watch"}``)."""
+    text = urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()
+    return sum(int(float(line.split()[-1])) for line in text.splitlines() if line.startswith('rdzv_requests_total{') and 'op="watch"' in line)
+
+
+def test_a_member_whose_job_closes_stops_watching_while_its_workers_run_on(server: Any, nodes: Nodes) -> None:
+    """The first agent to finish closes the job (torch's shutdown); the others' workers may run
+    on for a while. Their watch threads must not spin on a closed job's instant answers."""
+    job = f"closed-{uuid.uuid4().hex[:8]}"
+    member = nodes.handler(job, 1)
+    assert member.next_rendezvous().rank == 0
+    nodes.client.close_job(job)
+    wait_until(lambda: member._closed, 30, "the watch to see the job closed")
+    before = watches_served(server)
+    threading.Event().wait(1.0)  # a second in which nothing should be asked
+    assert watches_served(server) - before <= 1
+    assert member.is_closed() and member.num_nodes_waiting() == 0  # its agent trains on, then exits
 
 
 def test_a_standby_node_waits_past_join_timeout_and_exits_gracefully_when_the_job_closes(nodes: Nodes) -> None:
