@@ -21,9 +21,8 @@ window torch's own free-port pick leaves. The handler's watch thread keeps one l
 open per node while its round runs: it is the heartbeat, the fast death signal (the
 server sees the connection drop when the process dies) and the source of
 ``num_nodes_waiting()``, which the agent calls every 0.1 s and which therefore costs
-nothing. The watch and every other request of the node (join, leave, close, the store)
-travel pipelined on one stream connection (:func:`node_client`): one descriptor per node
-on the server.
+nothing. The watch holds one pooled stream connection; the node's other requests (join,
+leave, close, the store) use another (:func:`node_client`).
 
 How long a node waits in line is the server's decision (it knows the node's role): a
 candidate or waiting node gets ``join_timeout`` (torch's ``RendezvousTimeoutError``); a
@@ -71,8 +70,6 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from . import health, wire
 from .client import Client
-from .policy import _tls_context, _tls_endpoints
-from .credential import find_token
 from .error import (
     ConflictError,
     HostCordonedError,
@@ -82,7 +79,6 @@ from .error import (
     RdzvError,
     RdzvTimeoutError,
 )
-from .pipeline import PipelinedSocketTransport
 
 log = logging.getLogger("rdzv_client")
 
@@ -646,31 +642,31 @@ def _launch_config_nproc() -> int | None:
 
 
 def node_client(endpoint: str, retry_budget: float, options: Mapping[str, Any]) -> Client:
-    """A :class:`Client` whose operations all travel on one pipelined stream connection per
-    endpoint (:class:`PipelinedSocketTransport`): the watch thread's long-poll, the agent's
-    calls and its store share it, so the server holds one descriptor per node.
+    """The node's :class:`Client`: pooled stream connections, one per call in flight (the
+    watch's long-poll holds one, the agent's other calls use another).
+
+    One pipelined connection per node (``rdzv_client.pipeline.PipelinedSocketTransport``) is
+    not used here yet: with it, full test runs on a loaded 2-core box lost agents whose
+    connection stalled (heartbeats stopped after a round formed, or after a replica
+    failover), which the per-call connections never did; see README's Scale section.
 
     ``options`` are :func:`client_options`'s. Raises ValueError (``CredentialError``,
     ``TLSConfigError``) for a token or TLS file that cannot be used, or TLS files without TLS.
     """
-    tls = bool(options.get("tls"))
-    context = _tls_context(
-        _tls_endpoints(endpoint, tls), options.get("ca_file"), options.get("cert_file"), options.get("key_file")
-    )
-    transport = PipelinedSocketTransport(token=find_token(None, options.get("token_file")), tls=context)
-    return Client(endpoint, retry_budget=retry_budget, tls=tls, transport=transport)
+    return Client(endpoint, retry_budget=retry_budget, connection_limit=SHARED_CLIENT_CONNECTIONS, **options)
 
 
-# torchrun makes one handler per process: one client, so one connection, per agent.
+# Each handler keeps one long-poll open; handlers sharing a process share one client.
+SHARED_CLIENT_CONNECTIONS = 8192
 _shared_clients: dict[tuple[str, int, tuple[tuple[str, Any], ...]], Client] = {}
 _shared_lock = threading.Lock()
 
 
 def _shared_client(endpoint: str, retry_budget: float, options: Mapping[str, Any]) -> Client:
-    """One client (one pipelined connection per endpoint) per endpoint and client options per process.
+    """One client (one connection pool) per endpoint and client options per process.
 
-    torchrun makes one handler per process; tools that simulate many nodes in one process
-    (the bench's thread-per-node path, tests) then share that connection too.
+    torchrun makes one handler per process; tools that simulate many nodes in one
+    process (benchmarks, tests) then share idle connections instead of one pool per node.
     """
     key = (endpoint, os.getpid(), tuple(sorted(options.items())))
     with _shared_lock:
