@@ -23,8 +23,12 @@ Rules it keeps (on top of :mod:`rdzv_client.transport`'s):
   the connection is discarded and the next request opens a new one.
 - A connection that ends (EOF, reset) fails every request in flight on it with
   :class:`TransportError`; one that was opened before the request and fails with nothing
-  received for it raises the transport's ``_Stale`` so the call is resent once on a fresh
-  connection at once (safe: a write's rid makes it apply once).
+  received since the request went out is stale: the call is resent once, at once, on
+  another connection (safe: a write's rid makes it apply once), and a failure there is a
+  :class:`TransportError` like any other (never an exception the client does not expect:
+  a watch thread killed by one stops the node's heartbeats).
+- One thread at a time opens an endpoint's connection; threads that find it ended together
+  wait for that one new connection instead of replacing each other's.
 - A request whose answer does not come within its timeout closes the connection: a server
   silent that long is stuck (or the path is), and the other requests on it would wait as long.
 - Over TLS (``https://``) the blocking transport keeps the base class's one connection per
@@ -166,6 +170,14 @@ class _Link:
         self.sock.close()
 
 
+class _StaleLink(_Stale):
+    """The connection a request went out on was already ending: resend it on another."""
+
+    def __init__(self, link: _Link) -> None:
+        super().__init__()
+        self.link = link
+
+
 class PipelinedSocketTransport(SocketTransport):
     """:class:`SocketTransport` with one pipelined stream connection per endpoint.
 
@@ -187,16 +199,35 @@ class PipelinedSocketTransport(SocketTransport):
             token=token, tls=tls,
         )  # fmt: skip
         self._links: dict[Endpoint, _Link] = {}
+        self._opening: dict[Endpoint, threading.Lock] = {}
 
-    def _exchange(self, endpoint: Endpoint, tag: int, payload: bytes, timeout: float, *, fresh: bool) -> Answer:
+    def call(self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], timeout: float) -> Answer:
         if endpoint.scheme == "https":
             # A blocking SSLSocket must not be read in one thread while another writes (one
             # OpenSSL object): over TLS each call keeps a connection of its own, as before.
-            return super()._exchange(endpoint, tag, payload, timeout, fresh=fresh)
-        link, reused = self._link(endpoint, timeout, fresh)
+            return super().call(endpoint, rdzv_id, op, fields, timeout)
+        tag = next(self._tags)
+        payload = wire.frame([tag, op, rdzv_id, fields])
+        try:
+            return self._send_and_wait(endpoint, tag, payload, timeout, stale=None)
+        except _StaleLink as exc:
+            # Once more, at once, on a connection other than the one that went stale (another
+            # thread's new one will do); a failure there is the call's, never stale again.
+            return self._send_and_wait(endpoint, tag, payload, timeout, stale=exc.link)
+
+    def _send_and_wait(self, endpoint: Endpoint, tag: int, payload: bytes, timeout: float, *, stale: _Link | None) -> Answer:
+        """Send ``payload`` on the endpoint's connection and wait for the reply tagged ``tag``.
+
+        Raises :class:`_StaleLink` (first try only: ``stale`` None) when the connection was
+        open before this request and ended with nothing received since it was sent.
+        """
+        link, reused = self._link(endpoint, timeout, stale)
+        first_try = stale is None
         slot = link.expect(tag)
-        if slot is None:  # ended between the lookup and now: it was stale for this request
-            raise _Stale()
+        if slot is None:  # ended between the lookup and now
+            if first_try and reused:
+                raise _StaleLink(link)
+            raise TransportError(f"{endpoint}: the connection closed as it opened")
         seen = link.received
         try:
             with link.send_lock:
@@ -216,17 +247,28 @@ class PipelinedSocketTransport(SocketTransport):
             raise failure
         if is_tls_misconfiguration(failure):
             raise RdzvConnectionError(tls_failure(endpoint, failure)) from failure
-        if reused and link.received == seen and isinstance(failure, (ConnectionError, EOFError)):
-            raise _Stale() from failure
+        if first_try and reused and link.received == seen and isinstance(failure, (ConnectionError, EOFError)):
+            raise _StaleLink(link) from failure
         raise TransportError(f"{endpoint}: {failure or type(failure).__name__}{_closed_hint(endpoint, failure)}") from failure
 
-    def _link(self, endpoint: Endpoint, timeout: float, fresh: bool) -> tuple[_Link, bool]:
-        """The endpoint's live connection (reused: True), else a new one."""
+    def _link(self, endpoint: Endpoint, timeout: float, stale: _Link | None) -> tuple[_Link, bool]:
+        """The endpoint's live connection other than ``stale`` (reused: True), else a new one.
+
+        One thread at a time opens an endpoint's connection; the others wait for it and use
+        it, so threads that find the old one ended together do not replace each other's.
+        """
         with self._lock:
             self._check_usable()
-            link = self._links.get(endpoint)
-            if link is not None and link.ended is None and link.pid == os.getpid() and not fresh:
-                return link, True
+            opening = self._opening.setdefault(endpoint, threading.Lock())
+        with opening:
+            with self._lock:
+                self._check_usable()
+                link = self._links.get(endpoint)
+                if link is not None and link.ended is None and link.pid == os.getpid() and link is not stale:
+                    return link, True
+            return self._open_link(endpoint, timeout), False
+
+    def _open_link(self, endpoint: Endpoint, timeout: float) -> _Link:
         sock, _ = self._checkout(endpoint, timeout, fresh=True)  # connected (and TLS), counted as busy
         hello = next(self._tags) if self._token else 0
         link = _Link(sock, hello, self._max_response_bytes)
@@ -247,7 +289,7 @@ class PipelinedSocketTransport(SocketTransport):
             old.end(EOFError("replaced by a fresh connection"))
         reader = threading.Thread(target=self._read, args=(link,), name=f"rdzv-stream-{endpoint}", daemon=True)
         reader.start()
-        return link, False
+        return link
 
     def _read(self, link: _Link) -> None:
         try:

@@ -21,8 +21,9 @@ window torch's own free-port pick leaves. The handler's watch thread keeps one l
 open per node while its round runs: it is the heartbeat, the fast death signal (the
 server sees the connection drop when the process dies) and the source of
 ``num_nodes_waiting()``, which the agent calls every 0.1 s and which therefore costs
-nothing. The watch holds one pooled stream connection; the node's other requests (join,
-leave, close, the store) use another (:func:`node_client`).
+nothing. The watch and every other request of the node (join, leave, close, the store)
+travel pipelined on one stream connection (:func:`node_client`): one descriptor per node
+on the server.
 
 How long a node waits in line is the server's decision (it knows the node's role): a
 candidate or waiting node gets ``join_timeout`` (torch's ``RendezvousTimeoutError``); a
@@ -70,6 +71,8 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from . import health, wire
 from .client import Client
+from .policy import _tls_context, _tls_endpoints
+from .credential import find_token
 from .error import (
     ConflictError,
     HostCordonedError,
@@ -79,6 +82,7 @@ from .error import (
     RdzvError,
     RdzvTimeoutError,
 )
+from .pipeline import PipelinedSocketTransport
 
 log = logging.getLogger("rdzv_client")
 
@@ -538,10 +542,13 @@ class RdzvServerHandler(RendezvousHandler):
                 seen = self._client.watch(
                     self._run_id, self._node_id, round=round_, known=known, hold=self._heartbeat_ttl / 3
                 )
-            except RdzvError as exc:
+            except Exception as exc:  # RdzvError, or a bug: never let it end the heartbeats
                 if self._watching != current:
                     return
-                log.warning("Node %s: heartbeat to job %s failed (%s); retrying.", self._node_id, self._run_id, exc)
+                log.warning(
+                    "Node %s: heartbeat to job %s failed (%s); retrying.", self._node_id, self._run_id, exc,
+                    exc_info=not isinstance(exc, RdzvError),
+                )  # fmt: skip
                 with self._watch_cv:
                     self._watch_cv.wait_for(lambda: self._watching != current, self._keep_alive_interval)
                 continue
@@ -642,31 +649,31 @@ def _launch_config_nproc() -> int | None:
 
 
 def node_client(endpoint: str, retry_budget: float, options: Mapping[str, Any]) -> Client:
-    """The node's :class:`Client`: pooled stream connections, one per call in flight (the
-    watch's long-poll holds one, the agent's other calls use another).
-
-    One pipelined connection per node (``rdzv_client.pipeline.PipelinedSocketTransport``) is
-    not used here yet: with it, full test runs on a loaded 2-core box lost agents whose
-    connection stalled (heartbeats stopped after a round formed, or after a replica
-    failover), which the per-call connections never did; see README's Scale section.
+    """A :class:`Client` whose operations all travel on one pipelined stream connection per
+    endpoint (:class:`PipelinedSocketTransport`): the watch thread's long-poll, the agent's
+    calls and its store share it, so the server holds one descriptor per node.
 
     ``options`` are :func:`client_options`'s. Raises ValueError (``CredentialError``,
     ``TLSConfigError``) for a token or TLS file that cannot be used, or TLS files without TLS.
     """
-    return Client(endpoint, retry_budget=retry_budget, connection_limit=SHARED_CLIENT_CONNECTIONS, **options)
+    tls = bool(options.get("tls"))
+    context = _tls_context(
+        _tls_endpoints(endpoint, tls), options.get("ca_file"), options.get("cert_file"), options.get("key_file")
+    )
+    transport = PipelinedSocketTransport(token=find_token(None, options.get("token_file")), tls=context)
+    return Client(endpoint, retry_budget=retry_budget, tls=tls, transport=transport)
 
 
-# Each handler keeps one long-poll open; handlers sharing a process share one client.
-SHARED_CLIENT_CONNECTIONS = 8192
+# torchrun makes one handler per process: one client, so one connection, per agent.
 _shared_clients: dict[tuple[str, int, tuple[tuple[str, Any], ...]], Client] = {}
 _shared_lock = threading.Lock()
 
 
 def _shared_client(endpoint: str, retry_budget: float, options: Mapping[str, Any]) -> Client:
-    """One client (one connection pool) per endpoint and client options per process.
+    """One client (one pipelined connection per endpoint) per endpoint and client options per process.
 
-    torchrun makes one handler per process; tools that simulate many nodes in one
-    process (benchmarks, tests) then share idle connections instead of one pool per node.
+    torchrun makes one handler per process; tools that simulate many nodes in one process
+    (the bench's thread-per-node path, tests) then share that connection too.
     """
     key = (endpoint, os.getpid(), tuple(sorted(options.items())))
     with _shared_lock:

@@ -291,3 +291,38 @@ def test_without_an_offered_port_the_master_address_goes_through_the_rounds_stor
     assert _exchange_master_address(0, publishing, "127.0.0.1", 29556) == RendezvousStoreInfo("127.0.0.1", 29556)
     assert publishing.get("MASTER_ADDR") == b"127.0.0.1" and publishing.get("MASTER_PORT") == b"29556"
     assert _exchange_master_address(1, publishing, "elsewhere", 1) == RendezvousStoreInfo("127.0.0.1", 29556)
+
+
+class FailingOnce:
+    """The node's client, except that its first watch raises what no client code expects."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+        self.failed = threading.Event()
+
+    def watch(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.failed.is_set():
+            self.failed.set()
+            raise RuntimeError("an unexpected failure inside the client")
+        return self._client.watch(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def test_an_unexpected_failure_of_one_heartbeat_does_not_end_the_nodes_heartbeats(server: Any, nodes: Nodes) -> None:
+    """A watch thread that died of one exception would leave its node to expire while its
+    workers train on (a real run lost a node this way after a replica fail-over)."""
+    job = f"beats-on-{uuid.uuid4().hex[:8]}"
+    params = RendezvousParameters("rdzv-server", nodes.endpoint, job, 1, 1, local_addr="127.0.0.1", **CONF)
+    client = FailingOnce(nodes.client)
+    handler = RdzvServerHandler(params, 1, client=client)  # type: ignore[arg-type]  # duck-typed
+    nodes.handlers.append(handler)
+    assert handler.next_rendezvous().rank == 0
+    assert client.failed.wait(30)
+    ttl = CONF["keep_alive_interval"] * CONF["keep_alive_max_attempt"]
+    threading.Event().wait(ttl * 1.5)  # past the TTL: alive only if it beat after the failure
+    doc = nodes.client.job(job)
+    (node,) = doc["nodes"]
+    assert node["alive"], doc
+    assert node["last_heartbeat_age_s"] is not None and node["last_heartbeat_age_s"] < ttl, doc

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import socket
 import threading
 from typing import Any
 
+import msgpack
+import pytest
 from server_process import ServerProcess
 
-from rdzv_client import AsyncClient, Client
+from rdzv_client import AsyncClient, Client, frame, pipeline, wire
 from rdzv_client.credential import find_token
 from rdzv_client.pipeline import AsyncStreamTransport, PipelinedSocketTransport
+from rdzv_client.transport import Endpoint, TransportError
 
 
 def stream_connections(server: ServerProcess) -> float:
@@ -73,3 +77,63 @@ def test_asyncio_tasks_share_one_connection(server: ServerProcess) -> None:
     counts, connections = asyncio.run(main())
     assert counts == sorted(n for _ in range(4) for n in range(1, 26))
     assert connections == 1
+
+
+def test_a_stale_connection_whose_replacement_ends_as_it_opens_is_a_transport_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The resend of a request whose connection went stale must fail like any call (the
+    client's retries take it from there), never with the transport's internal exception: a
+    torchrun node's watch thread died of one after a replica fail-over and its node expired.
+
+    The interleaving that did it is forced: a connection's reader thread sees the server's
+    close before the request is registered on that connection (on a loaded host, it did)."""
+    expect = pipeline._Link.expect
+
+    def after_the_reader(link: Any, tag: int) -> Any:
+        if link.received == 0:  # a connection that never answered: let its reader run first
+            for _ in range(200):
+                if link.ended is not None:
+                    break
+                threading.Event().wait(0.005)
+        return expect(link, tag)
+
+    monkeypatch.setattr(pipeline._Link, "expect", after_the_reader)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        conn, _ = listener.accept()  # the first connection answers one request, then ends
+        with conn:
+            preface = b""
+            while len(preface) < len(wire.STREAM_PREFACE):
+                preface += conn.recv(len(wire.STREAM_PREFACE) - len(preface))
+            replies = frame.FrameDecoder(1 << 20)
+            answered = 0
+            while answered < 2:
+                payload = replies.next_payload()
+                if payload is None:
+                    replies.feed(conn.recv(65536))
+                    continue
+                tag = msgpack.unpackb(payload)[0]
+                if answered == 0:
+                    conn.sendall(wire.frame([tag, 200, {}]))
+                answered += 1
+        while True:  # every later connection ends as it opens
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    transport = PipelinedSocketTransport()
+    endpoint = Endpoint("127.0.0.1", port)
+    try:
+        assert transport.call(endpoint, "job", "num_keys", {}, 10.0).status == 200
+        for _ in range(20):
+            with pytest.raises(TransportError):
+                transport.call(endpoint, "job", "num_keys", {}, 10.0)
+    finally:
+        transport.close()
+        listener.close()
