@@ -293,9 +293,9 @@ async def serve(config: ServerConfig, stop: asyncio.Event) -> None:
     clamped = f" (--max-connections {config.max_connections} clamped to the open-files limit)"
     log.info(
         "Serving at most %d connections%s, with an open-files limit of %s: room for about %d torchrun nodes "
-        "(two connections each); more are refused with too_many_connections. "
+        "(one connection each); more are refused with too_many_connections. "
         "Raise the hard open-files limit (ulimit -Hn, systemd LimitNOFILE=) for more.",
-        limit, clamped if limit < config.max_connections else "", _open_files_limit(), limit // 2,
+        limit, clamped if limit < config.max_connections else "", _open_files_limit(), limit,
     )  # fmt: skip
     table = ConnectionTable(
         max_connections=limit,

@@ -43,7 +43,7 @@ def test_the_server_says_how_many_nodes_its_open_files_limit_leaves_room_for(sma
     line = next(l for l in small_server.log_text().splitlines() if "Serving at most" in l)
     assert f"Serving at most {ROOM} connections" in line, line
     assert f"open-files limit of {OPEN_FILES} (hard {OPEN_FILES})" in line, line
-    assert re.search(rf"room for about {ROOM // 2} torchrun nodes", line), line
+    assert re.search(rf"room for about {ROOM} torchrun nodes", line), line
 
 
 def test_past_the_open_files_budget_connections_are_refused_with_too_many_connections(
