@@ -558,7 +558,10 @@ def test_a_nodes_death_and_the_next_round_are_in_the_jobs_events(server: Any, cl
         assert "dead" in drawn[victim_entry["node_id"]], drawn
         assert len(drawn) == 3, drawn
         survivor_lanes = [cells for node_id, cells in drawn.items() if node_id != victim_entry["node_id"]]
-        assert len(survivor_lanes) == 2 and all(cells[-1] == "member" for cells in survivor_lanes), drawn
+        # Members of the re-formed round; its 3 steps may be over by the time the page draws,
+        # and a survivor that finished and left shows its graceful leave in that round.
+        assert len(survivor_lanes) == 2 and all(cells[-1] in ("member", "left") for cells in survivor_lanes), drawn
+        assert all("dead" not in cells for cells in survivor_lanes), drawn
         timeline = shot.timeline()
         died = [r[1:6] for r in timeline if r[2] == "node_departed" and r[4] == victim_entry["node_id"]]
         assert died == [[str(death["round"]), "node_departed", death["cause"], victim_entry["node_id"], "127.0.0.1"]], (
