@@ -28,8 +28,16 @@ READY_LINE = "rdzv-server listening on http://"
 
 
 def server_argv(*flags: str, port: int = 0) -> list[str]:
-    """The command line of an rdzv-server on ``port`` of 127.0.0.1 (0: a free one)."""
-    return [sys.executable, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(port), "--log-level", "info", *flags]
+    """The command line of an rdzv-server on ``port`` of 127.0.0.1 (0: a free one).
+
+    Without automatic quarantine: every simulated node is on 127.0.0.1, and the nodes that a
+    measurement kills, or that end with their process, would otherwise cordon the host for
+    the measurements after it (3 deaths an hour by default).
+    """
+    return [
+        sys.executable, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(port), "--log-level", "info",
+        "--quarantine-after", "0", *flags,
+    ]  # fmt: skip
 
 
 def start_server(name: str, flags: list[str], log_dir: Path, timeout: float = 60.0) -> tuple[Service, str]:
