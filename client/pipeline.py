@@ -84,14 +84,28 @@ def _reply(payload: bytes, limit: int) -> tuple[int, int, Any]:
 
 
 class _Slot:
-    """One request's wait for its reply (or for the connection's end)."""
+    """One request's wait for its reply (or for the connection's end).
 
-    __slots__ = ("done", "answer", "error")
+    A lock held from the start and released once, by whoever finishes the slot (the reader
+    with the reply, or the link's end): the waiter's ``acquire`` is one futex wait, where a
+    ``threading.Event`` builds a condition's waiter lock per wait. Exactly one finisher:
+    a slot is finished only by whoever took it out of the link's table under its lock.
+    """
+
+    __slots__ = ("_latch", "answer", "error")
 
     def __init__(self) -> None:
-        self.done = threading.Event()
+        self._latch = threading.Lock()
+        self._latch.acquire()
         self.answer: Answer | None = None
         self.error: BaseException | None = None
+
+    def finish(self) -> None:
+        self._latch.release()
+
+    def wait(self, timeout: float) -> bool:
+        """True once finished; False when ``timeout`` s passed first."""
+        return self._latch.acquire(timeout=max(0.0, timeout))
 
 
 class _Link:
@@ -131,7 +145,7 @@ class _Link:
                 slot.answer = why
             else:
                 slot.error = why
-            slot.done.set()
+            slot.finish()
         try:
             socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
         except OSError:
@@ -163,7 +177,7 @@ class _Link:
                         slot = self.slots.pop(tag, None)
                     if slot is not None:
                         slot.answer = Answer(status, body)
-                        slot.done.set()
+                        slot.finish()
         except (OSError, EOFError, ServerError) as exc:
             why = exc
         self.end(why)
@@ -234,7 +248,7 @@ class PipelinedSocketTransport(SocketTransport):
                 link.sock.sendall(payload)
         except OSError as exc:
             link.end(exc)
-        if not slot.done.wait(timeout):
+        if not slot.wait(timeout):
             link.forget(tag)
             link.end(TimeoutError(f"no answer within {timeout:g} s"))
             raise TransportError(f"{endpoint}: no answer within {timeout:g} s")
