@@ -14,8 +14,11 @@ What an agent does, as the plug-in does it:
   travels on it, so the server holds one descriptor per agent;
 - ``next_rendezvous()``: stop watching, ``join`` (no deadline of its own, as the plug-in),
   then watch the new round;
-- the watch loop: ``watch(round, known, hold=TTL/3)`` back to back (the heartbeat and the
-  long-poll for ``num_nodes_waiting``), a failed watch retried after ``keep_alive_interval``;
+- the watch loop: ``watch(round, known, hold=max_hold)`` back to back (the long-poll for
+  ``num_nodes_waiting``, and the fast death signal while parked), a failed watch retried
+  after ``keep_alive_interval``;
+- the beat loop: ``watch(round, hold=0)`` every TTL/3 while the round is watched (the
+  heartbeat, answered at once), the first one at a random point of the first interval;
 - the agent's monitor loop: when the watch sees ``num_nodes_waiting > 0`` the agent
   re-joins. torchrun polls every ``--monitor-interval`` (0.1 s); the agent waits a uniform
   part of it instead of polling (16K agents polling ten times a second would measure the
@@ -104,6 +107,7 @@ class Agent:
         self.num_waiting = 0
         self.changed = asyncio.Event()
         self.watches = 0
+        self.beats = 0
         self._watching: tuple[int, int] | None = None
         self._generation = 0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -127,6 +131,7 @@ class Agent:
         self._generation += 1
         self._watching = (a.round, self._generation)
         self.spawn(self._watch_round(self._watching))
+        self.spawn(self._beat_round(self._watching))
         return a
 
     def spawn(self, coro: Any) -> None:
@@ -141,9 +146,7 @@ class Agent:
         known = 0
         while self._watching == current and not self.dead:
             try:
-                seen = await self.client.watch(
-                    self.spec.run_id, self.node_id, round=round_, known=known, hold=self.spec.heartbeat_ttl / 3
-                )
+                seen = await self.client.watch(self.spec.run_id, self.node_id, round=round_, known=known, hold=math.inf)
             except RdzvError:
                 if self._watching != current:
                     return
@@ -156,6 +159,22 @@ class Agent:
             self.num_waiting = known
             if known > 0:
                 self.changed.set()
+
+    async def _beat_round(self, current: tuple[int, int]) -> None:
+        from rdzv_client import RdzvError
+
+        interval = self.spec.heartbeat_ttl / 3
+        wait = interval * random.random()
+        while True:
+            await asyncio.sleep(wait)
+            if self._watching != current or self.dead:
+                return
+            wait = interval
+            try:
+                await self.client.watch(self.spec.run_id, self.node_id, round=current[0], hold=0.0)
+            except RdzvError:
+                continue
+            self.beats += 1
 
     def kill(self) -> None:
         """What a SIGKILLed agent leaves: its connection closed by the kernel, nothing more."""
@@ -229,7 +248,8 @@ async def _serve(conn: multiprocessing.connection.Connection, spec: AgentSpec, f
         elif verb == "stats":
             usage = resource.getrusage(resource.RUSAGE_SELF)
             phases = {p: (s.formed, s.last) for p, s in seen.items()}
-            conn.send(("ok", (phases, errors[:5], len(errors), sum(a.watches for a in agents), usage.ru_utime + usage.ru_stime)))
+            answered = sum(a.watches for a in agents), sum(a.beats for a in agents)
+            conn.send(("ok", (phases, errors[:5], len(errors), answered, usage.ru_utime + usage.ru_stime)))
         elif verb == "ranks":
             got = seen.get(args[0], RoundSeen())
             conn.send(("ok", (got.ranks, sorted(got.world_sizes))))
@@ -300,20 +320,22 @@ class AgentFleet:
         self._all(("go",), 60.0, "the workers to start their agents")
         return t
 
-    def stats(self) -> tuple[dict[int, tuple[int, float]], list[str], int, float]:
-        """Per round (agents placed in it, time of the last), errors, watches answered, workers' CPU s."""
+    def stats(self) -> tuple[dict[int, tuple[int, float]], list[str], tuple[int, int], float]:
+        """Per round (agents placed in it, time of the last), errors, (watches, beats) answered,
+        workers' CPU s."""
         phases: dict[int, tuple[int, float]] = {}
         errors: list[str] = []
-        watches = 0
+        watches = beats = 0
         cpu = 0.0
-        for got, errs, _, beats, seconds in self._all(("stats",), 60.0, "the workers' stats"):
+        for got, errs, _, (watched, beat), seconds in self._all(("stats",), 60.0, "the workers' stats"):
             for p, (n, last) in got.items():
                 had = phases.get(p, (0, 0.0))
                 phases[p] = (had[0] + n, max(had[1], last))
             errors += errs
-            watches += beats
+            watches += watched
+            beats += beat
             cpu += seconds
-        return phases, errors, watches, cpu
+        return phases, errors, (watches, beats), cpu
 
     def wait_formed(self, after: int, nodes: int, timeout: float) -> tuple[int, float]:
         """Wait until ``nodes`` agents hold an assignment of one round later than ``after``;

@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import random
 import socket
 import sys
 import threading
@@ -311,6 +312,7 @@ class RdzvServerHandler(RendezvousHandler):
         self._generation = 0
         self._shut_down = False
         threading.Thread(target=self._watch, name=f"rdzv-watch-{self._node_id}", daemon=True).start()
+        threading.Thread(target=self._beat, name=f"rdzv-beat-{self._node_id}", daemon=True).start()
 
     # -- RendezvousHandler -------------------------------------------------------------
 
@@ -533,11 +535,10 @@ class RdzvServerHandler(RendezvousHandler):
         known = 0  # as num_nodes_waiting() starts: the first poll parks unless nodes already wait
         while self._watching == current:
             try:
-                # Held as long as the server allows (a third of the TTL): each watch is a request the
-                # server pays for, and liveness needs only one per TTL/3.
-                seen = self._client.watch(
-                    self._run_id, self._node_id, round=round_, known=known, hold=self._heartbeat_ttl / 3
-                )
+                # Held as long as the client and server allow (max_hold): the beat thread keeps
+                # the node alive meanwhile, so the watch is re-sent only when it answers. (A
+                # server older than the beats holds it a third of the TTL, which beats too.)
+                seen = self._client.watch(self._run_id, self._node_id, round=round_, known=known, hold=math.inf)
             except RdzvError as exc:
                 if self._watching != current:
                     return
@@ -569,6 +570,37 @@ class RdzvServerHandler(RendezvousHandler):
                 return
             self._num_waiting = known
             self._closed = False
+
+    def _beat(self) -> None:
+        """The heartbeat: while a round is watched (and the job is not closed), a watch of no
+        hold every third of the TTL, which the server answers at once. A parked watch is not a
+        heartbeat (a hung process keeps its connection open): these are what keep the node
+        alive, as the watch's own beats did when it was held a third of the TTL. The first
+        beat of a round comes at a random point of the first interval, so that the nodes of a
+        round, placed in the same second, do not all beat in the same second ever after."""
+        interval = self._heartbeat_ttl / 3
+        rng = random.Random()
+        while True:
+            with self._watch_cv:
+                while (self._watching is None or self._closed) and not self._shut_down:
+                    self._watch_cv.wait()
+                if self._shut_down:
+                    return
+                current = self._watching
+                assert current is not None
+            self._beat_round(current, interval * rng.random(), interval)
+
+    def _beat_round(self, current: tuple[int, int], first: float, interval: float) -> None:
+        wait = first
+        while True:
+            with self._watch_cv:
+                if self._watch_cv.wait_for(lambda: self._watching != current or self._closed, wait):
+                    return
+            wait = interval
+            try:
+                self._client.watch(self._run_id, self._node_id, round=current[0], hold=0.0)
+            except RdzvError as exc:
+                log.warning("Node %s: heartbeat to job %s failed (%s).", self._node_id, self._run_id, exc)
 
 
 def _exchange_master_address(node_rank: int, store: Store, addr: str, port: int) -> RendezvousStoreInfo:
