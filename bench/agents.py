@@ -17,8 +17,9 @@ What an agent does, as the plug-in does it:
 - the watch loop: ``watch(round, known, hold=max_hold)`` back to back (the long-poll for
   ``num_nodes_waiting``, and the fast death signal while parked), a failed watch retried
   after ``keep_alive_interval``;
-- the beat loop: ``watch(round, hold=0)`` every TTL/3 while the round is watched (the
-  heartbeat, answered at once), the first one at a random point of the first interval;
+- the beat loop: ``watch(round, hold=0)`` (the heartbeat, answered at once) while the round
+  is watched, whenever no answer of the server (the assignment, a watch, a beat) came for
+  TTL/3 (x 0.9-1, jittered);
 - the agent's monitor loop: when the watch sees ``num_nodes_waiting > 0`` the agent
   re-joins. torchrun polls every ``--monitor-interval`` (0.1 s); the agent waits a uniform
   part of it instead of polling (16K agents polling ten times a second would measure the
@@ -56,6 +57,8 @@ MONITOR_INTERVAL = 0.1
 #: The plug-in's defaults (client/torchrun.py): heartbeat every 2 s, dead after 5 missed.
 KEEP_ALIVE_INTERVAL = 2.0
 KEEP_ALIVE_MAX_ATTEMPT = 5
+#: The plug-in's beat jitter (client/torchrun.py BEAT_JITTER).
+BEAT_JITTER = 0.9
 #: The plug-in's retry budget (torch's close_timeout).
 RETRY_BUDGET = 30.0
 #: Opening connections before the start: this many at once per worker (the accept backlog).
@@ -108,6 +111,7 @@ class Agent:
         self.changed = asyncio.Event()
         self.watches = 0
         self.beats = 0
+        self.contact = 0.0  # time.monotonic() of the server's last answer that beat this agent
         self._watching: tuple[int, int] | None = None
         self._generation = 0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -128,6 +132,7 @@ class Agent:
         )  # fmt: skip
         self.num_waiting = 0
         self.changed.clear()
+        self.contact = time.monotonic()
         self._generation += 1
         self._watching = (a.round, self._generation)
         self.spawn(self._watch_round(self._watching))
@@ -153,6 +158,7 @@ class Agent:
                 await asyncio.sleep(self.spec.keep_alive_interval)
                 continue
             self.watches += 1
+            self.contact = time.monotonic()
             if self._watching != current:
                 return
             known = seen.num_nodes_waiting
@@ -164,17 +170,20 @@ class Agent:
         from rdzv_client import RdzvError
 
         interval = self.spec.heartbeat_ttl / 3
-        wait = interval * random.random()
         while True:
-            await asyncio.sleep(wait)
+            due = self.contact + interval * random.uniform(BEAT_JITTER, 1.0)
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
             if self._watching != current or self.dead:
                 return
-            wait = interval
+            if time.monotonic() < self.contact + interval * BEAT_JITTER:
+                continue  # the watch was answered meanwhile
+            sent = time.monotonic()
             try:
                 await self.client.watch(self.spec.run_id, self.node_id, round=current[0], hold=0.0)
+                self.beats += 1
             except RdzvError:
-                continue
-            self.beats += 1
+                pass
+            self.contact = sent
 
     def kill(self) -> None:
         """What a SIGKILLed agent leaves: its connection closed by the kernel, nothing more."""

@@ -112,6 +112,7 @@ def _one(plan: Plan, n: int) -> tuple[list[Row], dict[str, Any] | None]:
             run["rss_per_node_kb"] = round((rss - rss_idle) * 1e3 / n, 2)
             run["fds_idle"] = fds_idle
             # -- heartbeats
+            log.info("scale %d: formed in %.1f s; sampling the server's CPU for %g s of heartbeats", n, run["formation_s"], plan.scale_seconds)
             _, _, (watches0, beats0), agents_cpu0 = fleet.stats()
             proc.cpu_percent(None)
             t_beat = time.monotonic()
@@ -128,11 +129,17 @@ def _one(plan: Plan, n: int) -> tuple[list[Row], dict[str, Any] | None]:
             run["agents_cpu"] = round(100 * (agents_cpu1 - agents_cpu0) / beat_s, 1)
             run["load_heartbeats"] = load_average()
             # -- re-formation after a kill
+            log.info("scale %d: killing one agent", n)
+            server_cpu0 = _cpu_seconds(proc)
+            _, _, _, agents_cpu0 = fleet.stats()
             t_kill = fleet.kill(n // 2)
             try:
                 reformed, last = fleet.wait_formed(formed, n - 1, plan.timeout)
                 run["reform_s"] = last - t_kill
                 run["reform_round"] = reformed
+                # Who was busy meanwhile (CPU s, to the last stats call: a little past the end).
+                run["reform_server_cpu_s"] = round(_cpu_seconds(proc) - server_cpu0, 2)
+                run["reform_agents_cpu_s"] = round(fleet.stats()[3] - agents_cpu0, 2)
             except (Timeout, RuntimeError) as exc:
                 rows += fail("re-formation", "s", "timeout" if isinstance(exc, Timeout) else "error", str(exc))
             else:
@@ -154,7 +161,8 @@ def _one(plan: Plan, n: int) -> tuple[list[Row], dict[str, Any] | None]:
                               f"{run['expired_by_ttl']} TTL expiries; {load}"))
     if "reform_s" in run:
         rows.append(Row("scale", "rdzv-server", "re-formation (kill)", n, run["reform_s"], "s",
-                        detail=f"incl. disconnect grace 0.5 s + last call {LAST_CALL_S:g} s"))
+                        detail=f"incl. disconnect grace 0.5 s + last call {LAST_CALL_S:g} s; CPU meanwhile: server "
+                               f"{run.get('reform_server_cpu_s')} s, agents {run.get('reform_agents_cpu_s')} s"))
     rows += [
         Row("scale", "rdzv-server", "server fds per node", n, run["server_fds"] / n, "fds",
             detail=f"{run['server_fds']} fds ({run['fds_idle']} idle)"),
@@ -165,6 +173,11 @@ def _one(plan: Plan, n: int) -> tuple[list[Row], dict[str, Any] | None]:
                    f"load {run['load_heartbeats']:.1f}"),
     ]  # fmt: skip
     return rows, run
+
+
+def _cpu_seconds(proc: Any) -> float:
+    times = proc.cpu_times()
+    return float(times.user + times.system)
 
 
 def _ranks_wrong(ranks: list[int], sizes: list[int], n: int) -> str:

@@ -49,6 +49,7 @@ import random
 import socket
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
@@ -92,6 +93,8 @@ DEFAULT_CLOSE_TIMEOUT = 30.0
 # (a process that dies is noticed in about a second, by its dropped watch connection).
 DEFAULT_KEEP_ALIVE_INTERVAL = 2.0
 DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 5
+# A beat is sent between this fraction and all of a third of the TTL after the last answer.
+BEAT_JITTER = 0.9
 # TCPStore's default timeout for blocking store calls.
 DEFAULT_STORE_TIMEOUT = 300.0
 # The --rdzv-conf keys that are Client options, passed as they are (paths); ``tls`` is a bool.
@@ -311,6 +314,7 @@ class RdzvServerHandler(RendezvousHandler):
         self._watching: tuple[int, int] | None = None  # (round, generation)
         self._generation = 0
         self._shut_down = False
+        self._contact = 0.0  # time.monotonic() of the server's last answer that beat this node
         threading.Thread(target=self._watch, name=f"rdzv-watch-{self._node_id}", daemon=True).start()
         threading.Thread(target=self._beat, name=f"rdzv-beat-{self._node_id}", daemon=True).start()
 
@@ -505,6 +509,7 @@ class RdzvServerHandler(RendezvousHandler):
     # -- the watch thread ----------------------------------------------------------------
 
     def _start_watch(self, round_: int) -> None:
+        self._contact = time.monotonic()  # the assignment was just answered: a beat
         with self._watch_cv:
             self._generation += 1
             self._watching = (round_, self._generation)
@@ -546,6 +551,7 @@ class RdzvServerHandler(RendezvousHandler):
                 with self._watch_cv:
                     self._watch_cv.wait_for(lambda: self._watching != current, self._keep_alive_interval)
                 continue
+            self._contact = time.monotonic()  # an answered watch beat the node (it was sent before now)
             if self._watching != current:
                 return
             if seen.num_nodes_waiting != known and seen.num_nodes_waiting > 0:
@@ -573,13 +579,12 @@ class RdzvServerHandler(RendezvousHandler):
 
     def _beat(self) -> None:
         """The heartbeat: while a round is watched (and the job is not closed), a watch of no
-        hold every third of the TTL, which the server answers at once. A parked watch is not a
-        heartbeat (a hung process keeps its connection open): these are what keep the node
-        alive, as the watch's own beats did when it was held a third of the TTL. The first
-        beat of a round comes at a random point of the first interval, so that the nodes of a
-        round, placed in the same second, do not all beat in the same second ever after."""
-        interval = self._heartbeat_ttl / 3
-        rng = random.Random()
+        hold, which the server answers at once, whenever nothing else told the server for a
+        third of the TTL that this node lives (an answered watch or assignment did: the server
+        beats the node when it answers). A parked watch is not a heartbeat (a hung process
+        keeps its connection open): these are what keep the node alive, as the watch's own
+        beats did when it was held a third of the TTL. Against a server that still holds every
+        watch a third of the TTL, the watches' answers come first and no beat is sent."""
         while True:
             with self._watch_cv:
                 while (self._watching is None or self._closed) and not self._shut_down:
@@ -588,19 +593,26 @@ class RdzvServerHandler(RendezvousHandler):
                     return
                 current = self._watching
                 assert current is not None
-            self._beat_round(current, interval * rng.random(), interval)
+            self._beat_round(current, self._heartbeat_ttl / 3)
 
-    def _beat_round(self, current: tuple[int, int], first: float, interval: float) -> None:
-        wait = first
+    def _beat_round(self, current: tuple[int, int], interval: float) -> None:
+        rng = random.Random()
         while True:
+            # Jittered, so that nodes placed in the same instant drift apart.
+            due = self._contact + interval * rng.uniform(BEAT_JITTER, 1.0)
             with self._watch_cv:
-                if self._watch_cv.wait_for(lambda: self._watching != current or self._closed, wait):
+                if self._watch_cv.wait_for(
+                    lambda: self._watching != current or self._closed, max(0.0, due - time.monotonic())
+                ):
                     return
-            wait = interval
+            if time.monotonic() < self._contact + interval * BEAT_JITTER:
+                continue  # the watch was answered meanwhile
+            sent = time.monotonic()
             try:
                 self._client.watch(self._run_id, self._node_id, round=current[0], hold=0.0)
             except RdzvError as exc:
                 log.warning("Node %s: heartbeat to job %s failed (%s).", self._node_id, self._run_id, exc)
+            self._contact = sent
 
 
 def _exchange_master_address(node_rank: int, store: Store, addr: str, port: int) -> RendezvousStoreInfo:
