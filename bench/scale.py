@@ -132,6 +132,7 @@ def _one(plan: Plan, n: int) -> tuple[list[Row], dict[str, Any] | None]:
             log.info("scale %d: killing one agent", n)
             server_cpu0 = _cpu_seconds(proc)
             _, _, _, agents_cpu0 = fleet.stats()
+            served0 = _served(endpoint)
             t_kill = fleet.kill(n // 2)
             try:
                 reformed, last = fleet.wait_formed(formed, n - 1, plan.timeout)
@@ -140,6 +141,8 @@ def _one(plan: Plan, n: int) -> tuple[list[Row], dict[str, Any] | None]:
                 # Who was busy meanwhile (CPU s, to the last stats call: a little past the end).
                 run["reform_server_cpu_s"] = round(_cpu_seconds(proc) - server_cpu0, 2)
                 run["reform_agents_cpu_s"] = round(fleet.stats()[3] - agents_cpu0, 2)
+                served = _served(endpoint)
+                run["reform_requests"] = {op: n - served0.get(op, 0) for op, n in sorted(served.items()) if n > served0.get(op, 0)}
             except (Timeout, RuntimeError) as exc:
                 rows += fail("re-formation", "s", "timeout" if isinstance(exc, Timeout) else "error", str(exc))
             else:
@@ -162,7 +165,8 @@ def _one(plan: Plan, n: int) -> tuple[list[Row], dict[str, Any] | None]:
     if "reform_s" in run:
         rows.append(Row("scale", "rdzv-server", "re-formation (kill)", n, run["reform_s"], "s",
                         detail=f"incl. disconnect grace 0.5 s + last call {LAST_CALL_S:g} s; CPU meanwhile: server "
-                               f"{run.get('reform_server_cpu_s')} s, agents {run.get('reform_agents_cpu_s')} s"))
+                               f"{run.get('reform_server_cpu_s')} s, agents {run.get('reform_agents_cpu_s')} s; "
+                               f"requests {run.get('reform_requests')}"))
     rows += [
         Row("scale", "rdzv-server", "server fds per node", n, run["server_fds"] / n, "fds",
             detail=f"{run['server_fds']} fds ({run['fds_idle']} idle)"),
@@ -173,6 +177,19 @@ def _one(plan: Plan, n: int) -> tuple[list[Row], dict[str, Any] | None]:
                    f"load {run['load_heartbeats']:.1f}"),
     ]  # fmt: skip
     return rows, run
+
+
+def _served(endpoint: str) -> dict[str, int]:
+    """Requests the server answered so far, by operation (its ``/metrics``, which need no token)."""
+    import urllib.request
+
+    counts: dict[str, int] = {}
+    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=30) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("rdzv_requests_total{"):
+                op = line.split('op="', 1)[1].split('"', 1)[0]
+                counts[op] = counts.get(op, 0) + int(float(line.rsplit(" ", 1)[1]))
+    return counts
 
 
 def _cpu_seconds(proc: Any) -> float:

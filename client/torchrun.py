@@ -18,11 +18,13 @@ store). The offered port stays reserved while the node waits in line, which may 
 minutes (see :class:`PortReservation`), and is released just before
 ``next_rendezvous()`` returns: node rank 0's worker binds it moments later, the same
 window torch's own free-port pick leaves. The handler's watch thread keeps one long-poll
-open per node while its round runs: it is the heartbeat, the fast death signal (the
-server sees the connection drop when the process dies) and the source of
+open per node while its round runs (held up to ``max_hold``): it is the fast death signal
+(the server sees the connection drop when the process dies) and the source of
 ``num_nodes_waiting()``, which the agent calls every 0.1 s and which therefore costs
-nothing. The watch holds one pooled stream connection; the node's other requests (join,
-leave, close, the store) use another (:func:`node_client`).
+nothing. Its beat thread is the heartbeat: a watch of no hold, answered at once, whenever
+no answer beat the node for a third of the TTL. The watch holds one pooled stream
+connection; the node's other requests (beats, join, leave, close, the store) use another
+(:func:`node_client`).
 
 How long a node waits in line is the server's decision (it knows the node's role): a
 candidate or waiting node gets ``join_timeout`` (torch's ``RendezvousTimeoutError``); a
