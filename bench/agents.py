@@ -19,7 +19,8 @@ What an agent does, as the plug-in does it:
   after ``keep_alive_interval``;
 - the beat loop: ``watch(round, hold=0)`` (the heartbeat, answered at once) while the round
   is watched, whenever no answer of the server (the assignment, a watch, a beat) came for
-  TTL/3 (x 0.9-1, jittered): the same frame the plug-in sends, handed to the transport
+  TTL/3 (x 0.9-1, jittered; the first one of a round at a random point of the first
+  interval, so that agents placed in the same second do not beat together): the same frame the plug-in sends, handed to the transport
   directly (not through the client's retry policy, whose per-call CPU, times 16,384 agents
   on the server's two cores, would be measured instead of the server);
 - the agent's monitor loop: when the watch sees ``num_nodes_waiting > 0`` the agent
@@ -179,12 +180,15 @@ class Agent:
         fields = wire.to_mapping(wire.WatchRequest(node_id=self.node_id, round=current[0], hold=0.0))
         endpoint = self.client.endpoints[0]
         interval = self.spec.heartbeat_ttl / 3
+        spread = 0.0  # the first beat at a random point of the first interval (as the plug-in)
         while True:
-            due = self.contact + interval * random.uniform(BEAT_JITTER, 1.0)
+            seen = self.contact
+            due = seen + interval * random.uniform(spread, 1.0)
+            spread = BEAT_JITTER
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             if self._watching != current or self.dead:
                 return
-            if time.monotonic() < self.contact + interval * BEAT_JITTER:
+            if self.contact != seen:
                 continue  # the watch was answered meanwhile
             sent = time.monotonic()
             try:

@@ -599,16 +599,20 @@ class RdzvServerHandler(RendezvousHandler):
 
     def _beat_round(self, current: tuple[int, int], interval: float) -> None:
         rng = random.Random()
+        # The first beat at a random point of the first interval: the nodes of a round are placed
+        # in the same second, and would otherwise beat in the same second for the whole round.
+        spread = 0.0
         while True:
-            # Jittered, so that nodes placed in the same instant drift apart.
-            due = self._contact + interval * rng.uniform(BEAT_JITTER, 1.0)
+            seen = self._contact
+            due = seen + interval * rng.uniform(spread, 1.0)  # later ones jittered: they drift apart
+            spread = BEAT_JITTER
             with self._watch_cv:
                 if self._watch_cv.wait_for(
                     lambda: self._watching != current or self._closed, max(0.0, due - time.monotonic())
                 ):
                     return
-            if time.monotonic() < self._contact + interval * BEAT_JITTER:
-                continue  # the watch was answered meanwhile
+            if self._contact != seen:
+                continue  # the watch was answered meanwhile: the next beat counts from that
             sent = time.monotonic()
             try:
                 self._client.watch(self._run_id, self._node_id, round=current[0], hold=0.0)
