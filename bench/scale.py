@@ -115,12 +115,17 @@ def _one(plan: Plan, n: int) -> tuple[list[Row], dict[str, Any] | None]:
             log.info("scale %d: formed in %.1f s; sampling the server's CPU for %g s of heartbeats", n, run["formation_s"], plan.scale_seconds)
             _, _, (watches0, beats0), agents_cpu0 = fleet.stats()
             proc.cpu_percent(None)
+            times0 = proc.cpu_times()
             t_beat = time.monotonic()
             samples = []
             while time.monotonic() - t_beat < plan.scale_seconds:
                 time.sleep(1.0)
                 samples.append(proc.cpu_percent(None))
             beat_s = time.monotonic() - t_beat
+            times1 = proc.cpu_times()
+            # User (Python, the loop) against system (the kernel's recv/send on its behalf) CPU.
+            run["heartbeat_cpu_user"] = round(100 * (times1.user - times0.user) / beat_s, 1)
+            run["heartbeat_cpu_system"] = round(100 * (times1.system - times0.system) / beat_s, 1)
             _, _, (watches1, beats1), agents_cpu1 = fleet.stats()
             run["heartbeat_cpu"] = round(sum(samples) / len(samples), 1)
             run["watches_per_s"] = round((watches1 - watches0) / beat_s)
@@ -173,7 +178,8 @@ def _one(plan: Plan, n: int) -> tuple[list[Row], dict[str, Any] | None]:
         Row("scale", "rdzv-server", "server RSS", n, run["server_rss_mb"], "MB",
             detail=f"{run['rss_per_node_kb']} KB per node over the idle server"),
         Row("scale", "rdzv-server", "heartbeat CPU", n, run["heartbeat_cpu"], "% core",
-            detail=f"{run['beats_per_s']} beats/s + {run['watches_per_s']} watches/s answered; agents used {run['agents_cpu']}% of a core; "
+            detail=f"{run['heartbeat_cpu_user']}% user + {run['heartbeat_cpu_system']}% system; "
+                   f"{run['beats_per_s']} beats/s + {run['watches_per_s']} watches/s answered; agents used {run['agents_cpu']}% of a core; "
                    f"load {run['load_heartbeats']:.1f}"),
     ]  # fmt: skip
     return rows, run
