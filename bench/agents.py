@@ -20,9 +20,10 @@ What an agent does, as the plug-in does it:
 - the beat loop: ``watch(round, hold=0)`` (the heartbeat, answered at once) while the round
   is watched, whenever no answer of the server (the assignment, a watch, a beat) came for
   TTL/3 (x 0.9-1, jittered; the first one of a round at a random point of the first
-  interval, so that agents placed in the same second do not beat together): the same frame the plug-in sends, handed to the transport
-  directly (not through the client's retry policy, whose per-call CPU, times 16,384 agents
-  on the server's two cores, would be measured instead of the server);
+  interval, so that agents placed in the same second do not beat together): the same frame
+  the plug-in sends, handed to the transport directly (not through the client's retry
+  policy, whose per-call CPU, times 16,384 agents on the server's two cores, would be
+  measured instead of the server);
 - the agent's monitor loop: when the watch sees ``num_nodes_waiting > 0`` the agent
   re-joins. torchrun polls every ``--monitor-interval`` (0.1 s); the agent waits a uniform
   part of it instead of polling (16K agents polling ten times a second would measure the

@@ -112,7 +112,10 @@ def _one(plan: Plan, n: int) -> tuple[list[Row], dict[str, Any] | None]:
             run["rss_per_node_kb"] = round((rss - rss_idle) * 1e3 / n, 2)
             run["fds_idle"] = fds_idle
             # -- heartbeats
-            log.info("scale %d: formed in %.1f s; sampling the server's CPU for %g s of heartbeats", n, run["formation_s"], plan.scale_seconds)
+            log.info(
+                "scale %d: formed in %.1f s; sampling the server's CPU for %g s of heartbeats",
+                n, run["formation_s"], plan.scale_seconds,
+            )  # fmt: skip
             _, _, (watches0, beats0), agents_cpu0 = fleet.stats()
             proc.cpu_percent(None)
             times0 = proc.cpu_times()
@@ -147,7 +150,9 @@ def _one(plan: Plan, n: int) -> tuple[list[Row], dict[str, Any] | None]:
                 run["reform_server_cpu_s"] = round(_cpu_seconds(proc) - server_cpu0, 2)
                 run["reform_agents_cpu_s"] = round(fleet.stats()[3] - agents_cpu0, 2)
                 served = _served(endpoint)
-                run["reform_requests"] = {op: n - served0.get(op, 0) for op, n in sorted(served.items()) if n > served0.get(op, 0)}
+                run["reform_requests"] = {
+                    op: count - served0.get(op, 0) for op, count in sorted(served.items()) if count > served0.get(op, 0)
+                }
             except (Timeout, RuntimeError) as exc:
                 rows += fail("re-formation", "s", "timeout" if isinstance(exc, Timeout) else "error", str(exc))
             else:
@@ -179,7 +184,8 @@ def _one(plan: Plan, n: int) -> tuple[list[Row], dict[str, Any] | None]:
             detail=f"{run['rss_per_node_kb']} KB per node over the idle server"),
         Row("scale", "rdzv-server", "heartbeat CPU", n, run["heartbeat_cpu"], "% core",
             detail=f"{run['heartbeat_cpu_user']}% user + {run['heartbeat_cpu_system']}% system; "
-                   f"{run['beats_per_s']} beats/s + {run['watches_per_s']} watches/s answered; agents used {run['agents_cpu']}% of a core; "
+                   f"{run['beats_per_s']} beats/s + {run['watches_per_s']} watches/s answered; "
+                   f"agents used {run['agents_cpu']}% of a core; "
                    f"load {run['load_heartbeats']:.1f}"),
     ]  # fmt: skip
     return rows, run

@@ -133,7 +133,7 @@ def test_a_member_whose_job_closes_stops_watching_while_its_workers_run_on(serve
     assert member.is_closed() and member.num_nodes_waiting() == 0  # its agent trains on, then exits
 
 
-def test_the_handlers_beats_keep_its_node_alive_while_its_watch_is_parked_past_the_ttl(server: Any, nodes: Nodes) -> None:
+def test_the_handlers_beats_keep_its_node_alive_while_its_watch_is_parked_past_the_ttl(nodes: Nodes) -> None:
     """The watch is held up to max_hold (30 s) and the TTL here is 2 s (0.5 s x 4): the beat
     thread's watches of no hold, every third of the TTL, are what keep the members alive."""
     job = f"beats-{uuid.uuid4().hex[:8]}"

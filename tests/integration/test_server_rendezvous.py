@@ -323,7 +323,8 @@ async def test_beats_keep_a_node_alive_while_its_watch_is_parked_longer_than_its
     round_ = got[0].round
     parked = time.monotonic()
     watches = [
-        asyncio.ensure_future(aclient.watch(job, node, round=round_, known=0, hold=hold)) for node in ("beating", "survivor")
+        asyncio.ensure_future(aclient.watch(job, node, round=round_, known=0, hold=hold))
+        for node in ("beating", "survivor")
     ]
     try:
         while not all(w.done() for w in watches):
