@@ -18,7 +18,7 @@ What an agent does, as the plug-in does it:
   ``num_nodes_waiting``, and the fast death signal while parked), a failed watch retried
   after ``keep_alive_interval``;
 - the beat loop: ``watch(round, hold=0)`` (the heartbeat, answered at once) while the round
-  is watched, whenever no answer of the server (the assignment, a watch, a beat) came for
+  is watched, whenever nothing beat the agent (a watch sent or answered, the assignment) for
   TTL/3 (x 0.9-1, jittered; the first one of a round at a random point of the first
   interval, so that agents placed in the same second do not beat together): the same frame
   the plug-in sends, handed to the transport directly (not through the client's retry
@@ -155,6 +155,7 @@ class Agent:
         known = 0
         while self._watching == current and not self.dead:
             try:
+                self.contact = time.monotonic()  # its arrival beats the agent
                 seen = await self.client.watch(self.spec.run_id, self.node_id, round=round_, known=known, hold=math.inf)
             except RdzvError:
                 if self._watching != current:
@@ -181,16 +182,16 @@ class Agent:
         fields = wire.to_mapping(wire.WatchRequest(node_id=self.node_id, round=current[0], hold=0.0))
         endpoint = self.client.endpoints[0]
         interval = self.spec.heartbeat_ttl / 3
-        spread = 0.0  # the first beat at a random point of the first interval (as the plug-in)
+        first = True  # the first beat at a random point of the first interval (as the plug-in)
         while True:
             seen = self.contact
-            due = seen + interval * random.uniform(spread, 1.0)
-            spread = BEAT_JITTER
+            due = seen + interval * random.uniform(0.0 if first else BEAT_JITTER, 1.0)
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             if self._watching != current or self.dead:
                 return
-            if self.contact != seen:
-                continue  # the watch was answered meanwhile
+            if self.contact != seen and not first:
+                continue  # a watch was sent or answered meanwhile
+            first = False
             sent = time.monotonic()
             try:
                 answer = await self.transport.call(endpoint, self.spec.run_id, "watch", fields, DEFAULT_REQUEST_TIMEOUT)
