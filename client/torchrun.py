@@ -18,12 +18,13 @@ store). The offered port stays reserved while the node waits in line, which may 
 minutes (see :class:`PortReservation`), and is released just before
 ``next_rendezvous()`` returns: node rank 0's worker binds it moments later, the same
 window torch's own free-port pick leaves. The handler's watch thread keeps one long-poll
-open per node while its round runs: it is the heartbeat, the fast death signal (the
-server sees the connection drop when the process dies) and the source of
+open per node while its round runs (held up to ``max_hold``): it is the fast death signal
+(the server sees the connection drop when the process dies) and the source of
 ``num_nodes_waiting()``, which the agent calls every 0.1 s and which therefore costs
-nothing. The watch and every other request of the node (join, leave, close, the store)
-travel pipelined on one stream connection (:func:`node_client`): one descriptor per node
-on the server.
+nothing. Its beat thread is the heartbeat: a watch of no hold, answered at once, whenever
+no answer beat the node for a third of the TTL. The watch, the beats and every other
+request of the node (join, leave, close, the store) travel pipelined on one stream
+connection (:func:`node_client`): one descriptor per node on the server.
 
 How long a node waits in line is the server's decision (it knows the node's role): a
 candidate or waiting node gets ``join_timeout`` (torch's ``RendezvousTimeoutError``); a
@@ -46,9 +47,11 @@ from __future__ import annotations
 import logging
 import math
 import os
+import random
 import socket
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
@@ -95,6 +98,8 @@ DEFAULT_CLOSE_TIMEOUT = 30.0
 # (a process that dies is noticed in about a second, by its dropped watch connection).
 DEFAULT_KEEP_ALIVE_INTERVAL = 2.0
 DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 5
+# A beat is sent between this fraction and all of a third of the TTL after the last answer.
+BEAT_JITTER = 0.9
 # TCPStore's default timeout for blocking store calls.
 DEFAULT_STORE_TIMEOUT = 300.0
 # The --rdzv-conf keys that are Client options, passed as they are (paths); ``tls`` is a bool.
@@ -314,7 +319,9 @@ class RdzvServerHandler(RendezvousHandler):
         self._watching: tuple[int, int] | None = None  # (round, generation)
         self._generation = 0
         self._shut_down = False
+        self._contact = 0.0  # time.monotonic() of the server's last answer that beat this node
         threading.Thread(target=self._watch, name=f"rdzv-watch-{self._node_id}", daemon=True).start()
+        threading.Thread(target=self._beat, name=f"rdzv-beat-{self._node_id}", daemon=True).start()
 
     # -- RendezvousHandler -------------------------------------------------------------
 
@@ -507,6 +514,7 @@ class RdzvServerHandler(RendezvousHandler):
     # -- the watch thread ----------------------------------------------------------------
 
     def _start_watch(self, round_: int) -> None:
+        self._contact = time.monotonic()  # the assignment was just answered: a beat
         with self._watch_cv:
             self._generation += 1
             self._watching = (round_, self._generation)
@@ -537,12 +545,11 @@ class RdzvServerHandler(RendezvousHandler):
         known = 0  # as num_nodes_waiting() starts: the first poll parks unless nodes already wait
         while self._watching == current:
             try:
-                # Held as long as the server allows (a third of the TTL): each watch is a request the
-                # server pays for, and liveness needs only one per TTL/3.
-                seen = self._client.watch(
-                    self._run_id, self._node_id, round=round_, known=known, hold=self._heartbeat_ttl / 3
-                )
-            except Exception as exc:  # RdzvError, or a bug: never let it end the heartbeats
+                # Held as long as the client and server allow (max_hold): the beat thread keeps
+                # the node alive meanwhile, so the watch is re-sent only when it answers. (A
+                # server older than the beats holds it a third of the TTL, which beats too.)
+                seen = self._client.watch(self._run_id, self._node_id, round=round_, known=known, hold=math.inf)
+            except Exception as exc:  # RdzvError, or a bug: never let it end the watch
                 if self._watching != current:
                     return
                 log.warning(
@@ -552,6 +559,7 @@ class RdzvServerHandler(RendezvousHandler):
                 with self._watch_cv:
                     self._watch_cv.wait_for(lambda: self._watching != current, self._keep_alive_interval)
                 continue
+            self._contact = time.monotonic()  # an answered watch beat the node (it was sent before now)
             if self._watching != current:
                 return
             if seen.num_nodes_waiting != known and seen.num_nodes_waiting > 0:
@@ -576,6 +584,53 @@ class RdzvServerHandler(RendezvousHandler):
                 return
             self._num_waiting = known
             self._closed = False
+
+    def _beat(self) -> None:
+        """The heartbeat: while a round is watched (and the job is not closed), a watch of no
+        hold, which the server answers at once, whenever nothing else told the server for a
+        third of the TTL that this node lives (a watch sent or answered, an assignment: the
+        server beats the node when a request arrives and when it answers). A parked watch is
+        not a heartbeat (a hung process keeps its connection open): these are what keep the
+        node alive, as the watch's own beats did when it was held a third of the TTL. Against
+        a server that still holds every watch a third of the TTL, the watches beat the node
+        and a beat is sent when an answer comes late (2.17 requests a second per node against
+        1.5 for the plug-in before the beats, two nodes at a TTL of 2 s)."""
+        while True:
+            with self._watch_cv:
+                while (self._watching is None or self._closed) and not self._shut_down:
+                    self._watch_cv.wait()
+                if self._shut_down:
+                    return
+                current = self._watching
+                assert current is not None
+            self._beat_round(current, self._heartbeat_ttl / 3)
+
+    def _beat_round(self, current: tuple[int, int], interval: float) -> None:
+        rng = random.Random()
+        # The first beat at a random point of the first interval, whatever the watch does: the
+        # nodes of a round are placed in the same second, and would otherwise beat in the same
+        # second for the whole round. The later ones are jittered too: they drift apart.
+        first = True
+        while True:
+            seen = self._contact
+            due = seen + interval * rng.uniform(0.0 if first else BEAT_JITTER, 1.0)
+            with self._watch_cv:
+                if self._watch_cv.wait_for(
+                    lambda: self._watching != current or self._closed, max(0.0, due - time.monotonic())
+                ):
+                    return
+            if self._contact != seen and not first:
+                continue  # a watch was sent or answered meanwhile: the next beat counts from that
+            first = False
+            sent = time.monotonic()
+            try:
+                self._client.watch(self._run_id, self._node_id, round=current[0], hold=0.0)
+            except Exception as exc:  # RdzvError, or a bug: never let it end the heartbeats
+                log.warning(
+                    "Node %s: heartbeat to job %s failed (%s).", self._node_id, self._run_id, exc,
+                    exc_info=not isinstance(exc, RdzvError),
+                )  # fmt: skip
+            self._contact = sent
 
 
 def _exchange_master_address(node_rank: int, store: Store, addr: str, port: int) -> RendezvousStoreInfo:

@@ -576,7 +576,11 @@ class WatchRequest(Request):
 
     Holding this request open is also the fast liveness signal: when the connection drops
     without a following request within the server's grace, the node is considered dead.
-    ``hold=0`` is a plain heartbeat that answers at once. Once a later round is open or
+    Held open it is not a heartbeat (a hung process keeps its connection): the request beats
+    when it arrives and when it is answered. ``hold=0`` is a plain heartbeat that answers at
+    once, without parking (the plug-in sends one every third of the TTL and holds its watch
+    up to ``max_hold``; a client that sends no other beats holds it a third of the TTL; a
+    server before the beats caps every hold at a third of the TTL). Once a later round is open or
     formed, a watcher that already knows a positive count (it is to re-join) is answered at
     the end of its hold or when the job closes, not at every node that joins the later round.
     """

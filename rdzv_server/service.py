@@ -721,9 +721,9 @@ class Service:
         return {"round": round_, "assignment": None if assignment is None else asdict(assignment)}
 
     def _node_hold(self, hold: float, job: Job) -> float:
-        """How long to hold a node's long-poll: well inside the TTL (an open poll is not itself
-        a heartbeat), and jittered so that thousands of polls parked together do not all
-        come back, and re-poll, in the same instant."""
+        """How long to hold a node's wait for its round: well inside the TTL (an open poll is
+        not itself a heartbeat), and jittered so that thousands of polls parked together do
+        not all come back, and re-poll, in the same instant."""
         return min(hold, job.settings.heartbeat_ttl / 3) * self._rng.uniform(HOLD_JITTER, 1.0)
 
     def _beat(self, rdzv_id: str, node_id: str) -> Job:
@@ -733,10 +733,22 @@ class Service:
         self._cancel_lost(rdzv_id, node_id)
         return job
 
+    def beat_now(self, rdzv_id: str, node_id: str, round_: int) -> Answer[dict[str, Any]]:
+        """A watch with no hold: the node's heartbeat, answered at once with the job's watch
+        view (no task, no waiter: thousands of nodes send one every third of their TTL).
+        Raises NotReady, JobNotFound."""
+        self._beat(rdzv_id, node_id)
+        return self.machine.watch_view(rdzv_id, round_), self._pending(self._last_append)
+
     async def watch(self, rdzv_id: str, node_id: str, round_: int, known: int, hold: float) -> dict[str, Any]:
-        """Heartbeat, then hold until num_nodes_waiting != known (see wire.WatchRequest)."""
-        job = self._beat(rdzv_id, node_id)
-        hold = self._node_hold(hold, job)
+        """Heartbeat, then hold until num_nodes_waiting != known (see wire.WatchRequest).
+
+        The hold is the client's (up to ``max_hold``, jittered), not capped by the TTL: a parked
+        watch is not a heartbeat, so a client that holds it longer than a third of its TTL
+        beats meanwhile with watches of no hold (:meth:`beat_now`), as the plug-in does. A
+        client that does not (the plug-in before it did) asks for a third of the TTL."""
+        self._beat(rdzv_id, node_id)
+        hold = hold * self._rng.uniform(HOLD_JITTER, 1.0)
 
         def changed() -> dict[str, Any] | None:
             if rdzv_id not in self.machine.jobs:
@@ -761,14 +773,15 @@ class Service:
         """Track a node's open long-poll; with ``fast_death``, its connection dropping means
         the node died unless it polls again within the grace."""
         key = (rdzv_id, node_id)
-        started = self.now()
         self._open_polls[key] = self._open_polls.get(key, 0) + 1
         try:
             yield
         except asyncio.CancelledError:
             self._close_poll(key)
             if fast_death:
-                self.connection_lost(rdzv_id, node_id, started)
+                # Dead unless it calls again after the drop: a heartbeat the node sent while
+                # this poll was parked says nothing about whether it outlived the connection.
+                self.connection_lost(rdzv_id, node_id, self.now())
             raise
         except BaseException:
             self._close_poll(key)
@@ -783,7 +796,7 @@ class Service:
             self._open_polls.pop(key, None)
 
     def connection_lost(self, rdzv_id: str, node_id: str, since: float) -> None:
-        """A node's long-poll (sent at ``since``) dropped: dead unless it calls again within the grace."""
+        """A node's long-poll dropped at ``since``: dead unless it calls again within the grace."""
         if self._stopping:
             return
         lost_at = since

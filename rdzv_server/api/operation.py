@@ -123,6 +123,12 @@ async def _await_round(svc: Service, rdzv_id: str, req: wire.AwaitRoundRequest) 
     return await svc.await_round(rdzv_id, req.node_id, req.round, req.hold)
 
 
+def _watch_now(svc: Service, rdzv_id: str, req: wire.WatchRequest) -> Answer[Body] | None:
+    if req.hold > 0:
+        return None  # it parks (the watch proper); one with no hold is a heartbeat, answered now
+    return svc.beat_now(rdzv_id, req.node_id, req.round)
+
+
 async def _watch(svc: Service, rdzv_id: str, req: wire.WatchRequest) -> Body:
     return await svc.watch(rdzv_id, req.node_id, req.round, req.known, req.hold)
 
@@ -145,7 +151,7 @@ OPERATIONS: dict[str, Operation] = {
     "create": _WRITE,
     "join": Operation(_join, None),
     "await_round": Operation(None, _await_round),
-    "watch": Operation(None, _watch),
+    "watch": Operation(_watch_now, _watch),
     "leave": _WRITE,
     "close": _WRITE,
     "refuse": Operation(None, _refuse),

@@ -133,6 +133,19 @@ def test_a_member_whose_job_closes_stops_watching_while_its_workers_run_on(serve
     assert member.is_closed() and member.num_nodes_waiting() == 0  # its agent trains on, then exits
 
 
+def test_the_handlers_beats_keep_its_node_alive_while_its_watch_is_parked_past_the_ttl(nodes: Nodes) -> None:
+    """The watch is held up to max_hold (30 s) and the TTL here is 2 s (0.5 s x 4): the beat
+    thread's watches of no hold, every third of the TTL, are what keep the members alive."""
+    job = f"beats-{uuid.uuid4().hex[:8]}"
+    waiting = [Waiting(nodes.handler(job, 2)) for _ in range(2)]
+    first = {w.result().rank for w in waiting}
+    assert first == {0, 1}
+    threading.Event().wait(2.5 * 2.0)  # two and a half TTLs, the watches still parked
+    membership = nodes.client.job(job)
+    assert [n["alive"] for n in membership["nodes"]] == [True, True], membership["nodes"]
+    assert membership["round"] == 0 and all(w.handler.num_nodes_waiting() == 0 for w in waiting)
+
+
 def test_a_standby_node_waits_past_join_timeout_and_exits_gracefully_when_the_job_closes(nodes: Nodes) -> None:
     job = f"standby-{uuid.uuid4().hex[:8]}"
     join_timeout = 1.0

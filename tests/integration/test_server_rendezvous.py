@@ -34,6 +34,8 @@ from rdzv_client import (
 # would otherwise make them happen.
 PROMPTLY = 3.0
 DISCONNECT_GRACE = 0.5
+# A third of the shortest heartbeat TTL these tests give (1 s): how often a watcher beats.
+BEAT_EVERY = 0.3
 
 
 def new_job() -> str:
@@ -97,10 +99,12 @@ async def until(predicate: Callable[[], Awaitable[bool]], within: float, what: s
 
 
 async def watch_until_waiting(aclient: AsyncClient, rdzv_id: str, node_id: str, round_: int, within: float) -> WatchResult:
-    """Heartbeat-and-watch as an agent does until num_nodes_waiting > 0 (bounded)."""
+    """Heartbeat-and-watch until num_nodes_waiting > 0 (bounded), each watch held at most
+    :data:`BEAT_EVERY` (a watch beats when it is sent and answered, not while it is held)."""
     deadline = time.monotonic() + within
     while True:
-        seen = await aclient.watch(rdzv_id, node_id, round=round_, known=0, hold=max(0.0, deadline - time.monotonic()))
+        hold = max(0.0, min(BEAT_EVERY, deadline - time.monotonic()))
+        seen = await aclient.watch(rdzv_id, node_id, round=round_, known=0, hold=hold)
         if seen.num_nodes_waiting > 0:
             return seen
         if time.monotonic() >= deadline:
@@ -307,6 +311,61 @@ async def test_a_member_that_stops_heartbeating_is_dead_after_the_ttl(aclient: A
     assert nodes["survivor"]["alive"] is True
 
 
+async def test_beats_keep_a_node_alive_while_its_watch_is_parked_longer_than_its_ttl(aclient: AsyncClient) -> None:
+    # The plug-in's protocol: the watch is held up to max_hold, and a watch of no hold every
+    # third of the TTL (answered at once) is the heartbeat. The server holds the watch as long
+    # as asked, not a third of the TTL, so it is re-sent only when something changes.
+    job = new_job()
+    ttl = 1.0
+    hold = 3 * ttl
+    join = joiner(aclient, job, min_nodes=2, max_nodes=2, heartbeat_ttl=ttl)
+    got = await asyncio.gather(join("beating"), join("survivor"))
+    round_ = got[0].round
+    parked = time.monotonic()
+    watches = [
+        asyncio.ensure_future(aclient.watch(job, node, round=round_, known=0, hold=hold))
+        for node in ("beating", "survivor")
+    ]
+    try:
+        while not all(w.done() for w in watches):
+            for node in ("beating", "survivor"):
+                beat = await aclient.watch(job, node, round=round_, known=0, hold=0.0)
+                assert beat.num_nodes_waiting == 0
+            await asyncio.wait(watches, timeout=ttl / 3)
+        held = time.monotonic() - parked
+        assert all(w.result().num_nodes_waiting == 0 for w in watches)
+    finally:
+        await cancel(*watches)
+    assert held >= 0.75 * hold - 0.05, f"the watch was answered after {held:.2f} s, not held (jittered) {hold} s"
+    nodes = {n["node_id"]: n for n in (await aclient.job(job))["nodes"]}
+    assert nodes["beating"]["alive"] is True and nodes["survivor"]["alive"] is True
+
+
+async def test_a_node_that_stops_beating_while_its_watch_is_parked_is_dead_after_its_ttl(aclient: AsyncClient) -> None:
+    # A hung process keeps its connection (and its parked watch) open but sends nothing: an
+    # open watch is not a heartbeat, so the TTL finds it however long the watch is held.
+    job = new_job()
+    ttl = 1.0
+    join = joiner(aclient, job, min_nodes=2, max_nodes=2, heartbeat_ttl=ttl)
+    got = await asyncio.gather(join("hung"), join("survivor"))
+    round_ = got[0].round
+    parked = time.monotonic()  # the hung node's last beat (its watch's arrival) is after this
+    hung = asyncio.ensure_future(aclient.watch(job, "hung", round=round_, known=0, hold=30.0))
+    try:
+        while True:  # the survivor beats by its watches, a third of its TTL each
+            seen = await aclient.watch(job, "survivor", round=round_, known=0, hold=ttl / 3)
+            if seen.num_nodes_waiting > 0:
+                break
+            assert time.monotonic() - parked < ttl + PROMPTLY, "the hung node was not found dead"
+        # Its own watch is answered too: it is no longer a live member of the round.
+        assert (await asyncio.wait_for(hung, PROMPTLY)).num_nodes_waiting == 1
+    finally:
+        await cancel(hung)
+    assert time.monotonic() - parked >= ttl - 0.05  # not before its TTL
+    nodes = {n["node_id"]: n for n in (await aclient.job(job))["nodes"]}
+    assert nodes["hung"]["alive"] is False and nodes["survivor"]["alive"] is True
+
+
 async def _open_raw_watch(srv: ServerProcess, rdzv_id: str, node_id: str, round_: int, hold: float) -> asyncio.StreamWriter:
     """Send a watch request on a raw connection and leave it held open (not read)."""
     body = json.dumps({"node_id": node_id, "round": round_, "known": 0, "hold": hold}).encode()
@@ -330,6 +389,27 @@ async def test_a_dropped_watch_connection_marks_the_node_dead_within_the_grace(g
         join = joiner(aclient, job, min_nodes=2, max_nodes=2, heartbeat_ttl=30.0)
         got = await asyncio.gather(join("crashing"), join("survivor"))
         writer = await _open_raw_watch(grace_server, job, "crashing", got[0].round, hold=10.0)
+        writer.transport.abort()  # the process died: the kernel resets its connection
+        start = time.monotonic()
+        seen = await watch_until_waiting(aclient, job, "survivor", got[0].round, within=10.0)
+        elapsed = time.monotonic() - start
+        assert seen.num_nodes_waiting == 1
+        assert elapsed < DISCONNECT_GRACE + 2.0  # far before the 30 s TTL
+        nodes = {n["node_id"]: n for n in (await aclient.job(job))["nodes"]}
+        assert nodes["crashing"]["alive"] is False and nodes["survivor"]["alive"] is True
+
+
+async def test_a_dropped_watch_marks_its_node_dead_within_the_grace_though_it_beat_while_parked(
+    grace_server: ServerProcess,
+) -> None:
+    # The node beat (watches of no hold, on another connection) after its watch parked: what
+    # counts is whether it calls again after the drop, not after the watch was sent.
+    async with AsyncClient(grace_server.endpoint, retry_budget=10.0) as aclient:
+        job = new_job()
+        join = joiner(aclient, job, min_nodes=2, max_nodes=2, heartbeat_ttl=30.0)
+        got = await asyncio.gather(join("crashing"), join("survivor"))
+        writer = await _open_raw_watch(grace_server, job, "crashing", got[0].round, hold=10.0)
+        await aclient.watch(job, "crashing", round=got[0].round, hold=0.0)
         writer.transport.abort()  # the process died: the kernel resets its connection
         start = time.monotonic()
         seen = await watch_until_waiting(aclient, job, "survivor", got[0].round, within=10.0)
@@ -408,10 +488,12 @@ async def test_a_graceful_leave_does_not_raise_num_nodes_waiting(aclient: AsyncC
     round_ = got[0].round
     await aclient.leave(job, "leaver")
     assert (await aclient.watch(job, "stayer", round=round_)).num_nodes_waiting == 0
-    # Past the leaver's TTL too: a departed node is not then found dead.
+    # Past the leaver's TTL too: a departed node is not then found dead. (The stayer's watches
+    # are its heartbeats: held a third of its TTL each, as a client that sends no other beats.)
     deadline = time.monotonic() + 1.5 * ttl
     while time.monotonic() < deadline:
-        seen = await aclient.watch(job, "stayer", round=round_, known=0, hold=deadline - time.monotonic())
+        hold = min(ttl / 3, deadline - time.monotonic())
+        seen = await aclient.watch(job, "stayer", round=round_, known=0, hold=hold)
         assert seen.num_nodes_waiting == 0
     nodes = {n["node_id"]: n for n in (await aclient.job(job))["nodes"]}
     assert nodes["leaver"]["alive"] is False and nodes["stayer"]["alive"] is True
