@@ -73,7 +73,7 @@ from .record import CORDON_BY as CORDON_BY
 from .record import REFUSE_CAUSES as REFUSE_CAUSES
 from .record import MAX_REASON_CHARS as MAX_REASON_CHARS
 from .record import MAX_CORDON_S as MAX_CORDON_S
-from .record import INLINE_KEY, REQUIRED_KEY, WIRE_KEY, key_ok, keys_ok, nonnegative, omitted
+from .record import INLINE_KEY, OMIT_KEY, REQUIRED_KEY, WIRE_KEY, key_ok, keys_ok, nonnegative, omitted
 
 CONTENT_TYPE_MSGPACK = "application/msgpack"
 CONTENT_TYPE_JSON = "application/json"
@@ -426,7 +426,18 @@ def _compile_decoder(cls: type[T], schema: _Schema) -> Callable[[object, dict[st
 
 def to_mapping(obj: Any) -> dict[str, Any]:
     """The plain dict of a request or response dataclass, ready for :func:`pack` (an inline
-    record's fields are spelled in its place)."""
+    record's fields are spelled in its place). Built by code generated once per class
+    (:func:`_compile_mapper`); :func:`reference_mapping` is the rule it must match."""
+    cls = type(obj)
+    mapper = _mappers.get(cls)
+    if mapper is None:
+        mapper = _mappers[cls] = _compile_mapper(cls)
+    return mapper(obj)
+
+
+def reference_mapping(obj: Any) -> dict[str, Any]:
+    """:func:`to_mapping` field by field through the metadata: the rule, for tests and for
+    records with an inline field (a join, a create)."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(obj):
         if not f.metadata.get(WIRE_KEY, True):
@@ -437,12 +448,55 @@ def to_mapping(obj: Any) -> dict[str, Any]:
             continue
         if omitted(f, v):  # a field added later, at its default: the bytes stay what they were
             continue
-        if isinstance(v, tuple):
-            v = [to_mapping(x) if dataclasses.is_dataclass(x) else x for x in v]
-        elif dataclasses.is_dataclass(v):
-            v = to_mapping(v)
-        out[f.name] = v
+        out[f.name] = _plain(v)
     return out
+
+
+def _plain(v: Any) -> Any:
+    """A field's value as :func:`pack` takes it: a tuple as a list, a record as its mapping."""
+    if isinstance(v, tuple):
+        return [to_mapping(x) if dataclasses.is_dataclass(x) else x for x in v]
+    if dataclasses.is_dataclass(v):
+        return to_mapping(v)
+    return v
+
+
+_mappers: dict[type[Any], Callable[[Any], dict[str, Any]]] = {}
+
+# A field of these types is packed as it is (no tuple, no record to convert).
+_PACKED_AS_IS = frozenset({bytes, str, int, float, bool, type(None)})
+
+
+def _scalar(hint: Any) -> bool:
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        return all(_scalar(a) for a in typing.get_args(hint))
+    return hint in _PACKED_AS_IS
+
+
+def _compile_mapper(cls: type[Any]) -> Callable[[Any], dict[str, Any]]:
+    """``to_mapping`` of record ``cls`` as straight-line code: one dict display of the fields
+    always sent, in declaration order, then one test per field left out at its default; a
+    field that may hold a tuple or a record goes through :func:`_plain` (the key order, hence
+    the frame's bytes, is the reference's)."""
+    fields = [f for f in dataclasses.fields(cls) if f.metadata.get(WIRE_KEY, True)]
+    if any(f.metadata.get(INLINE_KEY) for f in fields):
+        return reference_mapping
+    hints = typing.get_type_hints(cls)
+    env: dict[str, Any] = {"plain": _plain}
+    always: list[str] = []
+    rest: list[str] = []
+    for i, f in enumerate(fields):
+        value = f"obj.{f.name}" if _scalar(hints[f.name]) else f"plain(obj.{f.name})"
+        if f.metadata.get(OMIT_KEY):
+            env[f"d{i}"] = f.default
+            rest += [f"    v = obj.{f.name}", f"    if not v == d{i}:", f"        out[{f.name!r}] = {value.replace(f'obj.{f.name}', 'v')}"]
+        elif rest:  # after a field that may be left out: keep the order
+            rest.append(f"    out[{f.name!r}] = {value}")
+        else:
+            always.append(f"{f.name!r}: {value}")
+    lines = ["def to_mapping(obj):", f"    out = {{{', '.join(always)}}}", *rest, "    return out"]
+    exec(compile("\n".join(lines), f"<to_mapping of {cls.__name__}>", "exec"), env)
+    return env["to_mapping"]  # type: ignore[no-any-return]
 
 
 # --------------------------------------------------------------------------- requests

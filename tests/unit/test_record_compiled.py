@@ -10,7 +10,8 @@ from typing import ClassVar
 
 import msgpack
 
-from rdzv_client.record import Command, JobSettings, optional, wire_only
+from rdzv_client import wire
+from rdzv_client.record import WIRE_KEY, Command, JobSettings, optional, wire_only
 from rdzv_server.core import command as c
 
 
@@ -62,3 +63,40 @@ def test_the_generated_log_record_is_the_reference_one_in_the_same_order() -> No
 def test_a_field_added_later_is_left_out_at_its_default_and_kept_otherwise() -> None:
     assert _Later("j", "x").to_record() == {"rdzv_id": "j", "first": "x", "kept": 0, "op": "later"}
     assert list(_Later("j", "x", added="y", also=0).to_record()) == ["rdzv_id", "first", "added", "kept", "also", "op"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    name: str
+    size: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reply:
+    """A record with every kind of wire field: scalars, a tuple of records, a nested record,
+    one left out at its default, and one the wire map leaves out."""
+
+    first: bytes
+    parts: tuple[_Part, ...] = ()
+    added: str = optional("")
+    best: _Part | None = None
+    keys: tuple[bytes, ...] = ()
+    hidden: str = dataclasses.field(default="", metadata={WIRE_KEY: False})
+
+
+def test_the_generated_wire_map_is_the_reference_one_in_the_same_order() -> None:
+    samples: list[object] = [
+        *SAMPLES,
+        wire.GetRequest(key=b"k", timeout=1.5),
+        wire.MultiGetRequest(keys=(b"a", b"b"), timeout=0.0, round=2),
+        wire.WatchRequest(node_id="n", round=1, known=2, hold=3.0),
+        _Reply(b"x"),
+        _Reply(b"x", parts=(_Part("a", 1), _Part("b")), added="y", best=_Part("c"), keys=(b"k",), hidden="h"),
+    ]
+    for record in samples:
+        mapping, reference = wire.to_mapping(record), wire.reference_mapping(record)
+        assert list(mapping.items()) == list(reference.items()), record
+        assert wire.pack(mapping) == wire.pack(reference)
+    assert wire.to_mapping(_Reply(b"x", parts=(_Part("a", 1),), added="y")) == {
+        "first": b"x", "parts": [{"name": "a", "size": 1}], "added": "y", "best": None, "keys": [],
+    }
