@@ -396,10 +396,10 @@ class Service:
             self._log_failed(exc)
             raise
         self._last_append = fut
-        if fut.done():
-            self._durable(log_, command, outcome, fut)
-        else:
+        if not fut.done():
             fut.add_done_callback(functools.partial(self._durable, log_, command, outcome))
+            return outcome.result, fut
+        self._durable(log_, command, outcome, fut)
         return outcome.result, self._pending(fut)
 
     def _admit(self, command: c.Command, record: dict[str, Any]) -> None:

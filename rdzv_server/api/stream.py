@@ -269,7 +269,7 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
     def _parse_frames(self, data: bytes | bytearray | memoryview) -> int:
         pos = 0
         with memoryview(data) as view:
-            while self._accepting and not self._held():
+            while self._accepting and not (self._writing_paused or len(self.in_flight) >= MAX_IN_FLIGHT):  # _held()
                 try:
                     stop = _frame_end(data, pos, self._limit)
                 except frame.FrameTooLarge as exc:

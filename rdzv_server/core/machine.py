@@ -199,7 +199,9 @@ class StateMachine:
                 outcome = outcome._replace(events=events, wakes=(*outcome.wakes, events_topic(command.rdzv_id)))
         if now > self.clock:
             self.clock = now
-        self.cordons.prune(now)
+        next_end = self.cordons.next_end
+        if next_end is not None and now >= next_end:  # (what prune itself checks first: O(1) until then)
+            self.cordons.prune(now)
         if rid is not None:
             self._record(rid, outcome.result, now, session, trimmed)
         return outcome
@@ -237,8 +239,11 @@ class StateMachine:
 
     def _store(self, rdzv_id: str, now: float) -> KeyValueStore:
         """The job's keys for a write at ``now``; the write counts as use of the job."""
-        entry = self._entry(rdzv_id)
-        entry.last_used = max(entry.last_used, now)
+        entry = self.jobs.get(rdzv_id)
+        if entry is None:
+            entry = self._entry(rdzv_id)  # raises JobNotFound
+        if now > entry.last_used:
+            entry.last_used = now
         return entry.kv
 
     def _set(self, cmd: c.Set, now: float) -> Outcome:
@@ -555,7 +560,9 @@ class StateMachine:
                 gone = _result_bytes(session.results.popitem(last=False)[1])
                 session.bytes -= gone
                 self.session_bytes -= gone
-        self._expired_sessions(now)
+        least_recent = next(iter(self.sessions.values()))  # (this client's, at least)
+        if least_recent.last_write + self.session_ttl < now:
+            self._expired_sessions(now)
 
     # -- the timer's detection ------------------------------------------------------------
 

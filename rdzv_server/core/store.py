@@ -118,7 +118,8 @@ class KeyValueStore:
 
     def _replace(self, scope: int | None, key: bytes, old: bytes | None, value: bytes) -> None:
         """:meth:`_change` of a key whose value the caller has just read (``old``; None: missing)."""
-        self._fits(key, value)
+        if len(value) > self.max_value_bytes:
+            self._fits(key, value)  # raises
         if old is None:
             self._quota(1, len(value) + len(key))
             self._space(scope)[key] = value
