@@ -414,7 +414,11 @@ def _compile_decoder(cls: type[T], schema: _Schema) -> Callable[[object, dict[st
         else:  # absent: the dataclass's own default, as the reference leaves it
             lines += [f"    if {v} is missing:", f"        {v} = d{i}"]
             lines.append(f"    elif not ({accept}):" if accept else "    else:")
-        lines.append(f"        {v} = c{i}({name!r}, {v})")
+        if name == "rid" and f.convert is _FIELD_CONVERTERS["rid"]:  # every write's: the converter itself, not its wrapper
+            env[f"c{i}"] = _convert_rid
+            lines.append(f"        {v} = c{i}({v})")
+        else:
+            lines.append(f"        {v} = c{i}({name!r}, {v})")
         args.append(f"{name}={v}")
     # The instance as the dataclass's own __init__ leaves it (every field, in declaration
     # order), built as one dict: a frozen dataclass's __init__ assigns each field through
@@ -695,9 +699,10 @@ def decode_request(op: str, body: object, rdzv_id: str = "") -> Request:
     cls = REQUESTS.get(op)
     if cls is None:
         raise WireError(f"unknown operation {op!r}")
-    if cls.writes:
-        return from_mapping(cls, body, rdzv_id=rdzv_id)
-    return from_mapping(cls, body)
+    decode = _decoders.get(cls)  # (from_mapping's first step, taken here: this is every request's path)
+    if decode is None:
+        decode = _decoders[cls] = _compile_decoder(cls, _schema(cls))
+    return decode(body, {"rdzv_id": rdzv_id} if cls.writes else {})  # type: ignore[no-any-return]
 
 
 def op_path(rdzv_id: str, op: str) -> str:
