@@ -376,6 +376,7 @@ class SocketTransport:
         # Python socket timeout polls before each and switches modes per call. Each one's
         # timeout as last set, so it is set again only when it changes. (TLS keeps settimeout.)
         self._timeouts: dict[socket.socket, float] = {}
+        self._unpack = threading.local()  # each thread's wire.Unpack of replies
 
     # -- the seam --------------------------------------------------------------------------
 
@@ -458,8 +459,11 @@ class SocketTransport:
 
     def _decode(self, reply: bytes) -> list[Any]:
         """A reply frame's ``[tag, status, body]``; raises :class:`ServerError` if it is not one."""
+        unpack = getattr(self._unpack, "unpack", None)
+        if unpack is None:
+            unpack = self._unpack.unpack = wire.Unpack(self._max_response_bytes, wire.MAX_REPLY_ITEMS)
         try:
-            message = wire.unpack(reply, self._max_response_bytes, max_items=wire.MAX_REPLY_ITEMS)
+            message = unpack(reply)
         except wire.WireError as exc:
             raise ServerError(f"the server sent a frame this client cannot read: {exc}") from exc
         if not (isinstance(message, list) and len(message) == 3 and type(message[0]) is int and type(message[1]) is int):

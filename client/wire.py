@@ -141,6 +141,62 @@ def unpack(data: bytes, max_bytes: int, *, max_items: int = MAX_KEYS_PER_REQUEST
         raise WireError(f"body is not valid msgpack: {exc}") from exc
 
 
+#: The largest body an :class:`Unpack` takes through its unpacker (larger ones: :func:`unpack`),
+#: so that its buffer stays this small: store requests and replies are far smaller.
+UNPACKER_BYTES = 64 * 1024
+
+
+class Unpack:
+    """:func:`unpack` with its limits fixed once: ``Unpack(max_bytes, max_items)(data)`` returns
+    the same object and raises the same :class:`WireError` as ``unpack(data, max_bytes,
+    max_items=max_items)``, at a fraction of the cost: msgpack parses ``unpackb``'s keyword
+    limits on every call, which costs several times the decoding of a small frame, where a
+    ``msgpack.Unpacker`` holds them. Anything but one whole object with nothing after it
+    (truncated, trailing bytes, over a limit, not msgpack) is handed to :func:`unpack` itself,
+    so each failure reads the same, and the unpacker is replaced; so is a body over
+    :data:`UNPACKER_BYTES`, which would grow the unpacker's buffer for good. Not thread-safe:
+    one per thread (or per event loop)."""
+
+    __slots__ = ("_fed", "_max_bytes", "_max_items", "_unpacker")
+
+    def __init__(self, max_bytes: int, max_items: int = MAX_KEYS_PER_REQUEST * 2) -> None:
+        self._max_bytes = max_bytes
+        self._max_items = max_items
+        self._unpacker = self._new()
+        self._fed = 0  # bytes fed to this unpacker: what it must have consumed after each object
+
+    def _new(self) -> msgpack.Unpacker:
+        limit = self._max_bytes
+        return msgpack.Unpacker(
+            raw=False,
+            strict_map_key=True,
+            max_buffer_size=max(1, min(limit, UNPACKER_BYTES)),
+            max_bin_len=limit,
+            max_str_len=limit,
+            max_array_len=self._max_items,
+            max_map_len=64,
+            max_ext_len=0,
+        )
+
+    def __call__(self, data: bytes | memoryview) -> Any:
+        if len(data) > UNPACKER_BYTES:
+            return unpack(data, self._max_bytes, max_items=self._max_items)  # type: ignore[arg-type]  # any buffer works
+        if len(data) > self._max_bytes:
+            raise WireError(f"body of {len(data)} bytes exceeds the limit of {self._max_bytes}")
+        unpacker = self._unpacker
+        try:
+            unpacker.feed(data)
+            self._fed += len(data)
+            obj = unpacker.unpack()
+            whole = unpacker.tell() == self._fed
+        except Exception:  # noqa: BLE001 (the reference below raises what unpack raises)
+            whole = False
+        if whole:
+            return obj
+        self._unpacker, self._fed = self._new(), 0
+        return unpack(data, self._max_bytes, max_items=self._max_items)  # type: ignore[arg-type]  # any buffer works
+
+
 def _json_default(obj: Any) -> Any:
     if isinstance(obj, (bytes, bytearray)):
         # JSON is for people: show bytes as text; undecodable bytes are escaped, not lost silently.
