@@ -35,6 +35,7 @@ import math
 import os
 import pathlib
 import struct
+import threading
 import types
 import typing
 from collections.abc import Callable
@@ -110,8 +111,16 @@ def default_token_file(env: typing.Mapping[str, str] | None = None) -> pathlib.P
 
 def pack(obj: Any) -> bytes:
     """Encode a plain object (dicts, lists, str, bytes, numbers, None) as msgpack."""
-    packed: bytes = msgpack.packb(obj, use_bin_type=True)
+    packer = getattr(_packers, "packer", None)
+    if packer is None:
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
+    packed: bytes = packer.pack(obj)  # (a Packer resets itself after a failed pack)
     return packed
+
+
+# Each thread's Packer: msgpack.packb builds one, with its buffer, per call, which costs about
+# as much as encoding a request (the blocking client packs one per call, from many threads).
+_packers = threading.local()
 
 
 # Replies may list many keys (list_keys, multi_get); requests are bounded by MAX_KEYS_PER_REQUEST.
