@@ -195,7 +195,8 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
             if not self._hold(len(data) - consumed, now):
                 return
             buf += memoryview(data)[consumed:]
-        self._update_reading()
+        if self._reading_paused or self._writing_paused or self.in_flight:  # else _update_reading changes nothing
+            self._update_reading()
 
     def eof_received(self) -> bool | None:
         # A dead process's kernel sends FIN, not a reset: treat EOF as the connection lost
