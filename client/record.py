@@ -306,7 +306,18 @@ class Command(Request):
 
     def to_record(self) -> dict[str, Any]:
         """The log record: the fields the log keeps, an inline record's (the job settings)
-        spelled in its place, and ``op``."""
+        spelled in its place, and ``op``. Built by code generated once per class from the
+        same field metadata (:func:`_compile_recorder`); :meth:`reference_record` is the
+        plain reading of the rule, which the generated code must match."""
+        cls = type(self)
+        recorder = _RECORDERS.get(cls)
+        if recorder is None:
+            recorder = _RECORDERS[cls] = _compile_recorder(cls)
+        return recorder(self)
+
+    def reference_record(self) -> dict[str, Any]:
+        """:meth:`to_record` field by field through the metadata (the rule, for tests and
+        for the records with an inline field, which are rare: a join, a create)."""
         record: dict[str, Any] = {}
         for f, inlined in _log_fields(type(self)):
             value = getattr(self, f.name)
@@ -318,6 +329,38 @@ class Command(Request):
                 record[f.name] = value
         record["op"] = self.op
         return record
+
+
+_RECORDERS: dict[type[Command], Callable[[Any], dict[str, Any]]] = {}
+
+
+def _compile_recorder(cls: type[Command]) -> Callable[[Any], dict[str, Any]]:
+    """``cls.to_record`` as straight-line code: one dict display of the fields always kept,
+    in declaration order, then one test per field left out at its default (the key order,
+    hence the record's bytes, is the reference's). A store write's record costs a dict."""
+    fields = _log_fields(cls)
+    if any(inlined for _, inlined in fields):
+        return cls.reference_record
+    env: dict[str, Any] = {}
+    lines = ["def to_record(self):"]
+    always: list[str] = []
+    rest: list[str] = []
+    for i, (f, _) in enumerate(fields):
+        if f.metadata.get(OMIT_KEY):
+            env[f"d{i}"] = f.default
+            rest += [f"    v = self.{f.name}", f"    if not v == d{i}:", f"        r[{f.name!r}] = v"]
+        elif rest:  # after a field that may be left out: keep the order
+            rest.append(f"    r[{f.name!r}] = self.{f.name}")
+        else:
+            always.append(f"{f.name!r}: self.{f.name}")
+    if not rest:
+        always.append(f"'op': {cls.op!r}")
+    else:
+        rest.append(f"    r['op'] = {cls.op!r}")
+    lines.append(f"    r = {{{', '.join(always)}}}")
+    lines += [*rest, "    return r"]
+    exec(compile("\n".join(lines), f"<to_record of {cls.__name__}>", "exec"), env)
+    return env["to_record"]  # type: ignore[no-any-return]
 
 
 _LOG_FIELDS: dict[type[Command], tuple[tuple[dataclasses.Field[Any], bool], ...]] = {}

@@ -210,16 +210,17 @@ class Client:
         field = _HOLD_FIELD.get(type(req))
 
         def attempt(endpoint: Endpoint) -> Any:
-            this = req
+            # The request's wire map, then what each attempt changes in it, in place (the map
+            # keeps its key order: the bytes are those of the request with these values).
+            fields = wire.to_mapping(req)
             if rid is not None:  # every attempt tells the server what it may forget
-                this = dataclasses.replace(req, rid=(rid[0], rid[1], self._unanswered.floor(rid[1])))  # type: ignore[call-arg]
+                fields["rid"] = [rid[0], rid[1], self._unanswered.floor(rid[1])]
             hold = 0.0
             if field is not None:
                 hold = float(getattr(req, field))
                 if deadline is not None:
                     hold = max(0.0, min(hold, deadline - time.monotonic()))
-                    this = dataclasses.replace(this, **{field: hold})
-            fields = wire.to_mapping(this)
+                    fields[field] = hold
             return _answer(self._transport.call(endpoint, rdzv_id, req.op, fields, hold + self._request_timeout))
 
         reply = self._with_retries(f"{req.op} on job {rdzv_id}", attempt, deadline)

@@ -48,6 +48,7 @@ import itertools
 import os
 import socket
 import ssl
+import struct
 import threading
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -322,6 +323,26 @@ class _Stale(Exception):
     """A pooled connection turned out to be closed (the server restarted while it sat idle)."""
 
 
+# Forks this process has been through (its child's count is one more): a transport notices it
+# was forked by comparing counts, not by asking the kernel for its pid on every call.
+_forks = 0
+
+
+def _forked() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def _timeval(seconds: float) -> bytes:
+    """``seconds`` as the ``struct timeval`` of SO_RCVTIMEO / SO_SNDTIMEO (all zero would mean never)."""
+    whole = int(seconds)
+    micros = int((seconds - whole) * 1e6)
+    return struct.pack("ll", whole, micros if whole or micros else 1)
+
+
 class SocketTransport:
     """:class:`BlockingTransport` over blocking sockets, shared by any number of threads.
 
@@ -349,7 +370,13 @@ class SocketTransport:
         self._busy: set[socket.socket] = set()
         self._tags = itertools.count(1)
         self._closed = False
-        self._pid = os.getpid()
+        self._forks = _forks
+        # A plain TCP connection stays in blocking mode and times out in the kernel
+        # (SO_RCVTIMEO, SO_SNDTIMEO): one system call per send and per receive, where a
+        # Python socket timeout polls before each and switches modes per call. Each one's
+        # timeout as last set, so it is set again only when it changes. (TLS keeps settimeout.)
+        self._timeouts: dict[socket.socket, float] = {}
+        self._unpack = threading.local()  # each thread's wire.Unpack of replies
 
     # -- the seam --------------------------------------------------------------------------
 
@@ -373,6 +400,7 @@ class SocketTransport:
             self._closed = True
             socks = [s for idle in self._idle.values() for s in idle] + list(self._busy)
             self._idle.clear()
+            self._timeouts.clear()
         for sock in socks:
             try:
                 # Wakes a thread blocked in recv on it. The plain socket's shutdown, also for a
@@ -388,7 +416,8 @@ class SocketTransport:
         sock, reused = self._checkout(endpoint, timeout, fresh)
         ok = False
         try:
-            sock.settimeout(timeout)
+            if self._timeouts.get(sock) != timeout:
+                self._set_timeout(sock, timeout)
             hello = 0 if reused or not self._token else next(self._tags)
             if reused:
                 sock.sendall(payload)
@@ -404,6 +433,8 @@ class SocketTransport:
             ok = message[0] == tag  # tag 0: the server refused the connection and closes it
         except (OSError, EOFError) as exc:
             self._raise_if_closed(exc)
+            if isinstance(exc, BlockingIOError):  # the kernel's timeout (_set_timeout): say it as Python would
+                raise TransportError(f"{endpoint}: timed out") from exc
             if is_tls_misconfiguration(exc):  # e.g. TLS 1.3: a refused client certificate shows on the first read
                 raise RdzvConnectionError(tls_failure(endpoint, exc)) from exc
             if reused and isinstance(exc, (ConnectionError, EOFError)):
@@ -415,10 +446,24 @@ class SocketTransport:
             raise ServerError(f"the server sent a reply frame that does not answer request {tag}: {message!r:.200}")
         return Answer(message[1], message[2])
 
+    def _set_timeout(self, sock: socket.socket, timeout: float) -> None:
+        """Bound each send and receive on ``sock`` by ``timeout`` seconds: in the kernel for a
+        plain connection (a receive that times out raises BlockingIOError), else as Python does."""
+        if isinstance(sock, ssl.SSLSocket):
+            sock.settimeout(timeout)
+        else:
+            when = _timeval(timeout)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, when)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, when)
+        self._timeouts[sock] = timeout
+
     def _decode(self, reply: bytes) -> list[Any]:
         """A reply frame's ``[tag, status, body]``; raises :class:`ServerError` if it is not one."""
+        unpack = getattr(self._unpack, "unpack", None)
+        if unpack is None:
+            unpack = self._unpack.unpack = wire.Unpack(self._max_response_bytes, wire.MAX_REPLY_ITEMS)
         try:
-            message = wire.unpack(reply, self._max_response_bytes, max_items=wire.MAX_REPLY_ITEMS)
+            message = unpack(reply)
         except wire.WireError as exc:
             raise ServerError(f"the server sent a frame this client cannot read: {exc}") from exc
         if not (isinstance(message, list) and len(message) == 3 and type(message[0]) is int and type(message[1]) is int):
@@ -461,6 +506,8 @@ class SocketTransport:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if endpoint.scheme == "https":
             sock = self._handshake(endpoint, sock)
+        else:
+            sock.settimeout(None)  # blocking: the exchange's timeout is the kernel's (_set_timeout)
         with self._lock:
             if self._closed:
                 sock.close()
@@ -485,15 +532,17 @@ class SocketTransport:
             if ok and not self._closed and len(idle) < self._max_idle:
                 idle.append(sock)
                 return
+            self._timeouts.pop(sock, None)
         sock.close()
 
     def _check_usable(self) -> None:
         if self._closed:
             raise ClientClosedError("this rdzv client is closed")
-        if os.getpid() != self._pid:  # a forked child must not share its parent's connections
+        if _forks != self._forks:  # a forked child must not share its parent's connections
             self._idle.clear()
             self._busy.clear()
-            self._pid = os.getpid()
+            self._timeouts.clear()
+            self._forks = _forks
 
     def _raise_if_closed(self, exc: BaseException) -> None:
         if self._closed:

@@ -35,6 +35,7 @@ import math
 import os
 import pathlib
 import struct
+import threading
 import types
 import typing
 from collections.abc import Callable
@@ -73,7 +74,7 @@ from .record import CORDON_BY as CORDON_BY
 from .record import REFUSE_CAUSES as REFUSE_CAUSES
 from .record import MAX_REASON_CHARS as MAX_REASON_CHARS
 from .record import MAX_CORDON_S as MAX_CORDON_S
-from .record import INLINE_KEY, REQUIRED_KEY, WIRE_KEY, key_ok, keys_ok, nonnegative, omitted
+from .record import INLINE_KEY, OMIT_KEY, REQUIRED_KEY, WIRE_KEY, key_ok, keys_ok, nonnegative, omitted
 
 CONTENT_TYPE_MSGPACK = "application/msgpack"
 CONTENT_TYPE_JSON = "application/json"
@@ -110,8 +111,16 @@ def default_token_file(env: typing.Mapping[str, str] | None = None) -> pathlib.P
 
 def pack(obj: Any) -> bytes:
     """Encode a plain object (dicts, lists, str, bytes, numbers, None) as msgpack."""
-    packed: bytes = msgpack.packb(obj, use_bin_type=True)
+    packer = getattr(_packers, "packer", None)
+    if packer is None:
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
+    packed: bytes = packer.pack(obj)  # (a Packer resets itself after a failed pack)
     return packed
+
+
+# Each thread's Packer: msgpack.packb builds one, with its buffer, per call, which costs about
+# as much as encoding a request (the blocking client packs one per call, from many threads).
+_packers = threading.local()
 
 
 # Replies may list many keys (list_keys, multi_get); requests are bounded by MAX_KEYS_PER_REQUEST.
@@ -139,6 +148,62 @@ def unpack(data: bytes, max_bytes: int, *, max_items: int = MAX_KEYS_PER_REQUEST
         )
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise WireError(f"body is not valid msgpack: {exc}") from exc
+
+
+#: The largest body an :class:`Unpack` takes through its unpacker (larger ones: :func:`unpack`),
+#: so that its buffer stays this small: store requests and replies are far smaller.
+UNPACKER_BYTES = 64 * 1024
+
+
+class Unpack:
+    """:func:`unpack` with its limits fixed once: ``Unpack(max_bytes, max_items)(data)`` returns
+    the same object and raises the same :class:`WireError` as ``unpack(data, max_bytes,
+    max_items=max_items)``, at a fraction of the cost: msgpack parses ``unpackb``'s keyword
+    limits on every call, which costs several times the decoding of a small frame, where a
+    ``msgpack.Unpacker`` holds them. Anything but one whole object with nothing after it
+    (truncated, trailing bytes, over a limit, not msgpack) is handed to :func:`unpack` itself,
+    so each failure reads the same, and the unpacker is replaced; so is a body over
+    :data:`UNPACKER_BYTES`, which would grow the unpacker's buffer for good. Not thread-safe:
+    one per thread (or per event loop)."""
+
+    __slots__ = ("_fed", "_max_bytes", "_max_items", "_unpacker")
+
+    def __init__(self, max_bytes: int, max_items: int = MAX_KEYS_PER_REQUEST * 2) -> None:
+        self._max_bytes = max_bytes
+        self._max_items = max_items
+        self._unpacker = self._new()
+        self._fed = 0  # bytes fed to this unpacker: what it must have consumed after each object
+
+    def _new(self) -> msgpack.Unpacker:
+        limit = self._max_bytes
+        return msgpack.Unpacker(
+            raw=False,
+            strict_map_key=True,
+            max_buffer_size=max(1, min(limit, UNPACKER_BYTES)),
+            max_bin_len=limit,
+            max_str_len=limit,
+            max_array_len=self._max_items,
+            max_map_len=64,
+            max_ext_len=0,
+        )
+
+    def __call__(self, data: bytes | memoryview) -> Any:
+        if len(data) > UNPACKER_BYTES:
+            return unpack(data, self._max_bytes, max_items=self._max_items)  # type: ignore[arg-type]  # any buffer works
+        if len(data) > self._max_bytes:
+            raise WireError(f"body of {len(data)} bytes exceeds the limit of {self._max_bytes}")
+        unpacker = self._unpacker
+        try:
+            unpacker.feed(data)
+            self._fed += len(data)
+            obj = unpacker.unpack()
+            whole = unpacker.tell() == self._fed
+        except Exception:  # noqa: BLE001 (the reference below raises what unpack raises)
+            whole = False
+        if whole:
+            return obj
+        self._unpacker, self._fed = self._new(), 0
+        return unpack(data, self._max_bytes, max_items=self._max_items)  # type: ignore[arg-type]  # any buffer works
 
 
 def _json_default(obj: Any) -> Any:
@@ -414,9 +479,30 @@ def _compile_decoder(cls: type[T], schema: _Schema) -> Callable[[object, dict[st
         else:  # absent: the dataclass's own default, as the reference leaves it
             lines += [f"    if {v} is missing:", f"        {v} = d{i}"]
             lines.append(f"    elif not ({accept}):" if accept else "    else:")
-        lines.append(f"        {v} = c{i}({name!r}, {v})")
+        if name == "rid" and f.convert is _FIELD_CONVERTERS["rid"]:  # every write's: the converter itself, not its wrapper
+            env[f"c{i}"] = _convert_rid
+            lines.append(f"        {v} = c{i}({v})")
+        else:
+            lines.append(f"        {v} = c{i}({name!r}, {v})")
         args.append(f"{name}={v}")
-    lines.append(f"    obj = cls({', '.join(args)}, **given)")
+    # The instance as the dataclass's own __init__ leaves it (every field, in declaration
+    # order), built as one dict: a frozen dataclass's __init__ assigns each field through
+    # object.__setattr__, which costs more than the rest of the decoding. Only where the
+    # fields are exactly the wire's plus the given ones (a command's rdzv_id) and no
+    # __post_init__ runs; any other call goes through __init__.
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]  # (a dataclass, as the schema was)
+    extra = [n for n in names if n not in schema.fields]
+    fast = not hasattr(cls, "__post_init__") and extra in ([], ["rdzv_id"]) and not getattr(cls, "__slots__", ())
+    if fast:
+        env["new"], env["set_dict"] = object.__new__, object.__setattr__
+        values = {n: (f"v{list(schema.fields).index(n)}" if n in schema.fields else "given['rdzv_id']") for n in names}
+        lines.append(f"    if len(given) == {len(extra)}{' and ' + repr('rdzv_id') + ' in given' if extra else ''}:")
+        lines.append("        obj = new(cls)")
+        lines.append(f"        set_dict(obj, '__dict__', {{{', '.join(f'{n!r}: {v}' for n, v in values.items())}}})")
+        lines.append("    else:")
+        lines.append(f"        obj = cls({', '.join(args)}, **given)")
+    else:
+        lines.append(f"    obj = cls({', '.join(args)}, **given)")
     if schema.validates:
         lines.append("    obj.validate()")
     lines.append("    return obj")
@@ -426,7 +512,18 @@ def _compile_decoder(cls: type[T], schema: _Schema) -> Callable[[object, dict[st
 
 def to_mapping(obj: Any) -> dict[str, Any]:
     """The plain dict of a request or response dataclass, ready for :func:`pack` (an inline
-    record's fields are spelled in its place)."""
+    record's fields are spelled in its place). Built by code generated once per class
+    (:func:`_compile_mapper`); :func:`reference_mapping` is the rule it must match."""
+    cls = type(obj)
+    mapper = _mappers.get(cls)
+    if mapper is None:
+        mapper = _mappers[cls] = _compile_mapper(cls)
+    return mapper(obj)
+
+
+def reference_mapping(obj: Any) -> dict[str, Any]:
+    """:func:`to_mapping` field by field through the metadata: the rule, for tests and for
+    records with an inline field (a join, a create)."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(obj):
         if not f.metadata.get(WIRE_KEY, True):
@@ -437,12 +534,55 @@ def to_mapping(obj: Any) -> dict[str, Any]:
             continue
         if omitted(f, v):  # a field added later, at its default: the bytes stay what they were
             continue
-        if isinstance(v, tuple):
-            v = [to_mapping(x) if dataclasses.is_dataclass(x) else x for x in v]
-        elif dataclasses.is_dataclass(v):
-            v = to_mapping(v)
-        out[f.name] = v
+        out[f.name] = _plain(v)
     return out
+
+
+def _plain(v: Any) -> Any:
+    """A field's value as :func:`pack` takes it: a tuple as a list, a record as its mapping."""
+    if isinstance(v, tuple):
+        return [to_mapping(x) if dataclasses.is_dataclass(x) else x for x in v]
+    if dataclasses.is_dataclass(v):
+        return to_mapping(v)
+    return v
+
+
+_mappers: dict[type[Any], Callable[[Any], dict[str, Any]]] = {}
+
+# A field of these types is packed as it is (no tuple, no record to convert).
+_PACKED_AS_IS = frozenset({bytes, str, int, float, bool, type(None)})
+
+
+def _scalar(hint: Any) -> bool:
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        return all(_scalar(a) for a in typing.get_args(hint))
+    return hint in _PACKED_AS_IS
+
+
+def _compile_mapper(cls: type[Any]) -> Callable[[Any], dict[str, Any]]:
+    """``to_mapping`` of record ``cls`` as straight-line code: one dict display of the fields
+    always sent, in declaration order, then one test per field left out at its default; a
+    field that may hold a tuple or a record goes through :func:`_plain` (the key order, hence
+    the frame's bytes, is the reference's)."""
+    fields = [f for f in dataclasses.fields(cls) if f.metadata.get(WIRE_KEY, True)]
+    if any(f.metadata.get(INLINE_KEY) for f in fields):
+        return reference_mapping
+    hints = typing.get_type_hints(cls)
+    env: dict[str, Any] = {"plain": _plain}
+    always: list[str] = []
+    rest: list[str] = []
+    for i, f in enumerate(fields):
+        value = f"obj.{f.name}" if _scalar(hints[f.name]) else f"plain(obj.{f.name})"
+        if f.metadata.get(OMIT_KEY):
+            env[f"d{i}"] = f.default
+            rest += [f"    v = obj.{f.name}", f"    if not v == d{i}:", f"        out[{f.name!r}] = {value.replace(f'obj.{f.name}', 'v')}"]
+        elif rest:  # after a field that may be left out: keep the order
+            rest.append(f"    out[{f.name!r}] = {value}")
+        else:
+            always.append(f"{f.name!r}: {value}")
+    lines = ["def to_mapping(obj):", f"    out = {{{', '.join(always)}}}", *rest, "    return out"]
+    exec(compile("\n".join(lines), f"<to_mapping of {cls.__name__}>", "exec"), env)
+    return env["to_mapping"]  # type: ignore[no-any-return]
 
 
 # --------------------------------------------------------------------------- requests
@@ -628,9 +768,10 @@ def decode_request(op: str, body: object, rdzv_id: str = "") -> Request:
     cls = REQUESTS.get(op)
     if cls is None:
         raise WireError(f"unknown operation {op!r}")
-    if cls.writes:
-        return from_mapping(cls, body, rdzv_id=rdzv_id)
-    return from_mapping(cls, body)
+    decode = _decoders.get(cls)  # (from_mapping's first step, taken here: this is every request's path)
+    if decode is None:
+        decode = _decoders[cls] = _compile_decoder(cls, _schema(cls))
+    return decode(body, {"rdzv_id": rdzv_id} if cls.writes else {})  # type: ignore[no-any-return]
 
 
 def op_path(rdzv_id: str, op: str) -> str:

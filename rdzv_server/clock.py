@@ -28,8 +28,8 @@ class SystemClock:
 
     __slots__ = ()
 
-    def monotonic(self) -> float:
-        return time.monotonic()
+    # The C function itself: the service reads the clock on every write.
+    monotonic = staticmethod(time.monotonic)
 
 
 SYSTEM_CLOCK: Clock = SystemClock()

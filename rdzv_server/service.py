@@ -55,7 +55,8 @@ from .core.error import (
     SettingsConflict,
     ShuttingDown,
 )
-from .core.event import Cause, JobEvent
+from .core.cordon import Cordon
+from .core.event import Cause, EventPage, JobEvent
 from .core.machine import Entry, Outcome, StateMachine, events_topic, key_topic, node_topic, round_topic, watch_topic
 from .core.rendezvous import Departure, Job, JobSummary, JobView, departure_cause
 from .core.store import KeyValueStore
@@ -89,10 +90,10 @@ HOLD_JITTER = 0.75
 # A leader that logged nothing for this long logs a Tick (while it holds any job), so that a
 # take-over resumes the clock at most this far behind where the old leader's stood.
 TICK_EVERY_S = 1.0
-# A store write touches a job's keys and its last use, which can only move the job's next
-# deadline (its collection) later: while the job has a wake-up pending (which reschedules
-# when it fires), a store write needs no new one.
-STORE_WRITES = frozenset({c.Set, c.Add, c.CompareSet, c.Append, c.MultiSet, c.DeleteKey})
+# A store write (c.STORE_WRITES) touches a job's keys and its last use, which can only move
+# the job's next deadline (its collection) later: while the job has a wake-up pending (which
+# reschedules when it fires), a store write needs no new one.
+STORE_WRITES = c.STORE_WRITES
 # A timer command the service refused (the log's queue full, say) is tried again this much
 # later, not at once: the deadline it serves is already due, and retrying in the same pass
 # would spin the event loop.
@@ -395,10 +396,10 @@ class Service:
             self._log_failed(exc)
             raise
         self._last_append = fut
-        if fut.done():
-            self._durable(log_, command, outcome, fut)
-        else:
+        if not fut.done():
             fut.add_done_callback(functools.partial(self._durable, log_, command, outcome))
+            return outcome.result, fut
+        self._durable(log_, command, outcome, fut)
         return outcome.result, self._pending(fut)
 
     def _admit(self, command: c.Command, record: dict[str, Any]) -> None:
@@ -539,13 +540,13 @@ class Service:
         """Job ``rdzv_id``'s membership, as plain data. Raises as :meth:`read`, or NotFound."""
         return await self.read(lambda: self.machine.job(rdzv_id).view(self.now()))
 
-    async def job_timeline(self, rdzv_id: str) -> dict[str, Any]:
-        """Every event job ``rdzv_id``'s timeline keeps (oldest first), ``first_seq`` and the
-        server's ``now``, at once (the job page's lanes). Raises as :meth:`read`, or NotFound."""
+    async def job_timeline(self, rdzv_id: str) -> EventPage:
+        """Every event job ``rdzv_id``'s timeline keeps (oldest first), and the server's ``now``,
+        at once (the job page's lanes). Raises as :meth:`read`, or NotFound."""
 
-        def timeline() -> dict[str, Any]:
+        def timeline() -> EventPage:
             kept = self.machine.job(rdzv_id).timeline
-            return {"events": [e.to_dict() for e in kept.since(0)], "first_seq": kept.first_seq, "now": self.now()}
+            return EventPage(kept.since(0), kept.first_seq, kept.next_seq, self.now())
 
         return await self.read(timeline)
 
@@ -620,7 +621,7 @@ class Service:
 
         return await self.long_poll(lambda: self.machine.kv(rdzv_id).multi_get(scope, keys), first_missing, hold)
 
-    async def events(self, rdzv_id: str, since: int, hold: float, limit: int) -> dict[str, Any]:
+    async def events(self, rdzv_id: str, since: int, hold: float, limit: int) -> EventPage:
         """The job's events after ``since``, holding up to ``hold`` s while there are none.
 
         Raises NotReady, JobNotFound (also when the job is collected while the poll waits)."""
@@ -633,13 +634,7 @@ class Service:
 
         found = await self.long_poll(newer, lambda: (events_topic(rdzv_id), round_topic(rdzv_id)), hold)
         timeline = self.machine.job(rdzv_id).timeline
-        return {
-            "rdzv_id": rdzv_id,
-            "first_seq": timeline.first_seq,  # a reader that asked for less missed the ones before
-            "next_seq": timeline.next_seq,
-            "now": self.now(),
-            "events": [e.to_dict() for e in found or ()],
-        }
+        return EventPage(found or [], timeline.first_seq, timeline.next_seq, self.now())
 
     async def join(self, command: c.Join, rid: tuple[str, int] | None, hold: float) -> dict[str, Any]:
         """Join, then hold until the node has a place (see :meth:`begin_join`)."""
@@ -683,9 +678,9 @@ class Service:
             return {}
         return await self.write(command, rid)
 
-    async def cordons(self) -> list[dict[str, Any]]:
-        """The cordons in effect (``GET /v1/cordons``)."""
-        return await self.read(lambda: self.machine.cordons.listing(self.now()))
+    async def cordons(self) -> tuple[list[Cordon], float]:
+        """The cordons in effect (``GET /v1/cordons``), and the ``now`` they are in effect at."""
+        return await self.read(lambda: (self.machine.cordons.listing(self.now()), self.now()))
 
     def cordon_counts(self) -> dict[str, int]:
         """Cordons in effect by whom (operator, flapping): the metrics' gauge."""
@@ -696,12 +691,12 @@ class Service:
                 counts[cordon.by] = counts.get(cordon.by, 0) + 1
         return counts
 
-    async def cordon_of(self, host: str) -> dict[str, Any] | None:
-        """The cordon in effect on ``host`` (None: none)."""
+    async def cordon_of(self, host: str) -> tuple[Cordon | None, float]:
+        """The cordon in effect on ``host`` (None: none), and the ``now`` it is in effect at."""
 
-        def view() -> dict[str, Any] | None:
-            cordon = self.machine.cordons.active(host, self.now())
-            return None if cordon is None else cordon.to_dict(self.now())
+        def view() -> tuple[Cordon | None, float]:
+            now = self.now()
+            return self.machine.cordons.active(host, now), now
 
         return await self.read(view)
 

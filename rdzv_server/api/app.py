@@ -58,7 +58,7 @@ from ..service import Service
 from . import page
 from .auth import OPEN, Grant, TokenTable, bearer_token
 from .codec import decode, encode
-from .document import job_document, job_summary
+from .document import cordon_entry, event_entry, events_document, job_document, job_summary
 from .error import error_middleware
 from .header import security_headers
 from .metric import Metrics
@@ -227,7 +227,8 @@ async def job_lanes(request: web.Request) -> web.Response:
     # deaths and refusals win over the document's older word (page.py).
     document = job_document(await svc.job_view(rdzv_id))
     kept = await svc.job_timeline(rdzv_id)
-    return encode(request, page.lanes(document, kept["events"], kept["first_seq"], kept["now"], offset, limit))
+    events = [event_entry(e) for e in kept.events]
+    return encode(request, page.lanes(document, events, kept.first_seq, kept.now, offset, limit))
 
 
 def _page_params(request: web.Request, least_limit: int) -> tuple[int, int]:
@@ -243,13 +244,14 @@ async def job_events(request: web.Request) -> web.Response:
     since = _query_number(request, "since", 0, int, 0, 2**63 - 1)
     wait = min(_query_number(request, "wait", 0.0, float, 0.0, MAX_QUERY_WAIT), svc.config.max_hold)
     limit = _query_number(request, "limit", EVENTS_PAGE, int, 1, EVENTS_PAGE)
-    return encode(request, await svc.events(rdzv_id, since, wait, limit))
+    return encode(request, events_document(rdzv_id, await svc.events(rdzv_id, since, wait, limit)))
 
 
 async def list_cordons(request: web.Request) -> web.Response:
     """``GET /v1/cordons``: the cordons in effect (any token may read them)."""
     svc = request.app[SERVICE]
-    return encode(request, {"cordons": await svc.cordons(), "now": svc.now()})
+    cordons, now = await svc.cordons()
+    return encode(request, {"cordons": [cordon_entry(one, now) for one in cordons], "now": now})
 
 
 def _fleet_writer(request: web.Request, what: str) -> None:
@@ -269,7 +271,8 @@ async def cordon_host(request: web.Request) -> web.Response:
     if req.by != "operator":
         raise wire.WireError("by: only the server quarantines hosts for flapping; an operator's cordon is by operator")
     await svc.write(req, req.rid)
-    return encode(request, {"cordon": await svc.cordon_of(req.host)})
+    cordon, now = await svc.cordon_of(req.host)
+    return encode(request, {"cordon": None if cordon is None else cordon_entry(cordon, now)})
 
 
 async def uncordon_host(request: web.Request) -> web.Response:

@@ -1,17 +1,21 @@
-"""The documents of the job pages: the membership of ``GET /v1/jobs/{rdzv_id}`` and the lines
-of ``GET /v1/jobs`` (DESIGN.md), built from core's plain data (:class:`JobView`,
-:class:`JobSummary`), which the service's queries return.
+"""The documents the API answers with: the membership of ``GET /v1/jobs/{rdzv_id}`` (with its
+``pending_reason`` sentence), the lines of ``GET /v1/jobs``, the events of
+``GET /v1/jobs/{rdzv_id}/events`` and the cordons of ``/v1/cordons`` (DESIGN.md), built from
+core's plain data (:class:`JobView`, :class:`Pending`, :class:`JobSummary`, :class:`JobEvent`,
+:class:`EventPage`, :class:`Cordon`), which the service's queries return.
 
-What it owns: the presentation (which node goes in which list, what each field is called and
-how it is rounded). What it must not know: how the rendezvous rules decide, I/O, the wire
-encoding (``api/codec.py`` encodes the documents as JSON or msgpack).
+What it owns: the presentation (which node goes in which list, what each field is called, how
+it is rounded, the words of a sentence). What it must not know: how the rendezvous rules
+decide, I/O, the wire encoding (``api/codec.py`` encodes the documents as JSON or msgpack).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..core.rendezvous import JobSummary, JobView, Liveness, NodeView, Role
+from ..core.cordon import Cordon
+from ..core.event import EventPage, JobEvent
+from ..core.rendezvous import JobSummary, JobView, Liveness, NodeView, Pending, Role
 
 
 def job_document(view: JobView) -> dict[str, Any]:
@@ -34,7 +38,7 @@ def job_document(view: JobView) -> dict[str, Any]:
         "waiting": in_role(Role.WAITING),
         "standby": in_role(Role.STANDBY),
         "num_nodes_waiting": view.num_nodes_waiting,
-        "pending_reason": view.pending_reason,
+        "pending_reason": pending_reason(view.pending),
         "last_call_timeout": settings.last_call_timeout,
         "join_timeout": settings.join_timeout,
         "heartbeat_ttl": settings.heartbeat_ttl,
@@ -73,4 +77,58 @@ def job_summary(summary: JobSummary) -> dict[str, Any]:
         "min_nodes": summary.settings.min_nodes,
         "max_nodes": summary.settings.max_nodes,
         "pending": summary.pending,
+    }
+
+
+def pending_reason(pending: Pending | None) -> str | None:
+    """Why the round is still open, in words an operator can act on (None: it is not open)."""
+    if pending is None:
+        return None
+    if pending.below_min_nodes:
+        return f"waiting for min_nodes: {pending.in_line} of {pending.min_nodes} joined"
+    reasons = []
+    expected = pending.members_expected
+    if expected:
+        reasons.append(f"waiting for {expected} previous member{'s' if expected > 1 else ''} to re-join")
+    if pending.last_call_left is not None:
+        reasons.append(
+            f"last call ends in {pending.last_call_left:.1f} s ({pending.in_line} of up to {pending.max_nodes} joined)"
+        )
+    return "; ".join(reasons) or None
+
+
+def event_entry(event: JobEvent) -> dict[str, Any]:
+    """One event of a job's timeline: its fields, then its kind's details."""
+    return {
+        "seq": event.seq,
+        "time": event.time,
+        "kind": event.kind.value,
+        "cause": event.cause.value,
+        "round": event.round,
+        "node_id": event.node_id,
+        "addr": event.addr,
+        **event.detail,
+    }
+
+
+def events_document(rdzv_id: str, found: EventPage) -> dict[str, Any]:
+    """``GET /v1/jobs/{rdzv_id}/events``: the events found, and where the timeline stands."""
+    return {
+        "rdzv_id": rdzv_id,
+        "first_seq": found.first_seq,  # a reader that asked for less missed the ones before
+        "next_seq": found.next_seq,
+        "now": found.now,
+        "events": [event_entry(e) for e in found.events],
+    }
+
+
+def cordon_entry(cordon: Cordon, now: float) -> dict[str, Any]:
+    """One cordon in effect at ``now``: ``left_s`` is the time it still runs (None: until lifted)."""
+    return {
+        "host": cordon.host,
+        "since": cordon.since,
+        "until": cordon.until,
+        "left_s": None if cordon.until is None else round(max(0.0, cordon.until - now), 3),
+        "reason": cordon.reason,
+        "by": cordon.by,
     }

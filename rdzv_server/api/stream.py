@@ -120,6 +120,7 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
         self._grant: Grant | None = server.tokens.grant(None)  # OPEN with auth off; None until the hello
         # Until the hello a stranger may send a hello and nothing else: it fits in a few KiB.
         self._limit = self._full_limit if self._grant is not None else PRE_HELLO_FRAME_LIMIT
+        self._unpack = server.unpack_full if self._grant is not None else server.unpack_stranger  # (self._limit's)
         self._accepting = True  # new requests are read (False once closing)
         self._replying = True  # replies are written (False after a fatal error)
         self._writing_paused = False
@@ -194,7 +195,8 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
             if not self._hold(len(data) - consumed, now):
                 return
             buf += memoryview(data)[consumed:]
-        self._update_reading()
+        if self._reading_paused or self._writing_paused or self.in_flight:  # else _update_reading changes nothing
+            self._update_reading()
 
     def eof_received(self) -> bool | None:
         # A dead process's kernel sends FIN, not a reset: treat EOF as the connection lost
@@ -269,7 +271,7 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
     def _parse_frames(self, data: bytes | bytearray | memoryview) -> int:
         pos = 0
         with memoryview(data) as view:
-            while self._accepting and not self._held():
+            while self._accepting and not (self._writing_paused or len(self.in_flight) >= MAX_IN_FLIGHT):  # _held()
                 try:
                     stop = _frame_end(data, pos, self._limit)
                 except frame.FrameTooLarge as exc:
@@ -313,7 +315,7 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
 
     def _request(self, payload: memoryview) -> None:
         try:
-            msg = wire.unpack(payload, self._limit)  # type: ignore[arg-type]  # any buffer works
+            msg = self._unpack(payload)
         except wire.WireError as exc:
             self._send(0, 400, wire.error_body(wire.ErrorCode.BAD_REQUEST, str(exc)))
             return
@@ -344,6 +346,7 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
             return
         self._grant = grant
         self._limit = self._full_limit
+        self._unpack = self._server.unpack_full
         self._table.trust(self)
         self._send(tag, 200, {"access": grant.access.value})
 
@@ -450,6 +453,10 @@ class StreamServer:
         self.table = table
         self.tokens = tokens
         self.connections: set[StreamConnection] = set()
+        # wire.unpack with each of a connection's two limits, shared by every connection (they
+        # all run on the loop's thread, one request at a time).
+        self.unpack_full = wire.Unpack(svc.config.max_body_bytes + FRAME_OVERHEAD)
+        self.unpack_stranger = wire.Unpack(PRE_HELLO_FRAME_LIMIT)
 
     def __call__(self) -> StreamConnection:
         return StreamConnection(self)

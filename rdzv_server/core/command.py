@@ -115,6 +115,10 @@ class Tick(Command):
     op: ClassVar[str] = "tick"
 
 
+#: The store writes: each touches one job's keys (and its last use) and nothing else: no
+#: membership, no timeline, no cordon. The apply path and the service take a shorter way for them.
+STORE_WRITES: frozenset[type[Command]] = frozenset({Set, Add, CompareSet, Append, MultiSet, DeleteKey})
+
 COMMANDS: dict[str, type[Command]] = {
     c.op: c
     for c in (

@@ -54,15 +54,6 @@ class Cordon:
         reason = f": {self.reason}" if self.reason else ""
         return f"host {self.host} is cordoned by {who}{reason}"
 
-    def to_dict(self, now: float) -> dict[str, Any]:
-        return {
-            "host": self.host,
-            "since": self.since,
-            "until": self.until,
-            "left_s": None if self.until is None else round(max(0.0, self.until - now), 3),
-            "reason": self.reason,
-            "by": self.by,
-        }
 
 
 class CordonTable:
@@ -102,9 +93,9 @@ class CordonTable:
                     return cordon
         return None
 
-    def listing(self, now: float) -> list[dict[str, Any]]:
+    def listing(self, now: float) -> list[Cordon]:
         """The cordons in effect, by host."""
-        return [c.to_dict(now) for _, c in sorted(self.cordons.items()) if c.active(now)]
+        return [c for _, c in sorted(self.cordons.items()) if c.active(now)]
 
     def prune(self, now: float) -> list[Cordon]:
         """Drop the timed cordons that ended; returns them. O(1) before ``next_end``, then O(cordons)."""

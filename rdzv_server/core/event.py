@@ -101,17 +101,16 @@ class JobEvent:
     addr: str | None = None
     detail: dict[str, Any] = field(default_factory=dict)  # per kind: e.g. round_formed has num_nodes
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "seq": self.seq,
-            "time": self.time,
-            "kind": self.kind.value,
-            "cause": self.cause.value,
-            "round": self.round,
-            "node_id": self.node_id,
-            "addr": self.addr,
-            **self.detail,
-        }
+
+@dataclass(frozen=True)
+class EventPage:
+    """Some of a job's events at one instant, as plain data (the events query's answer)."""
+
+    events: list[JobEvent]  # oldest first
+    first_seq: int  # the oldest kept: a reader that asked for less missed the ones before
+    next_seq: int
+    now: float
+
 
 
 class Timeline:

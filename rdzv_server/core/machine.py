@@ -39,12 +39,11 @@ What it must not know: I/O, asyncio, the wire format, the real clock.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from rdzv_client.record import Assignment, JobSettings
 
@@ -92,7 +91,11 @@ class Session:
 
 
 def _result_bytes(result: dict[str, Any]) -> int:
-    return sum(len(v) for v in result.values() if isinstance(v, bytes))
+    size = 0
+    for v in result.values():
+        if isinstance(v, bytes):
+            size += len(v)
+    return size
 
 
 @dataclass
@@ -104,8 +107,10 @@ class Entry:
     last_used: float = 0.0  # soft state: the latest store request; an idle job in use is kept
 
 
-@dataclass(frozen=True)
-class Outcome:
+class Outcome(NamedTuple):
+    """What one applied command did. (A named tuple, not a frozen dataclass: one is built per
+    command on the store's hot path, and a tuple is built several times faster.)"""
+
     result: dict[str, Any]
     wakes: tuple[Hashable, ...] = ()
     replayed: bool = False  # True when a retry got the recorded result
@@ -166,29 +171,39 @@ class StateMachine:
         ``rid`` is ``(client_id, seq)`` or ``(client_id, seq, floor)``; ``replay`` says the
         command comes from the log (see the module docstring).
         """
-        if rid is not None and not replay:
-            session = self._session(rid[0], now)
-            if session is not None:
-                recorded = session.results.get(rid[1])
-                if recorded is not None:
-                    return Outcome(recorded, (), replayed=True)
-                if rid[1] < session.floor:
-                    raise BadRequest(
-                        f"request {rid[1]} of client {rid[0]} was answered already: a stale duplicate, not applied"
-                    )
-            self._admit(rid, session, now)
-        handler = _HANDLERS[type(command)]
-        before = self.jobs.get(command.rdzv_id)
-        seen = before.job.timeline.next_seq if before is not None else 1
-        outcome: Outcome = handler(self, command, now)
-        self.clock = max(self.clock, now)
-        self.cordons.prune(now)
-        after = self.jobs.get(command.rdzv_id)
-        if after is not None and after.job.timeline.next_seq > seen and not outcome.events:
-            events = tuple(after.job.timeline.since(seen - 1))
-            outcome = dataclasses.replace(outcome, events=events, wakes=(*outcome.wakes, events_topic(command.rdzv_id)))
+        session: Session | None = None
+        trimmed = False  # the results below the rid's floor are dropped already
         if rid is not None:
-            self._record(rid, outcome.result, now)
+            session = self._session(rid[0], now)
+            if not replay:
+                if session is not None:
+                    recorded = session.results.get(rid[1])
+                    if recorded is not None:
+                        return Outcome(recorded, (), replayed=True)
+                    if rid[1] < session.floor:
+                        raise BadRequest(
+                            f"request {rid[1]} of client {rid[0]} was answered already: a stale duplicate, not applied"
+                        )
+                trimmed = self._admit(rid, session, now)
+        kind = type(command)
+        handler = _HANDLERS[kind]
+        if kind in c.STORE_WRITES:  # keys only: no timeline to look at (the same steps, fewer reads)
+            outcome: Outcome = handler(self, command, now)
+        else:
+            before = self.jobs.get(command.rdzv_id)
+            seen = before.job.timeline.next_seq if before is not None else 1
+            outcome = handler(self, command, now)
+            after = self.jobs.get(command.rdzv_id)
+            if after is not None and after.job.timeline.next_seq > seen and not outcome.events:
+                events = tuple(after.job.timeline.since(seen - 1))
+                outcome = outcome._replace(events=events, wakes=(*outcome.wakes, events_topic(command.rdzv_id)))
+        if now > self.clock:
+            self.clock = now
+        next_end = self.cordons.next_end
+        if next_end is not None and now >= next_end:  # (what prune itself checks first: O(1) until then)
+            self.cordons.prune(now)
+        if rid is not None:
+            self._record(rid, outcome.result, now, session, trimmed)
         return outcome
 
     def replay(self, record: dict[str, Any]) -> None:
@@ -224,8 +239,11 @@ class StateMachine:
 
     def _store(self, rdzv_id: str, now: float) -> KeyValueStore:
         """The job's keys for a write at ``now``; the write counts as use of the job."""
-        entry = self._entry(rdzv_id)
-        entry.last_used = max(entry.last_used, now)
+        entry = self.jobs.get(rdzv_id)
+        if entry is None:
+            entry = self._entry(rdzv_id)  # raises JobNotFound
+        if now > entry.last_used:
+            entry.last_used = now
         return entry.kv
 
     def _set(self, cmd: c.Set, now: float) -> Outcome:
@@ -386,7 +404,7 @@ class StateMachine:
         if cordon is None or not cordon.active(now):
             return Outcome({"uncordoned": False})
         outcome = self._host_event(cmd.rdzv_id, cmd.host, now, Kind.HOST_UNCORDONED, Cause.OPERATOR, {"host": cmd.host})
-        return dataclasses.replace(outcome, result={"uncordoned": True})
+        return outcome._replace(result={"uncordoned": True})
 
     def _host_event(
         self, rdzv_id: str, host: str, now: float, kind: Kind, cause: Cause, detail: dict[str, Any]
@@ -451,11 +469,13 @@ class StateMachine:
             return None
         return session
 
-    def _admit(self, rid: tuple[Any, ...], session: Session | None, now: float) -> None:
-        """Under limits, refuse a write whose session cannot be kept (changes nothing)."""
+    def _admit(self, rid: tuple[Any, ...], session: Session | None, now: float) -> bool:
+        """Under limits, refuse a write whose session cannot be kept (changes nothing).
+        Returns whether it dropped the session's results below the rid's floor already."""
         limits = self.limits
         if limits is None:
-            return
+            return False
+        trimmed = False
         if session is None:
             if len(self.sessions) >= limits.max_sessions and not self._expired_sessions(now):
                 raise TooManySessions(
@@ -466,6 +486,7 @@ class StateMachine:
             # What the client says it has read may go before anything is counted against it.
             floor = rid[2] if len(rid) > 2 else session.floor
             self._trim(session, floor)
+            trimmed = len(rid) > 2
             if len(session.results) >= limits.max_session_writes and not self._trim(session, floor, full=True):
                 raise SessionFull(
                     f"client {rid[0]} has {len(session.results)} writes awaiting their acknowledgement, the limit "
@@ -476,6 +497,7 @@ class StateMachine:
                 f"results kept for retries hold {self.session_bytes} bytes, over --max-session-bytes="
                 f"{limits.max_session_bytes}: retry once clients have read their replies"
             )
+        return trimmed
 
     def _expired_sessions(self, now: float) -> int:
         """Forget sessions past their TTL (least recent first); return how many."""
@@ -509,9 +531,13 @@ class StateMachine:
             dropped += 1
         return dropped
 
-    def _record(self, rid: tuple[Any, ...], result: dict[str, Any], now: float) -> None:
+    def _record(
+        self, rid: tuple[Any, ...], result: dict[str, Any], now: float, session: Session | None, trimmed: bool
+    ) -> None:
+        """Keep ``result`` for retries of ``rid`` in ``session`` (the client's live session as
+        :meth:`apply` found it; None: start one). ``trimmed``: the results below the rid's
+        floor are gone already (:meth:`_admit`), and the new one is not below it."""
         client_id, seq = rid[0], rid[1]
-        session = self._session(client_id, now)
         if session is None:  # new, or past its TTL: start afresh
             old = self.sessions.pop(client_id, None)
             if old is not None:
@@ -519,19 +545,24 @@ class StateMachine:
             session = self.sessions[client_id] = Session(now)
         else:
             self.sessions.move_to_end(client_id)
-            session.last_write = max(session.last_write, now)
-        size = _result_bytes(result)
+            if now > session.last_write:
+                session.last_write = now
         session.results[seq] = result
-        session.bytes += size
-        self.session_bytes += size
+        size = _result_bytes(result)
+        if size:
+            session.bytes += size
+            self.session_bytes += size
         if len(rid) > 2:
-            self._trim(session, rid[2])
+            if not trimmed:
+                self._trim(session, rid[2])
         else:  # no floor: keep the last DEDUP_WINDOW results (an older seq counts as new again)
             while len(session.results) > DEDUP_WINDOW:
                 gone = _result_bytes(session.results.popitem(last=False)[1])
                 session.bytes -= gone
                 self.session_bytes -= gone
-        self._expired_sessions(now)
+        least_recent = next(iter(self.sessions.values()))  # (this client's, at least)
+        if least_recent.last_write + self.session_ttl < now:
+            self._expired_sessions(now)
 
     # -- the timer's detection ------------------------------------------------------------
 

@@ -196,6 +196,25 @@ class NodeView:
 
 
 @dataclass(frozen=True)
+class Pending:
+    """Why an OPEN round has not formed yet, as the numbers that say it (the API words them).
+
+    Below ``min_nodes`` only ``in_line`` counts; at or above it, the round waits for
+    ``members_expected`` live members of the last round to re-join and/or for the last
+    call, which ends ``last_call_left`` seconds after ``now`` (None: not armed)."""
+
+    in_line: int  # candidates and standby nodes: those the round may form from
+    min_nodes: int
+    max_nodes: int
+    members_expected: int  # live members of the last formed round that have not re-joined
+    last_call_left: float | None  # seconds until the last call ends (>= 0), None when not armed
+
+    @property
+    def below_min_nodes(self) -> bool:
+        return self.in_line < self.min_nodes
+
+
+@dataclass(frozen=True)
 class JobView:
     """A job at one instant (``now``), as plain data: what the queries hand out."""
 
@@ -208,7 +227,7 @@ class JobView:
     members: tuple[NodeView, ...]  # the last formed round's nodes still known, node_rank order
     nodes: tuple[NodeView, ...]  # every node of the job, in arrival order
     num_nodes_waiting: int  # rule 4, for an agent of the current round
-    pending_reason: str | None  # why the round is still open (None unless OPEN)
+    pending: Pending | None  # why the round is still open (None unless OPEN)
     now: float
     restarts: int = 0  # failures counted against the restart budget (rule 7)
     closed_cause: str = ""  # why the job closed ("" while it is not)
@@ -715,22 +734,19 @@ class Job:
             "the run it waited to join has ended, so the node should exit gracefully"
         )
 
-    def pending_reason(self, now: float) -> str | None:
-        """Why the round is still open, in words an operator can act on (None unless OPEN)."""
+    def pending(self, now: float) -> Pending | None:
+        """Why the round is still open, as data (None unless OPEN)."""
         if self.state is not JobState.OPEN:
             return None
         s = self.settings
-        in_line = self._count(Role.CANDIDATE) + self._count(Role.STANDBY)
-        if in_line < s.min_nodes:
-            return f"waiting for min_nodes: {in_line} of {s.min_nodes} joined"
-        reasons = []
-        expected = self._alive_members()
-        if expected:
-            reasons.append(f"waiting for {expected} previous member{'s' if expected > 1 else ''} to re-join")
-        if self.last_call_deadline is not None:
-            left = max(0.0, self.last_call_deadline - now)
-            reasons.append(f"last call ends in {left:.1f} s ({in_line} of up to {s.max_nodes} joined)")
-        return "; ".join(reasons) or None
+        deadline = self.last_call_deadline
+        return Pending(
+            in_line=self._count(Role.CANDIDATE) + self._count(Role.STANDBY),
+            min_nodes=s.min_nodes,
+            max_nodes=s.max_nodes,
+            members_expected=self._alive_members(),
+            last_call_left=None if deadline is None else max(0.0, deadline - now),
+        )
 
     def world_size(self) -> int:
         """Of the last formed round (also once closed); 0 while a round forms."""
@@ -806,7 +822,7 @@ class Job:
             members=tuple(node_view(self.nodes[m]) for m in self.members if m in self.nodes),
             nodes=tuple(node_view(n) for n in sorted(self.nodes.values(), key=lambda n: n.arrival)),
             num_nodes_waiting=self.num_nodes_waiting(self.round),
-            pending_reason=self.pending_reason(now),
+            pending=self.pending(now),
             now=now,
             restarts=self.restarts,
             closed_cause=self.closed_cause,

@@ -114,10 +114,21 @@ class KeyValueStore:
 
     def _change(self, scope: int | None, key: bytes, value: bytes) -> None:
         """Check the value's size and the quota, then store it."""
-        self._fits(key, value)
-        old = self.get(scope, key)
-        self._quota(old is None, len(value) + (len(key) if old is None else -len(old)))
-        self._put(scope, key, value)
+        self._replace(scope, key, self.get(scope, key), value)
+
+    def _replace(self, scope: int | None, key: bytes, old: bytes | None, value: bytes) -> None:
+        """:meth:`_change` of a key whose value the caller has just read (``old``; None: missing)."""
+        if len(value) > self.max_value_bytes:
+            self._fits(key, value)  # raises
+        if old is None:
+            self._quota(1, len(value) + len(key))
+            self._space(scope)[key] = value
+            self.keys += 1
+            self.bytes += len(key) + len(value)
+        else:
+            self._quota(0, len(value) - len(old))
+            self._spaces[scope][key] = value  # (it holds ``old``: the space exists)
+            self.bytes += len(value) - len(old)
 
     def set(self, scope: int | None, key: bytes, value: bytes) -> None:
         self._change(scope, key, value)
@@ -135,9 +146,8 @@ class KeyValueStore:
             self._put(scope, key, value)
 
     def add(self, scope: int | None, key: bytes, amount: int) -> int:
-        current = self.get(scope, key)
-        if current is None:
-            current = b"0"
+        old = self.get(scope, key)
+        current = b"0" if old is None else old
         try:
             number = int(current.decode("ascii"))
         except (UnicodeDecodeError, ValueError):
@@ -145,7 +155,7 @@ class KeyValueStore:
         number += amount
         if not INT64_MIN <= number <= INT64_MAX:
             raise NotAnInteger(f"add on key {key[:64]!r}: the result {number} does not fit a signed 64-bit integer")
-        self._change(scope, key, str(number).encode("ascii"))
+        self._replace(scope, key, old, str(number).encode("ascii"))
         return number
 
     def compare_set(self, scope: int | None, key: bytes, expected: bytes, desired: bytes) -> bytes:
@@ -153,7 +163,7 @@ class KeyValueStore:
         if current is None and expected:
             return expected
         if current is None or current == expected:
-            self._change(scope, key, desired)
+            self._replace(scope, key, current, desired)
             return desired
         return current
 

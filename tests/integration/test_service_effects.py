@@ -127,14 +127,14 @@ async def test_an_events_poll_parks_until_the_job_has_something_new(tmp_path: Pa
     try:
         await svc.write(join("a"))
         seen = await svc.events(JOB, 0, hold=0.0, limit=100)
-        assert [e["kind"] for e in seen["events"]] == ["job_created", "node_joined"]
-        waiting = asyncio.ensure_future(svc.events(JOB, seen["next_seq"] - 1, hold=10.0, limit=100))
+        assert [e.kind.value for e in seen.events] == ["job_created", "node_joined"]
+        waiting = asyncio.ensure_future(svc.events(JOB, seen.next_seq - 1, hold=10.0, limit=100))
         await parked(svc, 1)
         assert not waiting.done()
         await svc.write(join("b"))
         news = await asyncio.wait_for(waiting, 5.0)
-        assert [(e["kind"], e["cause"], e["node_id"]) for e in news["events"]] == [("node_joined", "candidate", "b")]
-        assert (await svc.events(JOB, news["next_seq"] - 1, hold=0.0, limit=100))["events"] == []
+        assert [(e.kind.value, e.cause.value, e.node_id) for e in news.events] == [("node_joined", "candidate", "b")]
+        assert (await svc.events(JOB, news.next_seq - 1, hold=0.0, limit=100)).events == []
     finally:
         await svc.close()
 

@@ -3,7 +3,7 @@ made (commands applied with a fake clock), and the pages of the membership docum
 
 The events here are the ones ``core`` emits today; kinds added later (``node_refused``,
 ``host_cordoned``, ...) are written out by hand in the tests that name them, in the shape the
-timeline gives every event (``JobEvent.to_dict``)."""
+timeline gives every event (``document.event_entry``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 from rdzv_client.record import JobSettings
 from rdzv_server.api import page
-from rdzv_server.api.document import job_document
+from rdzv_server.api.document import event_entry, job_document
 from rdzv_server.core import command as c
 from rdzv_server.core.machine import StateMachine
 
@@ -48,7 +48,7 @@ class Run:
         return job_document(self.sm.job(JOB).view(self.now))
 
     def events(self) -> list[dict[str, Any]]:
-        return [e.to_dict() for e in self.sm.job(JOB).timeline.since(0)]
+        return [event_entry(e) for e in self.sm.job(JOB).timeline.since(0)]
 
     def lanes(self, offset: int = 0, limit: int = 100, extra: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         timeline = self.sm.job(JOB).timeline

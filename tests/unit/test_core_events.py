@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from rdzv_client.record import JobSettings
+from rdzv_server.api.document import event_entry, pending_reason
 from rdzv_server.core import command as c
 from rdzv_server.core.event import Cause, Kind, Timeline
 from rdzv_server.core.machine import StateMachine
@@ -36,7 +37,7 @@ def test_a_round_records_its_joins_then_its_formation_with_reason_and_duration()
     log = Log()
     log.join("a", 10.0)
     log.join("b", 11.0)
-    assert log.sm.job(JOB).pending_reason(12.0) == "last call ends in 4.0 s (2 of up to 3 joined)"
+    assert pending_reason(log.sm.job(JOB).pending(12.0)) == "last call ends in 4.0 s (2 of up to 3 joined)"
     log.join("c", 12.5)  # max_nodes: forms at once
     assert log.events() == [
         ("job_created", "join", None),
@@ -46,17 +47,17 @@ def test_a_round_records_its_joins_then_its_formation_with_reason_and_duration()
         ("round_formed", "max_nodes", None),
     ]
     formed = log.sm.job(JOB).timeline.since(4)[0]
-    assert formed.to_dict() == {
+    assert event_entry(formed) == {
         "seq": 5, "time": 12.5, "kind": "round_formed", "cause": "max_nodes", "round": 0, "node_id": None,
         "addr": None, "num_nodes": 3, "world_size": 6, "formation_s": 2.5, "standby": 0,
     }
-    assert log.sm.job(JOB).pending_reason(13.0) is None
+    assert pending_reason(log.sm.job(JOB).pending(13.0)) is None
 
 
 def test_a_round_formed_at_its_last_call_says_so() -> None:
     log = Log()
     log.join("a", 0.0)
-    assert log.sm.job(JOB).pending_reason(0.0) == "waiting for min_nodes: 1 of 2 joined"
+    assert pending_reason(log.sm.job(JOB).pending(0.0)) == "waiting for min_nodes: 1 of 2 joined"
     log.join("b", 1.0)
     log.apply(c.LastCall(JOB, 0), 6.0)
     assert log.events()[-1] == ("round_formed", "last_call", None)
@@ -75,7 +76,7 @@ def test_deaths_say_how_they_were_noticed_and_the_next_round_why_it_formed() -> 
     ]
     log.join("c", 41.0)  # the survivor restarts its workers and re-joins
     log.join("d", 41.5)  # a replacement
-    assert log.sm.job(JOB).pending_reason(42.0).startswith("last call ends in 4.5 s")
+    assert pending_reason(log.sm.job(JOB).pending(42.0)).startswith("last call ends in 4.5 s")
     log.apply(c.LastCall(JOB, 1), 46.5)
     assert log.events()[-3:] == [
         ("node_joined", "rejoined", "c"),
@@ -151,9 +152,9 @@ def test_replay_and_snapshots_make_the_same_timeline() -> None:
         replayed.replay(record)
     restored = StateMachine(max_value_bytes=1024, job_ttl=1000.0)
     restored.restore(log.sm.to_snapshot())
-    want = [e.to_dict() for e in log.sm.job(JOB).timeline.since(0)]
-    assert [e.to_dict() for e in replayed.job(JOB).timeline.since(0)] == want
-    assert [e.to_dict() for e in restored.job(JOB).timeline.since(0)] == want
+    want = [event_entry(e) for e in log.sm.job(JOB).timeline.since(0)]
+    assert [event_entry(e) for e in replayed.job(JOB).timeline.since(0)] == want
+    assert [event_entry(e) for e in restored.job(JOB).timeline.since(0)] == want
     log.join("b", 201.0)
     restored.apply(c.Join(JOB, "b", "b.host", 2, JobSettings(2, 3, 5.0, 600.0, 30.0)), 201.0)
     assert restored.job(JOB).timeline.since(len(want))[0].seq == len(want) + 1  # numbering goes on

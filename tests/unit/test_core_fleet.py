@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from rdzv_client.record import JobSettings, WireError
-from rdzv_server.api.document import job_document
+from rdzv_server.api.document import cordon_entry, job_document
 from rdzv_server.core import command as c
 from rdzv_server.core.cordon import MAX_DEATHS_PER_HOST, CordonTable
 from rdzv_server.core.error import HostCordoned, JobClosed, NodeNotFound
@@ -52,7 +52,7 @@ def test_a_cordon_matches_a_node_by_address_or_host_name_until_it_ends() -> None
     assert table.match(20.0, "node7", "") is not None
     assert table.match(20.0, "node66", "node66.example") is None
     assert table.match(70.0, "node7") is None  # ended at 10 + 60
-    assert table.listing(20.0) == [
+    assert [cordon_entry(one, 20.0) for one in table.listing(20.0)] == [
         {"host": "node7", "since": 10.0, "until": 70.0, "left_s": 50.0, "reason": "bad DIMM", "by": "operator"}
     ]
     assert table.prune(69.9) == [] and len(table) == 1
@@ -117,7 +117,7 @@ def test_deaths_of_a_hosts_nodes_are_recorded_for_quarantine_and_a_flapping_cord
     log.apply(c.Cordon(JOB, host="10.0.0.2", reason="3 deaths", duration=60.0, by="flapping"), 6.0)
     assert log.sm.cordons.deaths_within("10.0.0.2", 6.0, 60.0) == 0
     assert log.events()[-1] == ("host_cordoned", "flapping", None)  # its node is dead: the job still hears
-    assert log.sm.cordons.listing(6.0)[0]["by"] == "flapping"
+    assert log.sm.cordons.listing(6.0)[0].by == "flapping"
 
 
 def test_cordons_and_deaths_replay_and_survive_a_snapshot() -> None:
