@@ -69,10 +69,10 @@ from .transport import (
 )
 
 
-def _reply(payload: bytes, limit: int) -> tuple[int, int, Any]:
+def _reply(payload: bytes, unpack: wire.Unpack) -> tuple[int, int, Any]:
     """A reply frame's ``(tag, status, body)``; raises :class:`ServerError` if it is not one."""
     try:
-        message = wire.unpack(payload, limit, max_items=wire.MAX_REPLY_ITEMS)
+        message = unpack(payload)
     except wire.WireError as exc:
         raise ServerError(f"the server sent a frame this client cannot read: {exc}") from exc
     if not (isinstance(message, list) and len(message) == 3 and type(message[0]) is int and type(message[1]) is int):
@@ -121,6 +121,7 @@ class _Link:
         self.slots: dict[int, _Slot] = {}
         self.ended: BaseException | Answer | None = None
         self.received = 0  # replies read so far: a request sent after one is not on a stale link
+        self.unpack = wire.Unpack(limit, wire.MAX_REPLY_ITEMS)  # the reader thread's alone
 
     def expect(self, tag: int) -> _Slot | None:
         """A slot for ``tag``; None when the link has ended."""
@@ -168,7 +169,7 @@ class _Link:
                         raise ServerError(f"the server's reply of {exc.length} bytes exceeds the client's limit") from exc
                     if payload is None:
                         break
-                    tag, status, body = _reply(payload, self.limit)
+                    tag, status, body = _reply(payload, self.unpack)
                     self.received += 1
                     if tag == 0 or (tag == self.hello and status != 200):
                         self.end(Answer(status, body))  # refused: the answer of every request on it
@@ -336,6 +337,7 @@ class _StreamProtocol(asyncio.Protocol):
         self.ended: BaseException | Answer | None = None
         self.hello = 0
         self._replies = frame.FrameDecoder(limit)
+        self.unpack = wire.Unpack(limit, wire.MAX_REPLY_ITEMS)  # the event loop's alone
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -347,7 +349,7 @@ class _StreamProtocol(asyncio.Protocol):
                 payload = self._replies.next_payload()
                 if payload is None:
                     return
-                tag, status, body = _reply(payload, self.limit)
+                tag, status, body = _reply(payload, self.unpack)
             except (frame.FrameTooLarge, ServerError) as exc:
                 self.end(exc if isinstance(exc, ServerError) else ServerError(f"the server's reply is too large: {exc}"))
                 return
