@@ -189,7 +189,7 @@ class Unpack:
 
     def __call__(self, data: bytes | memoryview) -> Any:
         if len(data) > UNPACKER_BYTES:
-            return unpack(data, self._max_bytes, max_items=self._max_items)  # type: ignore[arg-type]  # any buffer works
+            return unpack(data, self._max_bytes, max_items=self._max_items)  # type: ignore[arg-type]  # (a buffer)
         if len(data) > self._max_bytes:
             raise WireError(f"body of {len(data)} bytes exceeds the limit of {self._max_bytes}")
         unpacker = self._unpacker
@@ -203,7 +203,7 @@ class Unpack:
         if whole:
             return obj
         self._unpacker, self._fed = self._new(), 0
-        return unpack(data, self._max_bytes, max_items=self._max_items)  # type: ignore[arg-type]  # any buffer works
+        return unpack(data, self._max_bytes, max_items=self._max_items)  # type: ignore[arg-type]  # (a buffer)
 
 
 def _json_default(obj: Any) -> Any:
@@ -479,7 +479,7 @@ def _compile_decoder(cls: type[T], schema: _Schema) -> Callable[[object, dict[st
         else:  # absent: the dataclass's own default, as the reference leaves it
             lines += [f"    if {v} is missing:", f"        {v} = d{i}"]
             lines.append(f"    elif not ({accept}):" if accept else "    else:")
-        if name == "rid" and f.convert is _FIELD_CONVERTERS["rid"]:  # every write's: the converter itself, not its wrapper
+        if name == "rid" and f.convert is _FIELD_CONVERTERS["rid"]:  # every write's: the converter, not its wrapper
             env[f"c{i}"] = _convert_rid
             lines.append(f"        {v} = c{i}({v})")
         else:
@@ -575,7 +575,8 @@ def _compile_mapper(cls: type[Any]) -> Callable[[Any], dict[str, Any]]:
         value = f"obj.{f.name}" if _scalar(hints[f.name]) else f"plain(obj.{f.name})"
         if f.metadata.get(OMIT_KEY):
             env[f"d{i}"] = f.default
-            rest += [f"    v = obj.{f.name}", f"    if not v == d{i}:", f"        out[{f.name!r}] = {value.replace(f'obj.{f.name}', 'v')}"]
+            kept = value.replace(f"obj.{f.name}", "v")
+            rest += [f"    v = obj.{f.name}", f"    if not v == d{i}:", f"        out[{f.name!r}] = {kept}"]
         elif rest:  # after a field that may be left out: keep the order
             rest.append(f"    out[{f.name!r}] = {value}")
         else:

@@ -16,7 +16,8 @@ FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 LIMIT = 300
 VALUES = st.recursive(
     st.one_of(
-        st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.binary(max_size=40), st.text(max_size=40), st.floats()
+        st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.binary(max_size=40), st.text(max_size=40),
+        st.floats(),
     ),
     lambda inner: st.one_of(st.lists(inner, max_size=5), st.dictionaries(st.text(max_size=8), inner, max_size=5)),
     max_leaves=12,
@@ -46,7 +47,9 @@ def outcome(fn: Any, body: bytes) -> tuple[str, Any]:
 
 @FUZZ
 @given(st.lists(BODIES, min_size=1, max_size=8), st.sampled_from([LIMIT, 2**20]), st.sampled_from([4, 20_000]))
-def test_unpack_with_fixed_limits_answers_every_body_as_unpack_does(bodies: list[bytes], limit: int, items: int) -> None:
+def test_unpack_with_fixed_limits_answers_every_body_as_unpack_does(
+    bodies: list[bytes], limit: int, items: int
+) -> None:
     fixed = wire.Unpack(limit, items)
     for body in bodies:
         want = outcome(lambda b: wire.unpack(b, limit, max_items=items), body)
