@@ -1,31 +1,17 @@
-"""A torchrun node holds one connection to the server: its watch, its joins and its store
-calls share one pipelined stream connection (rdzv_client.pipeline), so the server spends
-one descriptor per node however many requests a node has in flight."""
+"""A torchrun node holds one connection to the server: its watch, its beats, its joins and
+its store calls share one pipelined stream connection (rdzv_client.pipeline), so the server
+spends one descriptor per node however many requests a node has in flight."""
 
 from __future__ import annotations
 
-import http.client
 from typing import Any
 
 import psutil
 from conftest import Cluster
+from integration.test_client_pipeline import stream_connections
 
 # The workers run ~20 s: the connections are counted while the round runs.
 LONG_STEPS = {"STEPS": "400", "STEP_SLEEP": "0.05"}
-
-
-def stream_connections(server: Any) -> float:
-    """The server's own count of open stream connections (``/metrics``)."""
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
-    try:
-        conn.request("GET", "/metrics", headers=server.auth)
-        body = conn.getresponse().read().decode()
-    finally:
-        conn.close()
-    for line in body.splitlines():
-        if line.startswith('rdzv_connections{protocol="stream"}'):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("/metrics has no rdzv_connections{protocol=\"stream\"}")
 
 
 def agent_connections(pid: int, port: int) -> int:
