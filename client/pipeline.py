@@ -28,7 +28,9 @@ Rules it keeps (on top of :mod:`rdzv_client.transport`'s):
   :class:`TransportError` like any other (never an exception the client does not expect:
   a watch thread killed by one stops the node's heartbeats).
 - One thread at a time opens an endpoint's connection; threads that find it ended together
-  wait for that one new connection instead of replacing each other's.
+  wait for that one new connection instead of replacing each other's, and share its
+  failure: a thread that waited for an attempt that failed fails at once, as the asyncio
+  transport's callers share one opening.
 - A request whose answer does not come within its timeout closes the connection: a server
   silent that long is stuck (or the path is), and the other requests on it would wait as long.
 - Over TLS (``https://``) the blocking transport keeps the base class's one connection per
@@ -215,6 +217,8 @@ class PipelinedSocketTransport(SocketTransport):
         )  # fmt: skip
         self._links: dict[Endpoint, _Link] = {}
         self._opening: dict[Endpoint, threading.Lock] = {}
+        self._attempts: dict[Endpoint, int] = {}  # attempts to open each endpoint's connection so far
+        self._failed: dict[Endpoint, tuple[int, str]] = {}  # the last attempt, when it failed: (its number, why)
 
     def call(self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], timeout: float) -> Answer:
         if endpoint.scheme == "https":
@@ -275,13 +279,35 @@ class PipelinedSocketTransport(SocketTransport):
         with self._lock:
             self._check_usable()
             opening = self._opening.setdefault(endpoint, threading.Lock())
+            tried = self._attempts.get(endpoint, 0)  # attempts to open it that ended before we asked
         with opening:
             with self._lock:
                 self._check_usable()
                 link = self._links.get(endpoint)
                 if link is not None and link.ended is None and link.pid == os.getpid() and link is not stale:
                     return link, True
-            return self._open_link(endpoint, timeout), False
+                failed = self._failed.get(endpoint)
+            if failed is not None and failed[0] > tried:
+                # An attempt that ended while we waited for it failed: ours would fail the same
+                # way, after as long (a connect timeout each, one after another, on a host that
+                # drops packets). Say so now; the client's retries decide what comes next.
+                raise TransportError(failed[1])
+            try:
+                link = self._open_link(endpoint, timeout)
+            except TransportError as exc:
+                self._opened(endpoint, str(exc))
+                raise
+            self._opened(endpoint, None)
+            return link, False
+
+    def _opened(self, endpoint: Endpoint, failure: str | None) -> None:
+        """Count an attempt to open ``endpoint``'s connection, and how it ended."""
+        with self._lock:
+            attempt = self._attempts[endpoint] = self._attempts.get(endpoint, 0) + 1
+            if failure is None:
+                self._failed.pop(endpoint, None)
+            else:
+                self._failed[endpoint] = (attempt, failure)
 
     def _open_link(self, endpoint: Endpoint, timeout: float) -> _Link:
         sock, _ = self._checkout(endpoint, timeout, fresh=True)  # connected (and TLS), counted as busy

@@ -8,6 +8,7 @@ import asyncio
 import http.client
 import socket
 import threading
+import time
 from typing import Any
 
 import msgpack
@@ -136,4 +137,52 @@ def test_a_stale_connection_whose_replacement_ends_as_it_opens_is_a_transport_er
                 transport.call(endpoint, "job", "num_keys", {}, 10.0)
     finally:
         transport.close()
+        listener.close()
+
+
+def test_threads_waiting_for_a_connection_that_cannot_open_share_its_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Against a host that drops packets each connect waits out its timeout: threads that
+    waited for one attempt must not then try one after another (a node's watch, beat and
+    store calls would take three timeouts to fail over to another replica)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    filler = [socket.create_connection(("127.0.0.1", port))]  # the accept queue is full: SYNs are dropped
+    for _ in range(3):
+        probe = socket.socket()
+        probe.setblocking(False)
+        probe.connect_ex(("127.0.0.1", port))
+        filler.append(probe)
+    attempts: list[float] = []
+    connect = socket.create_connection
+
+    def counting(*args: Any, **kwargs: Any) -> socket.socket:
+        attempts.append(time.monotonic())
+        return connect(*args, **kwargs)
+
+    monkeypatch.setattr(socket, "create_connection", counting)
+    transport = PipelinedSocketTransport(connect_timeout=2.0)
+    endpoint = Endpoint("127.0.0.1", port)
+    outcomes: list[BaseException | None] = []
+
+    def call() -> None:
+        try:
+            transport.call(endpoint, "job", "num_keys", {}, 10.0)
+            outcomes.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            outcomes.append(exc)
+
+    try:
+        threads = [threading.Thread(target=call) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert len(outcomes) == 3 and all(isinstance(o, TransportError) for o in outcomes), outcomes
+        assert len(attempts) == 1, f"{len(attempts)} connects for 3 calls that waited for one"
+    finally:
+        transport.close()
+        for sock in filler:
+            sock.close()
         listener.close()
