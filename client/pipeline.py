@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import socket
 import ssl
 import threading
@@ -115,7 +114,6 @@ class _Link:
 
     def __init__(self, sock: socket.socket, hello: int, limit: int) -> None:
         self.sock = sock
-        self.pid = os.getpid()
         self.hello = hello
         self.limit = limit
         self.lock = threading.Lock()  # slots, ended
@@ -234,6 +232,13 @@ class PipelinedSocketTransport(SocketTransport):
             # thread's new one will do); a failure there is the call's, never stale again.
             return self._send_and_wait(endpoint, tag, payload, timeout, stale=exc.link)
 
+    def _forked(self) -> None:
+        super()._forked()
+        self._links.clear()  # the parent's; their reader threads did not survive the fork
+        self._opening.clear()  # a lock a parent's thread held at the fork would never be released
+        self._attempts.clear()
+        self._failed.clear()
+
     def _send_and_wait(self, endpoint: Endpoint, tag: int, payload: bytes, timeout: float, *, stale: _Link | None) -> Answer:
         """Send ``payload`` on the endpoint's connection and wait for the reply tagged ``tag``.
 
@@ -284,7 +289,7 @@ class PipelinedSocketTransport(SocketTransport):
             with self._lock:
                 self._check_usable()
                 link = self._links.get(endpoint)
-                if link is not None and link.ended is None and link.pid == os.getpid() and link is not stale:
+                if link is not None and link.ended is None and link is not stale:
                     return link, True
                 failed = self._failed.get(endpoint)
             if failed is not None and failed[0] > tried:

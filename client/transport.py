@@ -539,10 +539,14 @@ class SocketTransport:
         if self._closed:
             raise ClientClosedError("this rdzv client is closed")
         if _forks != self._forks:  # a forked child must not share its parent's connections
-            self._idle.clear()
-            self._busy.clear()
-            self._timeouts.clear()
-            self._forks = _forks
+            self._forked()
+
+    def _forked(self) -> None:
+        """In a forked child: forget the parent's connections (never touched from here)."""
+        self._idle.clear()
+        self._busy.clear()
+        self._timeouts.clear()
+        self._forks = _forks
 
     def _raise_if_closed(self, exc: BaseException) -> None:
         if self._closed:

@@ -479,30 +479,9 @@ def _compile_decoder(cls: type[T], schema: _Schema) -> Callable[[object, dict[st
         else:  # absent: the dataclass's own default, as the reference leaves it
             lines += [f"    if {v} is missing:", f"        {v} = d{i}"]
             lines.append(f"    elif not ({accept}):" if accept else "    else:")
-        if name == "rid" and f.convert is _FIELD_CONVERTERS["rid"]:  # every write's: the converter, not its wrapper
-            env[f"c{i}"] = _convert_rid
-            lines.append(f"        {v} = c{i}({v})")
-        else:
-            lines.append(f"        {v} = c{i}({name!r}, {v})")
+        lines.append(f"        {v} = c{i}({name!r}, {v})")
         args.append(f"{name}={v}")
-    # The instance as the dataclass's own __init__ leaves it (every field, in declaration
-    # order), built as one dict: a frozen dataclass's __init__ assigns each field through
-    # object.__setattr__, which costs more than the rest of the decoding. Only where the
-    # fields are exactly the wire's plus the given ones (a command's rdzv_id) and no
-    # __post_init__ runs; any other call goes through __init__.
-    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]  # (a dataclass, as the schema was)
-    extra = [n for n in names if n not in schema.fields]
-    fast = not hasattr(cls, "__post_init__") and extra in ([], ["rdzv_id"]) and not getattr(cls, "__slots__", ())
-    if fast:
-        env["new"], env["set_dict"] = object.__new__, object.__setattr__
-        values = {n: (f"v{list(schema.fields).index(n)}" if n in schema.fields else "given['rdzv_id']") for n in names}
-        lines.append(f"    if len(given) == {len(extra)}{' and ' + repr('rdzv_id') + ' in given' if extra else ''}:")
-        lines.append("        obj = new(cls)")
-        lines.append(f"        set_dict(obj, '__dict__', {{{', '.join(f'{n!r}: {v}' for n, v in values.items())}}})")
-        lines.append("    else:")
-        lines.append(f"        obj = cls({', '.join(args)}, **given)")
-    else:
-        lines.append(f"    obj = cls({', '.join(args)}, **given)")
+    lines.append(f"    obj = cls({', '.join(args)}, **given)")
     if schema.validates:
         lines.append("    obj.validate()")
     lines.append("    return obj")

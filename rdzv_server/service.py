@@ -90,10 +90,6 @@ HOLD_JITTER = 0.75
 # A leader that logged nothing for this long logs a Tick (while it holds any job), so that a
 # take-over resumes the clock at most this far behind where the old leader's stood.
 TICK_EVERY_S = 1.0
-# A store write (c.STORE_WRITES) touches a job's keys and its last use, which can only move
-# the job's next deadline (its collection) later: while the job has a wake-up pending (which
-# reschedules when it fires), a store write needs no new one.
-STORE_WRITES = c.STORE_WRITES
 # A timer command the service refused (the log's queue full, say) is tried again this much
 # later, not at once: the deadline it serves is already due, and retrying in the same pass
 # would spin the event loop.
@@ -464,7 +460,10 @@ class Service:
             return
         if outcome.wakes:
             self.waiters.wake(outcome.wakes)
-        if type(command) not in STORE_WRITES or command.rdzv_id not in self._deadlines:
+        # A store write touches a job's keys and its last use, which can only move the job's next
+        # deadline (its collection) later: while the job has a wake-up pending (which
+        # reschedules when it fires), a store write needs no new one.
+        if type(command) not in c.STORE_WRITES or command.rdzv_id not in self._deadlines:
             self._schedule(command.rdzv_id)
         if outcome.events:
             self.on_events(outcome.events)

@@ -49,11 +49,6 @@ class Grant:
     access: Access
     job_prefix: str = ""
 
-    @property
-    def everything(self) -> bool:
-        """Whether it allows every request on every job (a write grant for every job)."""
-        return self.access is Access.WRITE and not self.job_prefix
-
     def allows(self, writes: bool, rdzv_id: str | None = None) -> bool:
         """Whether this grant covers a request that ``writes`` (or not) to job ``rdzv_id``
         (None: a request about no one job, such as the job list)."""

@@ -226,11 +226,10 @@ def start_operation(
     operation = OPERATIONS.get(op)
     if operation is None:
         return 404, wire.error_body(wire.ErrorCode.NOT_FOUND, f"no operation {op[:64]!r}")
-    if not grant.everything:  # (the usual grant: a write token for every job, or auth off)
-        refused = forbidden(grant, op, rdzv_id)
-        if refused is not None:
-            metrics.auth_failed("forbidden")
-            return 403, refused
+    refused = forbidden(grant, op, rdzv_id)
+    if refused is not None:
+        metrics.auth_failed("forbidden")
+        return 403, refused
     started = time.perf_counter()
     try:
         wire.check_id("rdzv_id", rdzv_id)

@@ -195,8 +195,7 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
             if not self._hold(len(data) - consumed, now):
                 return
             buf += memoryview(data)[consumed:]
-        if self._reading_paused or self._writing_paused or self.in_flight:  # else _update_reading changes nothing
-            self._update_reading()
+        self._update_reading()
 
     def eof_received(self) -> bool | None:
         # A dead process's kernel sends FIN, not a reset: treat EOF as the connection lost
@@ -271,7 +270,7 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
     def _parse_frames(self, data: bytes | bytearray | memoryview) -> int:
         pos = 0
         with memoryview(data) as view:
-            while self._accepting and not (self._writing_paused or len(self.in_flight) >= MAX_IN_FLIGHT):  # _held()
+            while self._accepting and not self._held():
                 try:
                     stop = _frame_end(data, pos, self._limit)
                 except frame.FrameTooLarge as exc:

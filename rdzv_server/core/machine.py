@@ -91,11 +91,7 @@ class Session:
 
 
 def _result_bytes(result: dict[str, Any]) -> int:
-    size = 0
-    for v in result.values():
-        if isinstance(v, bytes):
-            size += len(v)
-    return size
+    return sum(len(v) for v in result.values() if isinstance(v, bytes))
 
 
 @dataclass
@@ -172,7 +168,6 @@ class StateMachine:
         command comes from the log (see the module docstring).
         """
         session: Session | None = None
-        trimmed = False  # the results below the rid's floor are dropped already
         if rid is not None:
             session = self._session(rid[0], now)
             if not replay:
@@ -184,7 +179,7 @@ class StateMachine:
                         raise BadRequest(
                             f"request {rid[1]} of client {rid[0]} was answered already: a stale duplicate, not applied"
                         )
-                trimmed = self._admit(rid, session, now)
+                self._admit(rid, session, now)
         kind = type(command)
         handler = _HANDLERS[kind]
         if kind in c.STORE_WRITES:  # keys only: no timeline to look at (the same steps, fewer reads)
@@ -199,11 +194,9 @@ class StateMachine:
                 outcome = outcome._replace(events=events, wakes=(*outcome.wakes, events_topic(command.rdzv_id)))
         if now > self.clock:
             self.clock = now
-        next_end = self.cordons.next_end
-        if next_end is not None and now >= next_end:  # (what prune itself checks first: O(1) until then)
-            self.cordons.prune(now)
+        self.cordons.prune(now)  # O(1) until a timed cordon ends
         if rid is not None:
-            self._record(rid, outcome.result, now, session, trimmed)
+            self._record(rid, outcome.result, now, session)
         return outcome
 
     def replay(self, record: dict[str, Any]) -> None:
@@ -469,13 +462,11 @@ class StateMachine:
             return None
         return session
 
-    def _admit(self, rid: tuple[Any, ...], session: Session | None, now: float) -> bool:
-        """Under limits, refuse a write whose session cannot be kept (changes nothing).
-        Returns whether it dropped the session's results below the rid's floor already."""
+    def _admit(self, rid: tuple[Any, ...], session: Session | None, now: float) -> None:
+        """Under limits, refuse a write whose session cannot be kept (changes nothing)."""
         limits = self.limits
         if limits is None:
-            return False
-        trimmed = False
+            return
         if session is None:
             if len(self.sessions) >= limits.max_sessions and not self._expired_sessions(now):
                 raise TooManySessions(
@@ -486,7 +477,6 @@ class StateMachine:
             # What the client says it has read may go before anything is counted against it.
             floor = rid[2] if len(rid) > 2 else session.floor
             self._trim(session, floor)
-            trimmed = len(rid) > 2
             if len(session.results) >= limits.max_session_writes and not self._trim(session, floor, full=True):
                 raise SessionFull(
                     f"client {rid[0]} has {len(session.results)} writes awaiting their acknowledgement, the limit "
@@ -497,7 +487,6 @@ class StateMachine:
                 f"results kept for retries hold {self.session_bytes} bytes, over --max-session-bytes="
                 f"{limits.max_session_bytes}: retry once clients have read their replies"
             )
-        return trimmed
 
     def _expired_sessions(self, now: float) -> int:
         """Forget sessions past their TTL (least recent first); return how many."""
@@ -532,11 +521,10 @@ class StateMachine:
         return dropped
 
     def _record(
-        self, rid: tuple[Any, ...], result: dict[str, Any], now: float, session: Session | None, trimmed: bool
+        self, rid: tuple[Any, ...], result: dict[str, Any], now: float, session: Session | None
     ) -> None:
         """Keep ``result`` for retries of ``rid`` in ``session`` (the client's live session as
-        :meth:`apply` found it; None: start one). ``trimmed``: the results below the rid's
-        floor are gone already (:meth:`_admit`), and the new one is not below it."""
+        :meth:`apply` found it, not looked up again; None: start one)."""
         client_id, seq = rid[0], rid[1]
         if session is None:  # new, or past its TTL: start afresh
             old = self.sessions.pop(client_id, None)
@@ -553,8 +541,7 @@ class StateMachine:
             session.bytes += size
             self.session_bytes += size
         if len(rid) > 2:
-            if not trimmed:
-                self._trim(session, rid[2])
+            self._trim(session, rid[2])  # O(1) when _admit trimmed already
         else:  # no floor: keep the last DEDUP_WINDOW results (an older seq counts as new again)
             while len(session.results) > DEDUP_WINDOW:
                 gone = _result_bytes(session.results.popitem(last=False)[1])

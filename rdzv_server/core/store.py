@@ -118,17 +118,9 @@ class KeyValueStore:
 
     def _replace(self, scope: int | None, key: bytes, old: bytes | None, value: bytes) -> None:
         """:meth:`_change` of a key whose value the caller has just read (``old``; None: missing)."""
-        if len(value) > self.max_value_bytes:
-            self._fits(key, value)  # raises
-        if old is None:
-            self._quota(1, len(value) + len(key))
-            self._space(scope)[key] = value
-            self.keys += 1
-            self.bytes += len(key) + len(value)
-        else:
-            self._quota(0, len(value) - len(old))
-            self._spaces[scope][key] = value  # (it holds ``old``: the space exists)
-            self.bytes += len(value) - len(old)
+        self._fits(key, value)
+        self._quota(old is None, len(value) + (len(key) if old is None else -len(old)))
+        self._put(scope, key, value)
 
     def set(self, scope: int | None, key: bytes, value: bytes) -> None:
         self._change(scope, key, value)

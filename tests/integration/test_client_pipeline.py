@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import os
 import socket
 import threading
 import time
@@ -186,3 +187,22 @@ def test_threads_waiting_for_a_connection_that_cannot_open_share_its_failure(mon
         for sock in filler:
             sock.close()
         listener.close()
+
+
+def test_a_forked_child_opens_its_own_connection_and_the_parents_keeps_working(server: ServerProcess) -> None:
+    client, transport = pipelined(server)
+    with client:
+        client.create_job("forked", min_nodes=1, max_nodes=1)
+        assert client.add("forked", "n", 1) == 1  # the parent's connection is open
+        pid = os.fork()
+        if pid == 0:  # the child: its own connection (the parent's reader thread is not here)
+            code = 1
+            try:
+                # (a read: a write would share the parent's client id and request numbers)
+                code = 0 if client.get("forked", "n", timeout=5) == b"1" and transport.connections == 1 else 3
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert client.add("forked", "n", 1) == 2  # the parent's connection still serves it
+        assert transport.connections == 1
