@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,14 @@ from server_process import ServerProcess
 # torchrun agents inherit the environment) shares one fresh config folder, never the user's.
 CONFIG_HOME = tempfile.mkdtemp(prefix="rdzv-tests-config-")
 os.environ["XDG_CONFIG_HOME"] = CONFIG_HOME
+
+# The suite starts some hundreds of Python processes (servers, rdzvctl, torchrun agents, the
+# xdist workers), and each compiled our sources and the test files from scratch where the
+# environment says PYTHONDONTWRITEBYTECODE (as on these machines): ~0.1 s of CPU per server
+# start, ~4 s per worker to rewrite the test modules' asserts. The session writes bytecode
+# caches (into the __pycache__ folders .gitignore names), and every process after the first reads them.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 
 @pytest.fixture(scope="session", autouse=True)
