@@ -95,6 +95,10 @@ def test_a_host_whose_nodes_keep_dying_is_quarantined(quarantine_server: Any, cl
                               args=["--local-addr=127.0.0.2"])
         cluster.wait_job(srv, job, lambda d: d["state"] == "complete" and len(d["nodes"]) == 2
                          and all(n["alive"] for n in d["nodes"]), 90, f"flaky{attempt} in a round")
+        # It runs: its worker is up. (Killed the moment the round formed, it could die before its
+        # agent wrote torch's worker-rank record to the round's store, and the steady agent would
+        # wait for that record (store_timeout) instead of re-forming: see README, "Failures".)
+        cluster.wait_for(lambda: flaky.started() or None, 60, f"flaky{attempt}'s worker to start")
         flaky.kill()
         cluster.wait_job(srv, job, lambda d: not any(n["addr"] == "127.0.0.2" and n["alive"] for n in d["nodes"]),
                          30, f"flaky{attempt}'s death")
@@ -145,6 +149,7 @@ def test_ranks_follow_topology_a_survivor_keeps_its_rank_and_a_spare_takes_the_d
     # a spare whose path sorts first: as a new node it would take rank 0, as a spare it takes b's
     cluster.start("s", server, job, nnodes="3", nproc=1, env={**LONG, "RDZV_TOPOLOGY": "zone1/rack0"}, max_restarts=3)
     cluster.wait_job(server, job, lambda d: len(d["standby"]) == 1, 60, "the spare on standby")
+    cluster.wait_started(world=3, count=3)  # b's agent is past torch's worker-rank exchange
     nodes["b"].kill()
     doc = cluster.wait_job(server, job, formed_with({"a", "s", "c"}), 90, "the round of a, s, c")
     assert [(cluster.node_of(n).name, n["node_rank"]) for n in doc["nodes"]] == [("a", 0), ("s", 1), ("c", 2)]
