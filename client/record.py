@@ -223,6 +223,10 @@ class Assignment:
     global_rank_start: int
     master_addr: str
     master_port: int = 0  # node rank 0's offered port; 0 from a server or node that has none
+    # Every node of the round runs nproc_per_node workers, so each node's global ranks are
+    # node_rank * nproc_per_node onward and torch needs no worker-rank exchange (False from a
+    # server that does not say).
+    uniform_nproc: bool = False
 
 
 def check_id(kind: str, value: object) -> str:

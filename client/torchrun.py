@@ -102,6 +102,12 @@ DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 5
 BEAT_JITTER = 0.9
 # TCPStore's default timeout for blocking store calls.
 DEFAULT_STORE_TIMEOUT = 300.0
+# Read by torch's agent right after next_rendezvous() (``_assign_worker_ranks``): "1" computes
+# each node's worker ranks as node_rank * nproc_per_node + local_rank, with no exchange through
+# the round's store. The handler sets it for rounds whose nodes all run the same number of
+# workers (the server says so in the assignment), unless the user set it.
+WORKER_IDENTICAL_ENV = "TORCH_ELASTIC_WORKER_IDENTICAL"
+_worker_identical_ours = False  # the value in the environment is the handler's, not the user's
 # The --rdzv-conf keys that are Client options, passed as they are (paths); ``tls`` is a bool.
 CLIENT_PATH_KEYS = ("token_file", "ca_file", "cert_file", "key_file")
 
@@ -430,6 +436,7 @@ class RdzvServerHandler(RendezvousHandler):
             raise _torch_error(exc, f"node {self._node_id} could not join job {self._run_id}") from exc
         self._num_waiting = 0
         self._start_watch(a.round)
+        self._worker_ranks_without_exchange(a.uniform_nproc)
         store = RdzvStore(self._client, self._run_id, round=a.round, timeout=self._store_timeout)
         if a.master_port:
             bootstrap = RendezvousStoreInfo(a.master_addr, a.master_port)
@@ -444,6 +451,25 @@ class RdzvServerHandler(RendezvousHandler):
             bootstrap.master_addr, bootstrap.master_port,
         )
         return RendezvousInfo(store, a.node_rank, a.num_nodes, bootstrap)
+
+    def _worker_ranks_without_exchange(self, uniform: bool) -> None:
+        """In a round of uniform nodes, spare the agent torch's worker-rank exchange.
+
+        That exchange (every agent ``set``s its role info, node rank 0 ``multi_get``s them all
+        and ``multi_set``s the ranks, every agent ``get``s its own) costs a round trip per node
+        and, worse, runs before the agent watches for restarts: a member that dies before
+        writing its record leaves the others blocked until ``store_timeout``. In a uniform round
+        torch's shortcut gives the same ranks as the exchange, and the agent goes straight to
+        its workers and its watch, which reports the death at once. Any other round keeps the
+        exchange (the shortcut's ranks would be wrong)."""
+        global _worker_identical_ours
+        if WORKER_IDENTICAL_ENV in os.environ and not _worker_identical_ours:
+            return  # the user's
+        if uniform:
+            os.environ[WORKER_IDENTICAL_ENV] = "1"
+        else:
+            os.environ.pop(WORKER_IDENTICAL_ENV, None)
+        _worker_identical_ours = uniform
 
     def is_closed(self) -> bool:
         if self._closed:

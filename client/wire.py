@@ -822,8 +822,9 @@ def frame(obj: Any) -> bytes:
 #                job closed while the node was standby or waiting: it was no part of the run
 #   watch      -> {"round": int, "state": str, "num_nodes_waiting": int, "closed": bool}
 # ASSIGNMENT = {"round", "node_rank", "num_nodes", "world_size", "nproc_per_node",
-#               "global_rank_start", "master_addr", "master_port"}
-#              (node rank 0's addr and the master_port it offered when it joined, 0 if none)
+#               "global_rank_start", "master_addr", "master_port", "uniform_nproc"}
+#              (node rank 0's addr and the master_port it offered when it joined, 0 if none;
+#              uniform_nproc: every node of the round runs the same number of workers)
 # errors     -> {"error": ErrorCode, "message": str}
 
 

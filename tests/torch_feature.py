@@ -8,10 +8,12 @@ tests only: importing this module imports torch.
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 from torch.distributed.elastic.rendezvous import registry
 
 VERSION = torch.__version__
@@ -31,6 +33,15 @@ STORE_CLONE = hasattr(dist.Store, "clone")
 NO_STORE_CLONE = (
     f"torch {VERSION} has no Store.clone, so its PrefixStore cannot be cloned (a torch feature, "
     "not the plug-in's; RdzvStore.clone is tested directly)"
+)
+
+#: The agent's shortcut past its worker-rank exchange through the round's store,
+#: ``TORCH_ELASTIC_WORKER_IDENTICAL=1`` (pytorch#136865, late 2024), which the handler turns on
+#: for uniform rounds. Without it every round trades worker ranks through the store.
+WORKER_RANK_SHORTCUT = "TORCH_ELASTIC_WORKER_IDENTICAL" in inspect.getsource(SimpleElasticAgent._assign_worker_ranks)
+NO_WORKER_RANK_SHORTCUT = (
+    f"torch {VERSION}'s agent has no TORCH_ELASTIC_WORKER_IDENTICAL shortcut: it trades worker ranks "
+    "through the round's store in every round, and waits there for a member that died as the round formed"
 )
 
 

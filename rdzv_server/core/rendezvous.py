@@ -265,6 +265,7 @@ class Job:
     closed_at: float | None = None
     departed: OrderedDict[str, str] = field(default_factory=OrderedDict)
     world: int = 0  # world_size of the last formed round
+    uniform_nproc: bool = False  # its nodes all run the same number of workers
     departures: int = 0  # count of departures, so callers can tell one happened
     runs: int = 0  # fresh runs started in a closed job (rule 6)
     opened_at: float = 0.0  # when the current round opened: its formation time is measured from here
@@ -375,7 +376,7 @@ class Job:
             )
         for old in list(self.nodes):
             self._forget(old)
-        self.members, self.world, self.closed_at = [], 0, None
+        self.members, self.world, self.uniform_nproc, self.closed_at = [], 0, False, None
         self.restarts, self.restart_round, self.closed_cause = 0, -1, ""  # a fresh run has its whole budget
         self.runs += 1
         self._open_next_round(now)
@@ -645,6 +646,7 @@ class Job:
             node.node_rank, node.global_rank_start = p.node_rank, p.global_rank_start
             self.members.append(p.node_id)
         self.world = sum(p.nproc_per_node for p in placements)
+        self.uniform_nproc = len({p.nproc_per_node for p in placements}) == 1
         self.state = JobState.COMPLETE
         self.timeline.add(
             now, Kind.ROUND_FORMED, reason, self.round, num_nodes=len(self.members), world_size=self.world,
@@ -717,6 +719,7 @@ class Job:
             global_rank_start=node.global_rank_start,
             master_addr=master.addr,
             master_port=master.master_port,
+            uniform_nproc=self.uniform_nproc,
         )
 
     def _closed_why(self) -> str:
@@ -857,6 +860,7 @@ class Job:
             "departed": list(self.departed.items()),
             "runs": self.runs,
             "world": self.world,
+            "uniform_nproc": self.uniform_nproc,
             "opened_at": self.opened_at,
             "restarts": self.restarts,
             "restart_round": self.restart_round,
@@ -879,6 +883,8 @@ class Job:
         job.departed = OrderedDict((k, v) for k, v in data["departed"])
         job.runs = data["runs"]
         job.world = data["world"]
+        # (Snapshots before it: unknown, so False, the worker-rank exchange as before.)
+        job.uniform_nproc = data.get("uniform_nproc", False)
         job.opened_at = data.get("opened_at", 0.0)
         job.restarts = data.get("restarts", 0)
         job.restart_round = data.get("restart_round", -1)

@@ -18,6 +18,7 @@ process group meets at MASTER_PORT.)
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import threading
 import urllib.request
@@ -38,7 +39,7 @@ from torch.distributed.elastic.rendezvous import (
 
 from rdzv_client import Client
 from rdzv_client.error import NotFoundError
-from rdzv_client.torchrun import RdzvServerHandler, RdzvStore, _exchange_master_address
+from rdzv_client.torchrun import WORKER_IDENTICAL_ENV, RdzvServerHandler, RdzvStore, _exchange_master_address
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -144,6 +145,31 @@ def test_the_handlers_beats_keep_its_node_alive_while_its_watch_is_parked_past_t
     membership = nodes.client.job(job)
     assert [n["alive"] for n in membership["nodes"]] == [True, True], membership["nodes"]
     assert membership["round"] == 0 and all(w.handler.num_nodes_waiting() == 0 for w in waiting)
+
+
+def test_torchs_worker_rank_shortcut_follows_the_round_unless_the_user_set_it(
+    nodes: Nodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's agent reads TORCH_ELASTIC_WORKER_IDENTICAL right after next_rendezvous(): on
+    ("1") for a round whose nodes all run as many workers, off (unset) for any other round, and
+    the user's own value, where they set one, untouched."""
+    monkeypatch.delenv(WORKER_IDENTICAL_ENV, raising=False)
+    uniform = nodes.handler(f"uniform-{uuid.uuid4().hex[:8]}", 1)
+    uniform.next_rendezvous()
+    assert os.environ.get(WORKER_IDENTICAL_ENV) == "1"
+
+    job = f"mixed-{uuid.uuid4().hex[:8]}"
+    mixed = Waiting(nodes.handler(job, 2))  # one worker; the other node brings two
+    wait_until(lambda: nodes.client.job(job)["joining"], 30, "the handler to join")
+    settings = {"min_nodes": 2, "max_nodes": 2, "last_call_timeout": 1, "join_timeout": 60, "heartbeat_ttl": 2}
+    nodes.client.join(job, node_id="two-workers", addr="127.0.0.1", nproc_per_node=2, timeout=30, **settings)
+    assert mixed.result().world_size == 2
+    assert WORKER_IDENTICAL_ENV not in os.environ
+
+    monkeypatch.setenv(WORKER_IDENTICAL_ENV, "0")
+    theirs = nodes.handler(f"theirs-{uuid.uuid4().hex[:8]}", 1)
+    theirs.next_rendezvous()
+    assert os.environ.get(WORKER_IDENTICAL_ENV) == "0"
 
 
 def test_a_standby_node_waits_past_join_timeout_and_exits_gracefully_when_the_job_closes(nodes: Nodes) -> None:

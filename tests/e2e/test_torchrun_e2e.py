@@ -1,5 +1,6 @@
 """Real torchrun agents (``--rdzv-backend=rdzv-server``) and gloo workers against the real
-server on 127.0.0.1: formation, scale-up, node failure, heterogeneous nodes, a server
+server on 127.0.0.1: formation, scale-up, node failure, heterogeneous nodes, a node that dies
+as its round forms, a server
 restart mid-job, rdzvctl on a formed job, a spare node that outlives join_timeout, a job over
 TLS, and agents whose token comes from the environment.
 
@@ -23,6 +24,8 @@ from typing import Any
 
 import psutil
 import pytest
+from rdzv_client import Client
+from torch_feature import NO_WORKER_RANK_SHORTCUT, WORKER_RANK_SHORTCUT
 
 # The fixtures' classes (conftest.py); annotations only.
 Cluster = Any
@@ -132,6 +135,15 @@ def test_three_nodes(server: Any, cluster: Cluster) -> None:
     check_membership_matches(cluster, running, records)
     after = cluster.job(server, job)
     assert after is not None and after["state"] == "closed", after  # the agents close the job when done
+    # Uniform nodes: the agents took torch's shortcut to their worker ranks, with no exchange.
+    traded = [f"torchelastic/role_info/{i}".encode() for i in range(3)]
+    assert role_infos(server, job, formed["round"]) == ([] if WORKER_RANK_SHORTCUT else traded)
+
+
+def role_infos(server: Any, job: str, round_: int) -> list[bytes]:
+    """The records of torch's worker-rank exchange in a round's key space."""
+    with Client(server.endpoint) as client:
+        return sorted(client.list_keys(job, b"torchelastic/role_info/", round=round_))
 
 
 def test_scale_up(server: Any, cluster: Cluster) -> None:
@@ -266,6 +278,36 @@ def test_heterogeneous_nproc(server: Any, cluster: Cluster) -> None:
     for entry in formed["nodes"]:
         assert len(entry["global_ranks"]) == entry["nproc_per_node"], entry
         assert node_of(cluster, entry).name == ("two" if entry["nproc_per_node"] == 2 else "one")
+    # Nodes of different sizes: torch's own exchange placed the workers (its shortcut would not).
+    assert role_infos(server, job, formed["round"]) == [b"torchelastic/role_info/0", b"torchelastic/role_info/1"]
+
+
+def test_a_node_that_dies_as_its_round_forms_holds_up_no_one(server: Any, cluster: Cluster) -> None:
+    """A member that dies between its round forming and its workers starting never takes part
+    in torch's worker-rank exchange. Here it is a client that joins, gets its place and goes
+    silent. In a round of uniform nodes the survivor's agent does no exchange: it goes straight to
+    its workers and its watch, and re-forms without the dead node in seconds, instead of waiting
+    for the dead node's record until store_timeout (300 s)."""
+    if not WORKER_RANK_SHORTCUT:
+        pytest.skip(NO_WORKER_RANK_SHORTCUT)
+    job = "dies-as-it-forms"
+    # The ghost joins within the steady node's last call, so they form a round of two (should it
+    # miss it, the steady node restarts for it, and the round of two is the next one).
+    steady = cluster.start("steady", server, job, nnodes="1:2", nproc=1, max_restarts=ELASTIC_RESTARTS,
+                           conf={"last_call_timeout": "3"}, env={**LONG, "STEPS_WHEN_WORLD_SIZE": "1:3"})
+    cluster.wait_job(server, job, lambda d: len(d["joining"]) == 1, 60, "the steady node to join")
+    with Client(server.endpoint) as ghost:
+        place = ghost.join(
+            job, node_id="ghost", addr="127.0.0.2", nproc_per_node=1, min_nodes=1, max_nodes=2,
+            last_call_timeout=3, join_timeout=60, heartbeat_ttl=2, master_port=1, timeout=30,
+        )
+    assert (place.num_nodes, place.uniform_nproc) == (2, True), place
+
+    assert cluster.wait_all(60) == {"steady": 0}
+    # Its agent started the workers of the round of two and restarted them for the dead member
+    # (what torch logs when the handler reports it), then finished in a round of its own.
+    assert "new nodes from group_rank" in steady.log_text(), steady.log_tail()
+    check_records(steady.results(), 1, job)
 
 
 def test_server_restart_mid_job(durable_server: Any, cluster: Cluster) -> None:

@@ -423,6 +423,23 @@ def test_the_next_round_reorders_heterogeneous_global_ranks() -> None:
     assert a is not None and (a.node_rank, a.global_rank_start) == (2, 4)
 
 
+def test_an_assignment_says_whether_every_node_of_its_round_runs_as_many_workers() -> None:
+    cl = Cluster(min_nodes=2, max_nodes=2)
+    form(cl, ["a", "b"], nprocs=[2, 2])
+    assert all(cl.sm.assignment(RDZV_ID, n, 0).uniform_nproc for n in ("a", "b"))  # type: ignore[union-attr]
+    cl.join("b", 1.0, nproc=4)  # the next round: b brings 4
+    cl.join("a", 2.0, nproc=2)
+    assert not any(cl.sm.assignment(RDZV_ID, n, 1).uniform_nproc for n in ("a", "b"))  # type: ignore[union-attr]
+    restored = StateMachine(max_value_bytes=MAX_VALUE_BYTES, job_ttl=JOB_TTL)
+    restored.restore(snapshot(cl.sm))
+    assert restored.assignment(RDZV_ID, "a", 1) == cl.sm.assignment(RDZV_ID, "a", 1)
+    assert cl.replay().assignment(RDZV_ID, "a", 1) == cl.sm.assignment(RDZV_ID, "a", 1)
+    cl.join("b", 3.0, nproc=2)  # and back to uniform, snapshot and all
+    cl.join("a", 4.0, nproc=2)
+    restored.restore(snapshot(cl.sm))
+    assert restored.assignment(RDZV_ID, "b", 2).uniform_nproc  # type: ignore[union-attr]
+
+
 def test_a_member_may_change_its_nproc_per_node_when_it_rejoins() -> None:
     cl = Cluster(min_nodes=2, max_nodes=2)
     form(cl, ["a", "b"], nprocs=[2, 2])
