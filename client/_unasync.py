@@ -81,6 +81,7 @@ from .transport import (
     Endpoint,
     Transport,
     TransportError,
+    forks,
 )
 """,
         """\
@@ -92,6 +93,7 @@ from .transport import (
     Endpoint,
     SocketTransport,
     TransportError,
+    forks,
 )
 """,
     ),

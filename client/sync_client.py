@@ -61,6 +61,7 @@ from .transport import (
     Endpoint,
     SocketTransport,
     TransportError,
+    forks,
 )
 
 # The logger's name is the public module's, which users configure (and tests capture).
@@ -129,6 +130,7 @@ class Client:
         if not 0 < len(self._client_id) <= wire.MAX_CLIENT_ID_CHARS:
             raise ValueError(f"client_id must be 1..{wire.MAX_CLIENT_ID_CHARS} characters")
         self._unanswered = _Unanswered()
+        self._forks = forks()
         self._transport: BlockingTransport = transport or SocketTransport(
             connection_limit=connection_limit,
             max_response_bytes=max_response_bytes,
@@ -174,7 +176,13 @@ class Client:
         """A fresh request id ``(client_id, seq)`` for one write (all its retries share it).
 
         It counts as unanswered (it holds the client's floor down) from now until a
-        :meth:`request` that carries it returns or raises: send it."""
+        :meth:`request` that carries it returns or raises: send it.
+
+        A forked child takes a client id of its own: numbering on under its parent's, its
+        writes and the parent's would share rids, and the server would answer the later of
+        two with the earlier one's recorded result without applying it."""
+        if forks() != self._forks:
+            self._client_id, self._unanswered, self._forks = uuid.uuid4().hex[:16], _Unanswered(), forks()
         return (self._client_id, self._unanswered.issue())
 
     def request(self, rdzv_id: str, req: wire.Request, *, deadline: float | None = None) -> dict[str, Any]:

@@ -336,6 +336,11 @@ def _forked() -> None:
 os.register_at_fork(after_in_child=_forked)
 
 
+def forks() -> int:
+    """How many forks this process has been through (one more in each child than in its parent)."""
+    return _forks
+
+
 def _timeval(seconds: float) -> bytes:
     """``seconds`` as the ``struct timeval`` of SO_RCVTIMEO / SO_SNDTIMEO (all zero would mean never)."""
     whole = int(seconds)

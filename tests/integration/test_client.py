@@ -4,6 +4,7 @@ long-poll wakeups and deadlines, exactly-once writes, retries and thread safety.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 import time
@@ -185,6 +186,21 @@ def test_a_write_resent_with_the_same_rid_applies_once(client: Client, job: str)
     assert first == again == {"value": 5}
     assert client.add(job, "counter", 0) == 5
     assert client.request(job, wire.AddRequest(job, key=b"counter", amount=5, rid=client.next_rid())) == {"value": 10}
+
+
+def test_a_forked_child_numbers_its_writes_apart_from_its_parent(client: Client, job: str) -> None:
+    """Parent and child go on from the same client after a fork: each of their writes is applied
+    (on one client id the parent's next write would take the child's rid, and get its result)."""
+    assert client.add(job, "counter", 1) == 1
+    pid = os.fork()
+    if pid == 0:  # the child: one add, its outcome as the exit code
+        try:
+            os._exit(0 if client.add(job, "counter", 10) == 11 else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert client.add(job, "counter", 100) == 111
 
 
 # --------------------------------------------------------------------------- errors
