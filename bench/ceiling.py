@@ -1,0 +1,272 @@
+"""``python -m bench.ceiling``: where 8-client store throughput is lost, layer by layer (~1 minute).
+
+What it owns: one diagnostic table, for the store throughput target that ``python -m bench``
+measures through the plug-in's store (issue 15: 8-client ``add`` throughput >= 0.35x
+TCPStore's). Each row is 8 client processes, each doing one request at a time for
+``SECONDS``, on this machine's cores together with the server:
+
+- ``echo``: a uvloop server that answers every length-prefixed frame with a fixed frame and
+  does nothing else, with clients that are a bare blocking socket loop: the ceiling of any
+  Python server with Python clients here.
+- ``TCPStore``: torch's, ``add`` on a key of each client's own (C++ on both ends).
+- ``rdzv-server, bare clients``: our server (``--memory``) with the same bare socket loop
+  sending ``add`` frames (preface, hello, then ``[tag, "add", job, {key, amount, rid}]``,
+  each with a request id as the client sends it, so the server keeps its exactly-once
+  session as it does for the client): the server's own cost.
+- ``rdzv-server, Client``: the same with ``rdzv_client.Client.add`` (the client's policy and
+  its blocking transport).
+- ``rdzv-server, RdzvStore``: the same through torch's ``Store`` API (the plug-in's store, as
+  ``python -m bench`` measures it).
+
+Rows are run in turn, twice, and each shows its ratio to TCPStore's figure of the same pass.
+
+What it must not know: the other measurements; it starts its own servers on free ports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+CLIENTS = 8
+SECONDS = 2.0
+JOB = "ceiling"
+_HEADER = struct.Struct(">I")
+_ECHO_REQUEST = _HEADER.pack(40) + b"x" * 40
+_ECHO_REPLY = _HEADER.pack(12) + b"y" * 12
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _recv_frame(sock: socket.socket) -> bytes:
+    head = b""
+    while len(head) < _HEADER.size:
+        head += sock.recv(_HEADER.size - len(head))
+    (size,) = _HEADER.unpack(head)
+    body = b""
+    while len(body) < size:
+        body += sock.recv(size - len(body))
+    return body
+
+
+# -- servers (each in a process of its own; ``ready`` set once it listens) -----------------
+
+
+class _Echo(asyncio.Protocol):
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport: Any = transport
+        self._buffer = b""
+        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        buffer, replies = self._buffer + data, 0
+        while len(buffer) >= _HEADER.size and len(buffer) >= _HEADER.size + _HEADER.unpack(buffer[:4])[0]:
+            buffer = buffer[_HEADER.size + _HEADER.unpack(buffer[:4])[0] :]
+            replies += 1
+        self._buffer = buffer
+        if replies:
+            self._transport.write(_ECHO_REPLY * replies)
+
+
+def _echo_server(port: int, ready: Any) -> None:
+    import uvloop
+
+    async def serve() -> None:
+        await asyncio.get_running_loop().create_server(_Echo, "127.0.0.1", port)
+        ready.set()
+        await asyncio.sleep(3600)
+
+    uvloop.run(serve())
+
+
+def _tcpstore_server(port: int, ready: Any) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    ready.set()
+    time.sleep(3600)
+    del store
+
+
+# -- clients (``start`` is the common start; each puts its count of requests on ``done``) ----
+
+
+def _echo_client(port: int, token: str, start: Any, done: Any) -> None:
+    sock = _connect(port)
+    start.wait()
+    count, end = 0, time.monotonic() + SECONDS
+    while time.monotonic() < end:
+        sock.sendall(_ECHO_REQUEST)
+        _recv_frame(sock)
+        count += 1
+    done.put(count)
+
+
+def _tcpstore_client(port: int, token: str, start: Any, done: Any) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    key = f"k{os.getpid()}"
+    start.wait()
+    count, end = 0, time.monotonic() + SECONDS
+    while time.monotonic() < end:
+        store.add(key, 1)
+        count += 1
+    done.put(count)
+
+
+def _bare_client(port: int, token: str, start: Any, done: Any) -> None:
+    import msgpack
+
+    from rdzv_client import wire
+
+    sock = _connect(port)
+    sock.sendall(wire.STREAM_PREFACE + wire.frame([1, wire.HELLO_OP, "", {"token": token}]))
+    assert msgpack.unpackb(_recv_frame(sock))[1] == 200, "the server refused the hello"
+    key, session = f"k{os.getpid()}".encode(), f"bare{os.getpid()}"
+    start.wait()
+    count, end = 0, time.monotonic() + SECONDS
+    while time.monotonic() < end:
+        # rid [client id, seq, floor]: one request at a time, so every earlier one is answered
+        sock.sendall(wire.frame([count + 2, "add", JOB, {"key": key, "amount": 1, "rid": [session, count + 1, count + 1]}]))
+        reply = _recv_frame(sock)
+        count += 1
+    assert msgpack.unpackb(reply)[1] == 200, msgpack.unpackb(reply)
+    done.put(count)
+
+
+def _client_client(port: int, token: str, start: Any, done: Any) -> None:
+    from rdzv_client import Client
+
+    client = Client(f"127.0.0.1:{port}", token=token)
+    key = f"k{os.getpid()}"
+    client.add(JOB, key, 1)  # connected and greeted before the start
+    start.wait()
+    count, end = 0, time.monotonic() + SECONDS
+    while time.monotonic() < end:
+        client.add(JOB, key, 1)
+        count += 1
+    done.put(count)
+
+
+def _store_client(port: int, token: str, start: Any, done: Any) -> None:
+    from rdzv_client import Client
+    from rdzv_client.torchrun import RdzvStore
+
+    store = RdzvStore(Client(f"127.0.0.1:{port}", token=token), JOB)
+    key = f"k{os.getpid()}"
+    store.add(key, 1)
+    start.wait()
+    count, end = 0, time.monotonic() + SECONDS
+    while time.monotonic() < end:
+        store.add(key, 1)
+        count += 1
+    done.put(count)
+
+
+# -- runs ------------------------------------------------------------------------------------
+
+
+def _throughput(client: Callable[..., None], port: int, token: str) -> float:
+    """Requests per second of :data:`CLIENTS` processes running ``client`` against ``port``."""
+    ctx = mp.get_context("spawn")
+    start, done = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=client, args=(port, token, start, done)) for _ in range(CLIENTS)]
+    for proc in procs:
+        proc.start()
+    time.sleep(4.0)  # every client imported what it needs and connected
+    start.set()
+    total = sum(done.get(timeout=120) for _ in procs)
+    for proc in procs:
+        proc.join(30)
+    return total / SECONDS
+
+
+def _in_process(server: Callable[[int, Any], None]) -> tuple[mp.process.BaseProcess, int]:
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    port = _free_port()
+    proc = ctx.Process(target=server, args=(port, ready), daemon=True)
+    proc.start()
+    if not ready.wait(60):
+        raise RuntimeError(f"{server.__name__} did not start")
+    return proc, port
+
+
+def _rdzv_server() -> tuple[subprocess.Popen[bytes], int, str]:
+    from rdzv_client import Client
+    from rdzv_client.credential import find_token
+
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rdzv_server", "--memory", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    token = ""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            token = find_token(None, None) or ""
+            with Client(f"127.0.0.1:{port}", token=token, retry_budget=1.0) as client:
+                client.create_job(JOB, min_nodes=1, max_nodes=1)
+            return proc, port, token
+        except Exception:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise
+            time.sleep(0.2)
+
+
+def main() -> int:
+    rows: list[tuple[str, int, float, float]] = []
+    for run in (1, 2):
+        echo, echo_port = _in_process(_echo_server)
+        figures = {"echo (bare uvloop server, bare clients)": _throughput(_echo_client, echo_port, "")}
+        echo.kill()
+        tcp, tcp_port = _in_process(_tcpstore_server)
+        figures["TCPStore add"] = reference = _throughput(_tcpstore_client, tcp_port, "")
+        tcp.kill()
+        server, port, token = _rdzv_server()
+        try:
+            figures["rdzv-server add, bare clients"] = _throughput(_bare_client, port, token)
+            figures["rdzv-server add, rdzv_client.Client"] = _throughput(_client_client, port, token)
+            figures["rdzv-server add, RdzvStore (torch Store API)"] = _throughput(_store_client, port, token)
+        finally:
+            server.kill()
+            server.wait()
+        for name, value in figures.items():
+            rows.append((name, run, value, value / reference))
+            print(f"pass {run}: {name}: {value:,.0f} requests/s", file=sys.stderr, flush=True)
+    width = max(len(r[0]) for r in rows)
+    print(f"{CLIENTS} clients, one request at a time each, {SECONDS:g} s, {os.cpu_count()} CPUs")
+    print(f"{'what':<{width}}  pass  requests/s  x TCPStore")
+    for name, run, value, ratio in rows:
+        print(f"{name:<{width}}  {run:>4}  {value:>10,.0f}  {ratio:>10.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
