@@ -160,7 +160,14 @@ def test_torchs_worker_rank_shortcut_follows_the_round_unless_the_user_set_it(
 
     job = f"mixed-{uuid.uuid4().hex[:8]}"
     mixed = Waiting(nodes.handler(job, 2))  # one worker; the other node brings two
-    wait_until(lambda: nodes.client.job(job)["joining"], 30, "the handler to join")
+
+    def joined() -> bool:
+        try:
+            return bool(nodes.client.job(job)["joining"])
+        except NotFoundError:  # not even created yet
+            return False
+
+    wait_until(joined, 30, "the handler to join")
     settings = {"min_nodes": 2, "max_nodes": 2, "last_call_timeout": 1, "join_timeout": 60, "heartbeat_ttl": 2}
     nodes.client.join(job, node_id="two-workers", addr="127.0.0.1", nproc_per_node=2, timeout=30, **settings)
     assert mixed.result().world_size == 2
