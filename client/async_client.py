@@ -94,6 +94,8 @@ class AsyncClient:
     a client certificate for a server that requires one (``--tls-client-ca``). The server's
     certificate must be valid for the endpoint's host. A file that cannot be used raises
     ``TLSConfigError`` (a ValueError), as do TLS files given with no TLS endpoint.
+    ``transport_type`` builds the transport from those options (the torchrun handler's is
+    pipelined); ``transport`` is one built already (tests).
     Every method may raise :class:`RdzvConnectionError` (no server reachable within
     ``retry_budget``), :class:`BadRequestError` (invalid ids, keys or sizes),
     :class:`UnauthorizedError` (no valid token, or a read-only one for a write) and
@@ -117,6 +119,7 @@ class AsyncClient:
         cert_file: str | os.PathLike[str] | None = None,
         key_file: str | os.PathLike[str] | None = None,
         transport: Transport | None = None,
+        transport_type: Callable[..., Transport] = AiohttpTransport,
         rng: random.Random | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
@@ -135,7 +138,7 @@ class AsyncClient:
             raise ValueError(f"client_id must be 1..{wire.MAX_CLIENT_ID_CHARS} characters")
         self._unanswered = _Unanswered()
         self._forks = forks()
-        self._transport: Transport = transport or AiohttpTransport(
+        self._transport: Transport = transport or transport_type(
             connection_limit=connection_limit,
             max_response_bytes=max_response_bytes,
             token=find_token(token, token_file),

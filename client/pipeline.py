@@ -67,18 +67,8 @@ from .transport import (
     _closed_hint,
     _Stale,
     _TLS,
+    decode_reply,
 )
-
-
-def _reply(payload: bytes, unpack: wire.Unpack) -> tuple[int, int, Any]:
-    """A reply frame's ``(tag, status, body)``; raises :class:`ServerError` if it is not one."""
-    try:
-        message = unpack(payload)
-    except wire.WireError as exc:
-        raise ServerError(f"the server sent a frame this client cannot read: {exc}") from exc
-    if not (isinstance(message, list) and len(message) == 3 and type(message[0]) is int and type(message[1]) is int):
-        raise ServerError(f"the server sent a reply frame of the wrong shape: {message!r:.200}")
-    return message[0], message[1], message[2]
 
 
 # --------------------------------------------------------------------------- blocking
@@ -169,7 +159,7 @@ class _Link:
                         raise ServerError(f"the server's reply of {exc.length} bytes exceeds the client's limit") from exc
                     if payload is None:
                         break
-                    tag, status, body = _reply(payload, self.unpack)
+                    tag, status, body = decode_reply(payload, self.unpack)
                     self.received += 1
                     if tag == 0 or (tag == self.hello and status != 200):
                         self.end(Answer(status, body))  # refused: the answer of every request on it
@@ -203,13 +193,14 @@ class PipelinedSocketTransport(SocketTransport):
     def __init__(
         self,
         *,
+        connection_limit: int = DEFAULT_CONNECTION_LIMIT,  # connections over TLS (one per call in flight)
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         token: str | None = None,
         tls: ssl.SSLContext | None = None,
     ) -> None:
         super().__init__(
-            connection_limit=DEFAULT_CONNECTION_LIMIT, max_response_bytes=max_response_bytes,
+            connection_limit=connection_limit, max_response_bytes=max_response_bytes,
             connect_timeout=connect_timeout,
             token=token, tls=tls,
         )  # fmt: skip
@@ -380,7 +371,7 @@ class _StreamProtocol(asyncio.Protocol):
                 payload = self._replies.next_payload()
                 if payload is None:
                     return
-                tag, status, body = _reply(payload, self.unpack)
+                tag, status, body = decode_reply(payload, self.unpack)
             except (frame.FrameTooLarge, ServerError) as exc:
                 self.end(exc if isinstance(exc, ServerError) else ServerError(f"the server's reply is too large: {exc}"))
                 return

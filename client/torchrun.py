@@ -74,8 +74,6 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from . import health, wire
 from .client import Client
-from .policy import _tls_context, _tls_endpoints
-from .credential import find_token
 from .error import (
     ConflictError,
     HostCordonedError,
@@ -737,12 +735,7 @@ def node_client(endpoint: str, retry_budget: float, options: Mapping[str, Any]) 
     ``options`` are :func:`client_options`'s. Raises ValueError (``CredentialError``,
     ``TLSConfigError``) for a token or TLS file that cannot be used, or TLS files without TLS.
     """
-    tls = bool(options.get("tls"))
-    context = _tls_context(
-        _tls_endpoints(endpoint, tls), options.get("ca_file"), options.get("cert_file"), options.get("key_file")
-    )
-    transport = PipelinedSocketTransport(token=find_token(None, options.get("token_file")), tls=context)
-    return Client(endpoint, retry_budget=retry_budget, tls=tls, transport=transport)
+    return Client(endpoint, retry_budget=retry_budget, transport_type=PipelinedSocketTransport, **options)
 
 
 # torchrun makes one handler per process: one client, so one connection, per agent.

@@ -341,6 +341,17 @@ def forks() -> int:
     return _forks
 
 
+def decode_reply(payload: bytes, unpack: wire.Unpack) -> tuple[int, int, Any]:
+    """A stream reply frame's ``(tag, status, body)``; raises :class:`ServerError` if it is not one."""
+    try:
+        message = unpack(payload)
+    except wire.WireError as exc:
+        raise ServerError(f"the server sent a frame this client cannot read: {exc}") from exc
+    if not (isinstance(message, list) and len(message) == 3 and type(message[0]) is int and type(message[1]) is int):
+        raise ServerError(f"the server sent a reply frame of the wrong shape: {message!r:.200}")
+    return message[0], message[1], message[2]
+
+
 def _timeval(seconds: float) -> bytes:
     """``seconds`` as the ``struct timeval`` of SO_RCVTIMEO / SO_SNDTIMEO (all zero would mean never)."""
     whole = int(seconds)
@@ -462,18 +473,12 @@ class SocketTransport:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, when)
         self._timeouts[sock] = timeout
 
-    def _decode(self, reply: bytes) -> list[Any]:
-        """A reply frame's ``[tag, status, body]``; raises :class:`ServerError` if it is not one."""
+    def _decode(self, reply: bytes) -> tuple[int, int, Any]:
+        """A reply frame's ``(tag, status, body)`` through this thread's decoder (:func:`decode_reply`)."""
         unpack = getattr(self._unpack, "unpack", None)
         if unpack is None:
             unpack = self._unpack.unpack = wire.Unpack(self._max_response_bytes, wire.MAX_REPLY_ITEMS)
-        try:
-            message = unpack(reply)
-        except wire.WireError as exc:
-            raise ServerError(f"the server sent a frame this client cannot read: {exc}") from exc
-        if not (isinstance(message, list) and len(message) == 3 and type(message[0]) is int and type(message[1]) is int):
-            raise ServerError(f"the server sent a reply frame of the wrong shape: {message!r:.200}")
-        return message
+        return decode_reply(reply, unpack)
 
     def _read_frame(self, sock: socket.socket, replies: frame.FrameDecoder, *, allow_more: bool = False) -> bytes:
         """The next frame's payload off ``sock``, through ``replies`` (this exchange's decoder).
