@@ -112,15 +112,25 @@ def _tcpstore_server(port: int, ready: Any) -> None:
 # -- clients (``start`` is the common start; each puts its count of requests on ``done``) ----
 
 
-def _echo_client(port: int, token: str, start: Any, done: Any) -> None:
-    sock = _connect(port)
+def _run(request: Callable[[int], object], start: Any, done: Any) -> None:
+    """Call ``request(n)`` (n: requests made so far) from the common start for :data:`SECONDS`;
+    put how many were made on ``done``."""
     start.wait()
     count, end = 0, time.monotonic() + SECONDS
     while time.monotonic() < end:
-        sock.sendall(_ECHO_REQUEST)
-        _recv_frame(sock)
+        request(count)
         count += 1
     done.put(count)
+
+
+def _echo_client(port: int, token: str, start: Any, done: Any) -> None:
+    sock = _connect(port)
+
+    def request(n: int) -> None:
+        sock.sendall(_ECHO_REQUEST)
+        _recv_frame(sock)
+
+    _run(request, start, done)
 
 
 def _tcpstore_client(port: int, token: str, start: Any, done: Any) -> None:
@@ -130,12 +140,7 @@ def _tcpstore_client(port: int, token: str, start: Any, done: Any) -> None:
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
     key = f"k{os.getpid()}"
-    start.wait()
-    count, end = 0, time.monotonic() + SECONDS
-    while time.monotonic() < end:
-        store.add(key, 1)
-        count += 1
-    done.put(count)
+    _run(lambda n: store.add(key, 1), start, done)
 
 
 def _bare_client(port: int, token: str, start: Any, done: Any) -> None:
@@ -147,15 +152,14 @@ def _bare_client(port: int, token: str, start: Any, done: Any) -> None:
     sock.sendall(wire.STREAM_PREFACE + wire.frame([1, wire.HELLO_OP, "", {"token": token}]))
     assert msgpack.unpackb(_recv_frame(sock))[1] == 200, "the server refused the hello"
     key, session = f"k{os.getpid()}".encode(), f"bare{os.getpid()}"
-    start.wait()
-    count, end = 0, time.monotonic() + SECONDS
-    while time.monotonic() < end:
+
+    def request(n: int) -> None:
         # rid [client id, seq, floor]: one request at a time, so every earlier one is answered
-        sock.sendall(wire.frame([count + 2, "add", JOB, {"key": key, "amount": 1, "rid": [session, count + 1, count + 1]}]))
-        reply = _recv_frame(sock)
-        count += 1
-    assert msgpack.unpackb(reply)[1] == 200, msgpack.unpackb(reply)
-    done.put(count)
+        sock.sendall(wire.frame([n + 2, "add", JOB, {"key": key, "amount": 1, "rid": [session, n + 1, n + 1]}]))
+        reply = msgpack.unpackb(_recv_frame(sock))
+        assert reply[1] == 200, reply
+
+    _run(request, start, done)
 
 
 def _client_client(port: int, token: str, start: Any, done: Any) -> None:
@@ -164,12 +168,7 @@ def _client_client(port: int, token: str, start: Any, done: Any) -> None:
     client = Client(f"127.0.0.1:{port}", token=token)
     key = f"k{os.getpid()}"
     client.add(JOB, key, 1)  # connected and greeted before the start
-    start.wait()
-    count, end = 0, time.monotonic() + SECONDS
-    while time.monotonic() < end:
-        client.add(JOB, key, 1)
-        count += 1
-    done.put(count)
+    _run(lambda n: client.add(JOB, key, 1), start, done)
 
 
 def _store_client(port: int, token: str, start: Any, done: Any) -> None:
@@ -179,12 +178,7 @@ def _store_client(port: int, token: str, start: Any, done: Any) -> None:
     store = RdzvStore(Client(f"127.0.0.1:{port}", token=token), JOB)
     key = f"k{os.getpid()}"
     store.add(key, 1)
-    start.wait()
-    count, end = 0, time.monotonic() + SECONDS
-    while time.monotonic() < end:
-        store.add(key, 1)
-        count += 1
-    done.put(count)
+    _run(lambda n: store.add(key, 1), start, done)
 
 
 # -- runs ------------------------------------------------------------------------------------

@@ -679,7 +679,11 @@ class Service:
 
     async def cordons(self) -> tuple[list[Cordon], float]:
         """The cordons in effect (``GET /v1/cordons``), and the ``now`` they are in effect at."""
-        return await self.read(lambda: (self.machine.cordons.listing(self.now()), self.now()))
+        def view() -> tuple[list[Cordon], float]:
+            now = self.now()
+            return self.machine.cordons.listing(now), now
+
+        return await self.read(view)
 
     def cordon_counts(self) -> dict[str, int]:
         """Cordons in effect by whom (operator, flapping): the metrics' gauge."""

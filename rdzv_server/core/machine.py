@@ -547,9 +547,7 @@ class StateMachine:
                 gone = _result_bytes(session.results.popitem(last=False)[1])
                 session.bytes -= gone
                 self.session_bytes -= gone
-        least_recent = next(iter(self.sessions.values()))  # (this client's, at least)
-        if least_recent.last_write + self.session_ttl < now:
-            self._expired_sessions(now)
+        self._expired_sessions(now)  # O(1) while the least recent session is live
 
     # -- the timer's detection ------------------------------------------------------------
 

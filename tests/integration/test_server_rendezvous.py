@@ -81,6 +81,15 @@ def joiner(aclient: AsyncClient, rdzv_id: str, **settings: Any) -> Callable[...,
     return join
 
 
+async def pair(aclient: AsyncClient, first: str, second: str, heartbeat_ttl: float) -> tuple[str, int]:
+    """A new job whose first round formed with ``first`` and ``second`` (two nodes, at once):
+    the job's id and the round."""
+    job = new_job()
+    join = joiner(aclient, job, min_nodes=2, max_nodes=2, heartbeat_ttl=heartbeat_ttl)
+    got = await asyncio.gather(join(first), join(second))
+    return job, got[0].round
+
+
 async def cancel(*tasks: asyncio.Task[Any]) -> None:
     for task in tasks:
         task.cancel()
@@ -315,12 +324,9 @@ async def test_beats_keep_a_node_alive_while_its_watch_is_parked_longer_than_its
     # The plug-in's protocol: the watch is held up to max_hold, and a watch of no hold every
     # third of the TTL (answered at once) is the heartbeat. The server holds the watch as long
     # as asked, not a third of the TTL, so it is re-sent only when something changes.
-    job = new_job()
     ttl = 1.0
     hold = 3 * ttl
-    join = joiner(aclient, job, min_nodes=2, max_nodes=2, heartbeat_ttl=ttl)
-    got = await asyncio.gather(join("beating"), join("survivor"))
-    round_ = got[0].round
+    job, round_ = await pair(aclient, "beating", "survivor", ttl)
     parked = time.monotonic()
     watches = [
         asyncio.ensure_future(aclient.watch(job, node, round=round_, known=0, hold=hold))
@@ -344,11 +350,8 @@ async def test_beats_keep_a_node_alive_while_its_watch_is_parked_longer_than_its
 async def test_a_node_that_stops_beating_while_its_watch_is_parked_is_dead_after_its_ttl(aclient: AsyncClient) -> None:
     # A hung process keeps its connection (and its parked watch) open but sends nothing: an
     # open watch is not a heartbeat, so the TTL finds it however long the watch is held.
-    job = new_job()
     ttl = 1.0
-    join = joiner(aclient, job, min_nodes=2, max_nodes=2, heartbeat_ttl=ttl)
-    got = await asyncio.gather(join("hung"), join("survivor"))
-    round_ = got[0].round
+    job, round_ = await pair(aclient, "hung", "survivor", ttl)
     parked = time.monotonic()  # the hung node's last beat (its watch's arrival) is after this
     hung = asyncio.ensure_future(aclient.watch(job, "hung", round=round_, known=0, hold=30.0))
     try:
@@ -388,17 +391,15 @@ async def test_a_dropped_watch_connection_marks_the_node_dead_within_the_grace(
     grace_server: ServerProcess, beat_while_parked: bool
 ) -> None:
     async with AsyncClient(grace_server.endpoint, retry_budget=10.0) as aclient:
-        job = new_job()
-        join = joiner(aclient, job, min_nodes=2, max_nodes=2, heartbeat_ttl=30.0)
-        got = await asyncio.gather(join("crashing"), join("survivor"))
-        writer = await _open_raw_watch(grace_server, job, "crashing", got[0].round, hold=10.0)
+        job, round_ = await pair(aclient, "crashing", "survivor", 30.0)
+        writer = await _open_raw_watch(grace_server, job, "crashing", round_, hold=10.0)
         if beat_while_parked:
             # The node beat (a watch of no hold, on another connection) after its watch parked:
             # what counts is whether it calls again after the drop, not after the watch was sent.
-            await aclient.watch(job, "crashing", round=got[0].round, hold=0.0)
+            await aclient.watch(job, "crashing", round=round_, hold=0.0)
         writer.transport.abort()  # the process died: the kernel resets its connection
         start = time.monotonic()
-        seen = await watch_until_waiting(aclient, job, "survivor", got[0].round, within=10.0)
+        seen = await watch_until_waiting(aclient, job, "survivor", round_, within=10.0)
         elapsed = time.monotonic() - start
         assert seen.num_nodes_waiting == 1
         assert elapsed < DISCONNECT_GRACE + 2.0  # far before the 30 s TTL
@@ -416,10 +417,7 @@ async def parked_long_polls(srv: ServerProcess) -> float:
 
 async def test_a_watch_reconnected_within_the_grace_keeps_the_node_alive(grace_server: ServerProcess) -> None:
     async with AsyncClient(grace_server.endpoint, retry_budget=10.0) as aclient:
-        job = new_job()
-        join = joiner(aclient, job, min_nodes=2, max_nodes=2, heartbeat_ttl=30.0)
-        got = await asyncio.gather(join("flaky"), join("survivor"))
-        round_ = got[0].round
+        job, round_ = await pair(aclient, "flaky", "survivor", 30.0)
         baseline = await parked_long_polls(grace_server)
         writer = await _open_raw_watch(grace_server, job, "flaky", round_, hold=10.0)
         assert await parked_long_polls(grace_server) == baseline + 1
@@ -444,10 +442,7 @@ async def test_a_node_whose_other_watch_is_open_when_one_connection_drops_stays_
     # dropped (a watch cancelled and re-sent at once; the server may read the new request
     # before the old connection's close). The node never stopped watching: it is alive.
     async with AsyncClient(grace_server.endpoint, retry_budget=10.0) as aclient:
-        job = new_job()
-        join = joiner(aclient, job, min_nodes=2, max_nodes=2, heartbeat_ttl=30.0)
-        got = await asyncio.gather(join("agent"), join("survivor"))
-        round_ = got[0].round
+        job, round_ = await pair(aclient, "agent", "survivor", 30.0)
         baseline = await parked_long_polls(grace_server)
         writer = await _open_raw_watch(grace_server, job, "agent", round_, hold=10.0)
         newer = asyncio.ensure_future(aclient.watch(job, "agent", round=round_, known=0, hold=4 * DISCONNECT_GRACE))
@@ -467,11 +462,8 @@ async def test_a_node_whose_other_watch_is_open_when_one_connection_drops_stays_
 
 
 async def test_a_graceful_leave_does_not_raise_num_nodes_waiting(aclient: AsyncClient) -> None:
-    job = new_job()
     ttl = 1.0
-    join = joiner(aclient, job, min_nodes=2, max_nodes=2, heartbeat_ttl=ttl)
-    got = await asyncio.gather(join("leaver"), join("stayer"))
-    round_ = got[0].round
+    job, round_ = await pair(aclient, "leaver", "stayer", ttl)
     await aclient.leave(job, "leaver")
     assert (await aclient.watch(job, "stayer", round=round_)).num_nodes_waiting == 0
     # Past the leaver's TTL too: a departed node is not then found dead. (The stayer's watches
