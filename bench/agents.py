@@ -61,8 +61,6 @@ MONITOR_INTERVAL = 0.1
 #: The plug-in's defaults (client/torchrun.py): heartbeat every 2 s, dead after 5 missed.
 KEEP_ALIVE_INTERVAL = 2.0
 KEEP_ALIVE_MAX_ATTEMPT = 5
-#: The plug-in's beat jitter (client/torchrun.py BEAT_JITTER).
-BEAT_JITTER = 0.9
 #: The plug-in's retry budget (torch's close_timeout).
 RETRY_BUDGET = 30.0
 #: Opening connections before the start: this many at once per worker (the accept backlog).
@@ -173,6 +171,7 @@ class Agent:
 
     async def _beat_round(self, current: tuple[int, int]) -> None:
         from rdzv_client import RdzvError, wire
+        from rdzv_client.policy import BEAT_JITTER
         from rdzv_client.transport import DEFAULT_REQUEST_TIMEOUT, TransportError
 
         # The frame the plug-in's client sends for a beat (``watch(..., hold=0.0)``), built once

@@ -78,7 +78,7 @@ def _one(plan: Plan, n: int) -> tuple[list[Row], dict[str, Any] | None]:
     if short:
         return fail("formation", "s", "unavailable", short), None
     try:
-        server, endpoint = start_server(f"rdzv-server-scale-{n}", ["--memory", "--quarantine-after", "0"], plan.log_dir)
+        server, endpoint = start_server(f"rdzv-server-scale-{n}", ["--memory"], plan.log_dir)
     except (Unavailable, Timeout) as exc:
         return fail("formation", "s", "error", str(exc)), None
     run: dict[str, Any] = {"nodes": n, "workers": workers, "load_before": load_average()}

@@ -38,6 +38,9 @@ DEFAULT_RETRY_BUDGET = 30.0
 # The server caps long-polls near 30 s; asking for longer only keeps a possibly dead
 # connection open longer before the client notices.
 DEFAULT_MAX_HOLD = 30.0
+# A node's heartbeat (a watch of no hold) goes out between this fraction and all of a third of
+# its TTL after the server last heard from it (the torchrun handler; the bench's simulated agents).
+BEAT_JITTER = 0.9
 # First retry comes quickly: a restarted server is usually listening again in well under 1 s.
 DEFAULT_BACKOFF_BASE = 0.05
 # Never sleep so long that a recovered server sits idle waiting for us.

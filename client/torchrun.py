@@ -84,6 +84,7 @@ from .error import (
     RdzvTimeoutError,
 )
 from .pipeline import PipelinedSocketTransport
+from .policy import BEAT_JITTER
 
 log = logging.getLogger("rdzv_client")
 
@@ -96,8 +97,6 @@ DEFAULT_CLOSE_TIMEOUT = 30.0
 # (a process that dies is noticed in about a second, by its dropped watch connection).
 DEFAULT_KEEP_ALIVE_INTERVAL = 2.0
 DEFAULT_KEEP_ALIVE_MAX_ATTEMPT = 5
-# A beat is sent between this fraction and all of a third of the TTL after the last answer.
-BEAT_JITTER = 0.9
 # TCPStore's default timeout for blocking store calls.
 DEFAULT_STORE_TIMEOUT = 300.0
 # Read by torch's agent right after next_rendezvous() (``_assign_worker_ranks``): "1" computes
