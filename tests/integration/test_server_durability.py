@@ -132,6 +132,8 @@ def test_membership_survives_a_restart_and_every_node_gets_a_ttl_of_grace(
     restarting = time.monotonic()  # recovery resets every heartbeat after this
     start_again(durable_server)
     with Client(durable_server.endpoint, retry_budget=10.0) as after:
+        # "a" beats first, as its agent would, before anything else is asked
+        after.watch(job, "a", round=before["round"], known=0)
         doc = after.job(job)
         assert doc["state"] == "complete"
         assert doc["round"] == before["round"] == assigned["a"].round
@@ -141,10 +143,12 @@ def test_membership_survives_a_restart_and_every_node_gets_a_ttl_of_grace(
         assert ranks["a"][0] == assigned["a"].node_rank and ranks["b"][0] == assigned["b"].node_rank
         assert all(n["alive"] for n in doc["nodes"])  # nobody is dead because the server was down
         # "a" resumes heartbeating at once; "b" never does. "a" must outlive the grace,
-        # and "b" must be found dead only once its TTL of grace has passed.
+        # and "b" must be found dead only once its TTL of grace has passed. Like an agent,
+        # "a" beats well inside its TTL: each watch is a beat, held at most ttl / 3.
         deadline = restarting + ttl + 5.0
         while True:
-            seen = after.watch(job, "a", round=doc["round"], known=0, hold=max(0.0, deadline - time.monotonic()))
+            hold = min(ttl / 3, max(0.0, deadline - time.monotonic()))
+            seen = after.watch(job, "a", round=doc["round"], known=0, hold=hold)
             if seen.num_nodes_waiting > 0 or time.monotonic() >= deadline:
                 break
         elapsed = time.monotonic() - restarting
