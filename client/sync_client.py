@@ -203,11 +203,10 @@ class Client:
         _validated(rdzv_id, req)
         rid: tuple[Any, ...] | None = getattr(req, "rid", None) if req.writes else None
         if req.writes and rid is None:
-            rid = self.next_rid()
-        ours = rid is not None and rid[0] == self._client_id
-        if ours:
-            assert rid is not None
+            rid = self.next_rid()  # (registered as unanswered as it is issued)
+        elif rid is not None and rid[0] == self._client_id:
             self._unanswered.add(rid[1])
+        ours = rid is not None and rid[0] == self._client_id
         try:
             return self._request(rdzv_id, req, rid if ours else None, deadline)
         finally:

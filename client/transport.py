@@ -82,6 +82,14 @@ class Endpoint:
     host: str
     port: int = wire.DEFAULT_PORT
     scheme: str = "http"
+    # The hash, worked out once: a transport looks its connections up by endpoint on every call.
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.host, self.port, self.scheme)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def url(self) -> str:
@@ -352,6 +360,9 @@ def decode_reply(payload: bytes, unpack: wire.Unpack) -> tuple[int, int, Any]:
     return message[0], message[1], message[2]
 
 
+_read_header = frame.HEADER.unpack_from
+
+
 def _timeval(seconds: float) -> bytes:
     """``seconds`` as the ``struct timeval`` of SO_RCVTIMEO / SO_SNDTIMEO (all zero would mean never)."""
     whole = int(seconds)
@@ -442,8 +453,11 @@ class SocketTransport:
                 sock.sendall(wire.STREAM_PREFACE + greeting + payload)
             else:
                 sock.sendall(wire.STREAM_PREFACE + payload)
-            replies = frame.FrameDecoder(self._max_response_bytes)
-            message = self._decode(self._read_frame(sock, replies, allow_more=bool(hello)))
+            if reused:
+                message = self._decode(self._read_reply(sock))
+            else:
+                replies = frame.FrameDecoder(self._max_response_bytes)
+                message = self._decode(self._read_frame(sock, replies, allow_more=bool(hello)))
             if hello and message[0] == hello and message[1] == 200:  # welcomed: the request's answer is next
                 message = self._decode(self._read_frame(sock, replies))
             ok = message[0] == tag  # tag 0: the server refused the connection and closes it
@@ -480,6 +494,20 @@ class SocketTransport:
             unpack = self._unpack.unpack = wire.Unpack(self._max_response_bytes, wire.MAX_REPLY_ITEMS)
         return decode_reply(reply, unpack)
 
+    def _read_reply(self, sock: socket.socket) -> bytes:
+        """The one reply frame's payload off ``sock`` (nothing may follow it): in one read when
+        it came whole, as a small reply does; else through a :class:`frame.FrameDecoder`."""
+        chunk = sock.recv(DEFAULT_READ_BUFSIZE)
+        if len(chunk) > frame.HEADER_LEN and frame.HEADER_LEN + _read_header(chunk)[0] == len(chunk):
+            if len(chunk) - frame.HEADER_LEN > self._max_response_bytes:
+                raise ServerError(f"the server's reply of {len(chunk) - frame.HEADER_LEN} bytes exceeds the client's limit")
+            return chunk[frame.HEADER_LEN:]
+        if not chunk:
+            raise EOFError("the server closed the connection mid-reply")
+        replies = frame.FrameDecoder(self._max_response_bytes)
+        replies.feed(chunk)
+        return self._read_frame(sock, replies)
+
     def _read_frame(self, sock: socket.socket, replies: frame.FrameDecoder, *, allow_more: bool = False) -> bytes:
         """The next frame's payload off ``sock``, through ``replies`` (this exchange's decoder).
         Only the hello's answer may have bytes behind it (the request's answer, pipelined);
@@ -503,7 +531,8 @@ class SocketTransport:
 
     def _checkout(self, endpoint: Endpoint, timeout: float, fresh: bool) -> tuple[socket.socket, bool]:
         with self._lock:
-            self._check_usable()
+            if self._closed or _forks != self._forks:
+                self._check_usable()
             idle = self._idle.get(endpoint)
             if idle and not fresh:
                 sock = idle.pop()

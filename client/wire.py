@@ -519,6 +519,8 @@ def reference_mapping(obj: Any) -> dict[str, Any]:
 
 def _plain(v: Any) -> Any:
     """A field's value as :func:`pack` takes it: a tuple as a list, a record as its mapping."""
+    if v is None:  # (most often: a request with no rid)
+        return v
     if isinstance(v, tuple):
         return [to_mapping(x) if dataclasses.is_dataclass(x) else x for x in v]
     if dataclasses.is_dataclass(v):

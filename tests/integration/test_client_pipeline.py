@@ -1,6 +1,7 @@
 """One pipelined stream connection per client (rdzv_client.pipeline): requests of many
 threads (or tasks) share it, a parked long-poll does not hold up the calls behind it, and a
-connection the server dropped is replaced at once."""
+connection the server dropped is replaced at once. Also how the blocking transport
+(SocketTransport) reads a reply: whole, in pieces, or refused."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -19,7 +21,8 @@ from server_process import ServerProcess
 from rdzv_client import AsyncClient, Client, frame, pipeline, wire
 from rdzv_client.credential import find_token
 from rdzv_client.pipeline import AsyncStreamTransport, PipelinedSocketTransport
-from rdzv_client.transport import Endpoint, TransportError
+from rdzv_client.error import ServerError
+from rdzv_client.transport import Answer, Endpoint, SocketTransport, TransportError
 
 
 def stream_connections(server: ServerProcess) -> float:
@@ -206,3 +209,82 @@ def test_a_forked_child_opens_its_own_connection_and_the_parents_keeps_working(s
         assert os.waitstatus_to_exitcode(status) == 0
         assert client.add("forked", "n", 1) == 2  # the parent's connection still serves it
         assert transport.connections == 1
+
+
+
+Script = list[Callable[[int], list[bytes]]]
+
+
+def scripted_stream_server(script: Script) -> tuple[int, socket.socket]:
+    """A raw stream server for one connection: after the preface, it answers the n-th request
+    frame with the pieces ``script[n](tag)`` returns, each sent alone (with a pause between,
+    so that each is a read of its own)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+
+    def serve() -> None:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        with conn:
+            decoder = frame.FrameDecoder(1 << 20)
+            seen = b""
+            while len(seen) < len(wire.STREAM_PREFACE):
+                seen += conn.recv(len(wire.STREAM_PREFACE) - len(seen))
+            decoder.feed(seen[len(wire.STREAM_PREFACE) :])
+            for reply in script:
+                while (payload := decoder.next_payload()) is None:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    decoder.feed(chunk)
+                for piece in reply(msgpack.unpackb(payload)[0]):
+                    conn.sendall(piece)
+                    time.sleep(0.05)
+            conn.recv(1)  # until the client closes
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener.getsockname()[1], listener
+
+
+def reply(body: dict[str, Any], *, cuts: tuple[int, ...] = (), then: bytes = b"") -> Callable[[int], list[bytes]]:
+    """A 200 reply frame with ``body``, cut at ``cuts``, with ``then`` sent after it."""
+
+    def pieces(tag: int) -> list[bytes]:
+        data = wire.frame([tag, 200, body]) + then
+        bounds = [0, *cuts, len(data)]
+        return [data[a:b] for a, b in zip(bounds, bounds[1:])]
+
+    return pieces
+
+
+def test_the_blocking_transport_reads_a_reply_whole_or_in_pieces_and_refuses_what_follows_or_exceeds_it() -> None:
+    """SocketTransport takes a reply that arrives in one read or in several (the header
+    split, the body split), and refuses a reply followed by bytes no request asked for, and
+    one larger than its limit (on a connection's first request and on a later one)."""
+    small, large = {"value": 7}, {"value": "x" * 200}
+    limit = len(wire.pack([1, 200, small])) + 50
+    script = [reply(small), reply(small), reply(small, cuts=(2, 7)), reply(small, then=b"\x00")]
+    port, listener = scripted_stream_server(script)
+    transport = SocketTransport(max_response_bytes=limit)
+    endpoint = Endpoint("127.0.0.1", port)
+    try:
+        for _ in range(3):  # the first on a new connection, a later one whole, one in pieces
+            assert transport.call(endpoint, "job", "add", {}, 10.0) == Answer(200, small)
+        with pytest.raises(ServerError, match="bytes after its reply"):
+            transport.call(endpoint, "job", "add", {}, 10.0)
+    finally:
+        transport.close()
+        listener.close()
+    for script in ([reply(large)], [reply(small), reply(large)]):
+        port, listener = scripted_stream_server(script)
+        transport = SocketTransport(max_response_bytes=limit)
+        try:
+            with pytest.raises(ServerError, match="exceeds the client's limit"):
+                for _ in script:
+                    transport.call(Endpoint("127.0.0.1", port), "job", "add", {}, 10.0)
+        finally:
+            transport.close()
+            listener.close()
