@@ -18,7 +18,10 @@ TCPStore's). Each row is 8 client processes, each doing one request at a time fo
 - ``rdzv-server, RdzvStore``: the same through torch's ``Store`` API (the plug-in's store, as
   ``python -m bench`` measures it).
 
-Rows are run in turn, twice, and each shows its ratio to TCPStore's figure of the same pass.
+Rows are run in turn, twice, and each shows its ratio to TCPStore's figure of the same pass,
+and the CPU each side spent per request (the clients' own ``process_time``, the server
+process's from ``/proc``): under 8 clients on a few cores a layer's cost is not what it costs
+alone, and these columns say which side grew.
 
 What it must not know: the other measurements; it starts its own servers on free ports.
 """
@@ -34,7 +37,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 CLIENTS = 8
 SECONDS = 2.0
@@ -114,13 +117,13 @@ def _tcpstore_server(port: int, ready: Any) -> None:
 
 def _run(request: Callable[[int], object], start: Any, done: Any) -> None:
     """Call ``request(n)`` (n: requests made so far) from the common start for :data:`SECONDS`;
-    put how many were made on ``done``."""
+    put how many were made, and the CPU seconds this process spent making them, on ``done``."""
     start.wait()
-    count, end = 0, time.monotonic() + SECONDS
+    count, cpu, end = 0, time.process_time(), time.monotonic() + SECONDS
     while time.monotonic() < end:
         request(count)
         count += 1
-    done.put(count)
+    done.put((count, time.process_time() - cpu))
 
 
 def _echo_client(port: int, token: str, start: Any, done: Any) -> None:
@@ -184,22 +187,38 @@ def _store_client(port: int, token: str, start: Any, done: Any) -> None:
 # -- runs ------------------------------------------------------------------------------------
 
 
-def _throughput(client: Callable[..., None], port: int, token: str) -> float:
-    """Requests per second of :data:`CLIENTS` processes running ``client`` against ``port``."""
+class Figure(NamedTuple):
+    per_s: float  # requests per second, all clients together
+    client_us: float  # CPU per request in the clients
+    server_us: float  # CPU per request in the server process
+
+
+def _cpu(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has spent so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _throughput(client: Callable[..., None], port: int, token: str, server_pid: int) -> Figure:
+    """:data:`CLIENTS` processes running ``client`` against ``port`` (served by ``server_pid``)."""
     ctx = mp.get_context("spawn")
     start, done = ctx.Event(), ctx.Queue()
     procs = [ctx.Process(target=client, args=(port, token, start, done)) for _ in range(CLIENTS)]
     for proc in procs:
         proc.start()
     time.sleep(4.0)  # every client imported what it needs and connected
+    served = _cpu(server_pid)
     start.set()
-    total = sum(done.get(timeout=120) for _ in procs)
+    results = [done.get(timeout=120) for _ in procs]
+    served = _cpu(server_pid) - served  # (the clients are done: what it spent is on their requests)
     for proc in procs:
         proc.join(30)
-    return total / SECONDS
+    total = sum(count for count, _ in results)
+    return Figure(total / SECONDS, sum(cpu for _, cpu in results) / total * 1e6, served / total * 1e6)
 
 
-def _in_process(server: Callable[[int, Any], None]) -> tuple[mp.process.BaseProcess, int]:
+def _in_process(server: Callable[[int, Any], None]) -> tuple[mp.process.BaseProcess, int, int]:
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
     port = _free_port()
@@ -207,7 +226,8 @@ def _in_process(server: Callable[[int, Any], None]) -> tuple[mp.process.BaseProc
     proc.start()
     if not ready.wait(60):
         raise RuntimeError(f"{server.__name__} did not start")
-    return proc, port
+    assert proc.pid is not None  # (started)
+    return proc, port, proc.pid
 
 
 def _rdzv_server() -> tuple[subprocess.Popen[bytes], int, str]:
@@ -235,30 +255,35 @@ def _rdzv_server() -> tuple[subprocess.Popen[bytes], int, str]:
 
 
 def main() -> int:
-    rows: list[tuple[str, int, float, float]] = []
+    rows: list[tuple[str, int, Figure, float]] = []
     for run in (1, 2):
-        echo, echo_port = _in_process(_echo_server)
-        figures = {"echo (bare uvloop server, bare clients)": _throughput(_echo_client, echo_port, "")}
+        echo, echo_port, echo_pid = _in_process(_echo_server)
+        figures = {"echo (bare uvloop server, bare clients)": _throughput(_echo_client, echo_port, "", echo_pid)}
         echo.kill()
-        tcp, tcp_port = _in_process(_tcpstore_server)
-        figures["TCPStore add"] = reference = _throughput(_tcpstore_client, tcp_port, "")
+        tcp, tcp_port, tcp_pid = _in_process(_tcpstore_server)
+        figures["TCPStore add"] = reference = _throughput(_tcpstore_client, tcp_port, "", tcp_pid)
         tcp.kill()
         server, port, token = _rdzv_server()
         try:
-            figures["rdzv-server add, bare clients"] = _throughput(_bare_client, port, token)
-            figures["rdzv-server add, rdzv_client.Client"] = _throughput(_client_client, port, token)
-            figures["rdzv-server add, RdzvStore (torch Store API)"] = _throughput(_store_client, port, token)
+            for name, client in (
+                ("rdzv-server add, bare clients", _bare_client),
+                ("rdzv-server add, rdzv_client.Client", _client_client),
+                ("rdzv-server add, RdzvStore (torch Store API)", _store_client),
+            ):
+                figures[name] = _throughput(client, port, token, server.pid)
         finally:
             server.kill()
             server.wait()
-        for name, value in figures.items():
-            rows.append((name, run, value, value / reference))
-            print(f"pass {run}: {name}: {value:,.0f} requests/s", file=sys.stderr, flush=True)
+        for name, figure in figures.items():
+            rows.append((name, run, figure, figure.per_s / reference.per_s))
+            print(f"pass {run}: {name}: {figure.per_s:,.0f} requests/s", file=sys.stderr, flush=True)
     width = max(len(r[0]) for r in rows)
-    print(f"{CLIENTS} clients, one request at a time each, {SECONDS:g} s, {os.cpu_count()} CPUs")
-    print(f"{'what':<{width}}  pass  requests/s  x TCPStore")
-    for name, run, value, ratio in rows:
-        print(f"{name:<{width}}  {run:>4}  {value:>10,.0f}  {ratio:>10.2f}")
+    print(f"{CLIENTS} clients, one request at a time each, {SECONDS:g} s, {os.cpu_count()} CPUs;"
+          " CPU per request as each side spent it")
+    print(f"{'what':<{width}}  pass  requests/s  x TCPStore  client µs  server µs")
+    for name, run, figure, ratio in rows:
+        print(f"{name:<{width}}  {run:>4}  {figure.per_s:>10,.0f}  {ratio:>10.2f}"
+              f"  {figure.client_us:>9.1f}  {figure.server_us:>9.1f}")
     return 0
 
 
