@@ -360,9 +360,6 @@ def decode_reply(payload: bytes, unpack: wire.Unpack) -> tuple[int, int, Any]:
     return message[0], message[1], message[2]
 
 
-_read_header = frame.HEADER.unpack_from
-
-
 def _timeval(seconds: float) -> bytes:
     """``seconds`` as the ``struct timeval`` of SO_RCVTIMEO / SO_SNDTIMEO (all zero would mean never)."""
     whole = int(seconds)
@@ -498,10 +495,12 @@ class SocketTransport:
         """The one reply frame's payload off ``sock`` (nothing may follow it): in one read when
         it came whole, as a small reply does; else through a :class:`frame.FrameDecoder`."""
         chunk = sock.recv(DEFAULT_READ_BUFSIZE)
-        if len(chunk) > frame.HEADER_LEN and frame.HEADER_LEN + _read_header(chunk)[0] == len(chunk):
-            if len(chunk) - frame.HEADER_LEN > self._max_response_bytes:
-                raise ServerError(f"the server's reply of {len(chunk) - frame.HEADER_LEN} bytes exceeds the client's limit")
-            return chunk[frame.HEADER_LEN:]
+        try:
+            whole = frame.frame_end(chunk, 0, self._max_response_bytes) == len(chunk)
+        except frame.FrameTooLarge as exc:
+            raise ServerError(f"the server's reply of {exc.length} bytes exceeds the client's limit") from exc
+        if whole:
+            return chunk[frame.HEADER_LEN :]
         if not chunk:
             raise EOFError("the server closed the connection mid-reply")
         replies = frame.FrameDecoder(self._max_response_bytes)
