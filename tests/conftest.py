@@ -57,6 +57,18 @@ TESTS_DIR = Path(__file__).resolve().parent
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("dist", default="no") == "loadfile":
         config.option.loadscopereorder = False  # hand files out in collection order: the longest first
+        _warm_torch()
+
+
+def _warm_torch() -> None:
+    """In the xdist controller, before any worker starts: import torch's launcher once, so
+    that its bytecode is written (README's command installs with ``--no-compile``, and pip's
+    compiling of every package costs more than this) and read by every process after it,
+    instead of compiled again by each of the workers and agents that start at once."""
+    try:
+        import torch.distributed.run  # noqa: F401
+    except ImportError:  # (no torch: the tests that need it say so)
+        pass
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
