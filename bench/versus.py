@@ -1,0 +1,186 @@
+"""``python -m bench.versus REV [REV ...]``: the server's CPU per ``add``, this tree against
+other revisions, with one and the same client (~2 minutes for two revisions).
+
+What it owns: one comparison, for issue 15's target on the server's CPU per ``add`` as a
+ratio to an older revision's. ``python -m bench`` measures each tree through its own client,
+so a revision whose client writes a frame in pieces, or waits differently, moves the
+server's figure too; here every server is driven by the same bare client, a blocking socket
+loop in this process that greets the server (preface, hello with its token), creates a job,
+then sends ``[tag, "add", job, {key, amount, round, rid}]`` frames one at a time, each with
+a fresh request id as the client sends it (so the server keeps its exactly-once session),
+and reads each reply. The server's CPU is every thread's schedstat (ns) over :data:`ADDS`
+adds, the least of :data:`REPEATS` such stretches per start; the servers are started in turn
+(this tree, then each revision), :data:`ROUNDS` times, and the table gives the medians.
+
+Each revision is checked out (``git worktree``) and installed with its own dependencies
+into a virtual environment of its own under ``--work`` (default: a folder in the temporary
+directory, kept for the next run; pip's cache makes the first install quick). This tree's
+server runs from the interpreter running this module.
+
+What it must not know: the rest of the bench; the client's code (the frames are written
+here, as the stream protocol has had them since before issue 15).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+ADDS = 8000
+REPEATS = 3
+ROUNDS = 3
+JOB = "versus"
+_HEADER = struct.Struct(">I")
+_PREFACE = b"\x00RDZV1\r\n"
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _frame(obj: Any) -> bytes:
+    body = msgpack.packb(obj, use_bin_type=True)
+    return _HEADER.pack(len(body)) + body
+
+
+def _reply(sock: socket.socket) -> Any:
+    head = b""
+    while len(head) < _HEADER.size:
+        head += _recv(sock, _HEADER.size - len(head))
+    (size,) = _HEADER.unpack(head)
+    body = b""
+    while len(body) < size:
+        body += _recv(sock, size - len(body))
+    return msgpack.unpackb(body)
+
+
+def _recv(sock: socket.socket, n: int) -> bytes:
+    data = sock.recv(n)
+    if not data:
+        raise ConnectionError("the server closed the connection")
+    return data
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds of process ``pid``, every thread (Linux' schedstat, ns resolution)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/schedstat", encoding="ascii") as f:
+            total += int(f.read().split()[0])
+    return total / 1e9
+
+
+def _connect(port: int, proc: subprocess.Popen[bytes]) -> socket.socket:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server on port {port} did not start") from None
+            time.sleep(0.05)
+            continue
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+
+def server_cpu_per_add(python: str) -> float:
+    """Start ``python -m rdzv_server --memory``, drive it as the module says; µs of its CPU per add."""
+    home = tempfile.mkdtemp(prefix="rdzv-versus-")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [python, "-m", "rdzv_server", "--memory", "--host", "127.0.0.1", "--port", str(port)],
+        env={**os.environ, "XDG_CONFIG_HOME": home}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=home,  # (from this tree's folder, ``-m`` would import this tree's server whatever the python)
+    )
+    try:
+        with _connect(port, proc) as sock:
+            token = (Path(home) / "rdzv-server" / "token").read_text().strip()
+            sock.sendall(_PREFACE + _frame([1, "hello", "", {"token": token}]))
+            if _reply(sock)[1] != 200:
+                raise RuntimeError("the server refused the hello")
+            sock.sendall(_frame([2, "create", JOB, {"min_nodes": 1, "max_nodes": 1}]))
+            _reply(sock)
+            seq = 0
+
+            def adds(n: int) -> None:
+                nonlocal seq
+                for _ in range(n):
+                    seq += 1
+                    rid = ["versus0123456789", seq, seq]  # one at a time: every earlier one answered
+                    sock.sendall(_frame([seq + 2, "add", JOB, {"key": b"k", "amount": 1, "round": None, "rid": rid}]))
+                    reply = _reply(sock)
+                    if reply[1] != 200:
+                        raise RuntimeError(f"the server answered an add with {reply!r:.200}")
+
+            adds(ADDS // 4)  # warm
+            stretches = []
+            for _ in range(REPEATS):
+                before = _cpu_s(proc.pid)
+                adds(ADDS)
+                stretches.append((_cpu_s(proc.pid) - before) / ADDS * 1e6)
+            return min(stretches)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _venv(rev: str, work: Path) -> str:
+    """The python of a virtual environment with revision ``rev`` installed (made once)."""
+    commit = subprocess.run(
+        ["git", "-C", str(_ROOT), "rev-parse", "--short", rev], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    tree, venv = work / f"tree-{commit}", work / f"venv-{commit}"
+    python = venv / "bin" / "python"
+    if python.exists():
+        return str(python)
+    print(f"installing {rev} ({commit}) into {venv} ...", file=sys.stderr, flush=True)
+    if not tree.exists():
+        subprocess.run(["git", "-C", str(_ROOT), "worktree", "add", "--detach", "-f", str(tree), commit], check=True,
+                       stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-compile", str(tree)], check=True)
+    return str(python)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.versus", description=__doc__.split("\n\n")[0])
+    parser.add_argument("revs", nargs="+", metavar="REV", help="git revisions to compare this tree with")
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "rdzv-bench-versus",
+                        help="where the revisions' trees and virtual environments are kept")
+    args = parser.parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    pythons = {"this tree": sys.executable, **{rev: _venv(rev, args.work) for rev in args.revs}}
+    figures: dict[str, list[float]] = {name: [] for name in pythons}
+    for round_ in range(1, ROUNDS + 1):
+        for name, python in pythons.items():
+            figures[name].append(server_cpu_per_add(python))
+        print(f"round {round_}: " + ", ".join(f"{n} {v[-1]:.1f} µs" for n, v in figures.items()),
+              file=sys.stderr, flush=True)
+    base = statistics.median(figures["this tree"])
+    width = max(len(name) for name in figures)
+    print(f"server CPU per add (--memory, one bare client, {ADDS} adds x {REPEATS}, {ROUNDS} rounds)")
+    print(f"{'server':<{width}}  median µs  range µs      this tree / it")
+    for name, values in figures.items():
+        median = statistics.median(values)
+        print(f"{name:<{width}}  {median:>9.1f}  {min(values):>5.1f}-{max(values):<6.1f}  {base / median:>11.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
