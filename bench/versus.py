@@ -10,7 +10,9 @@ then sends ``[tag, "add", job, {key, amount, round, rid}]`` frames one at a time
 a fresh request id as the client sends it (so the server keeps its exactly-once session),
 and reads each reply. The server's CPU is every thread's schedstat (ns) over :data:`ADDS`
 adds, the least of :data:`REPEATS` such stretches per start; the servers are started in turn
-(this tree, then each revision), :data:`ROUNDS` times, and the table gives the medians.
+(this tree, then each revision, then ``bench.ceiling``'s bare uvloop echo server, which
+answers every frame with a fixed one: the floor of the event loop and the kernel), :data:`ROUNDS`
+times, and the table gives the medians.
 
 Each revision is checked out (``git worktree``) and installed with its own dependencies
 into a virtual environment of its own under ``--work`` (default: a folder in the temporary
@@ -38,6 +40,7 @@ from typing import Any
 import msgpack
 
 ADDS = 8000
+ECHO = "echo (the floor)"
 REPEATS = 3
 ROUNDS = 3
 JOB = "versus"
@@ -52,6 +55,10 @@ def _frame(obj: Any) -> bytes:
 
 
 def _reply(sock: socket.socket) -> Any:
+    return msgpack.unpackb(_reply_bytes(sock))
+
+
+def _reply_bytes(sock: socket.socket) -> bytes:
     head = b""
     while len(head) < _HEADER.size:
         head += _recv(sock, _HEADER.size - len(head))
@@ -59,7 +66,7 @@ def _reply(sock: socket.socket) -> Any:
     body = b""
     while len(body) < size:
         body += _recv(sock, size - len(body))
-    return msgpack.unpackb(body)
+    return body
 
 
 def _recv(sock: socket.socket, n: int) -> bytes:
@@ -158,6 +165,28 @@ def _venv(rev: str, work: Path) -> str:
     return str(python)
 
 
+def echo_cpu_per_request() -> float:
+    """The floor: µs of CPU per request of a bare uvloop server that answers every frame with
+    a fixed one (``bench.ceiling``'s), driven by the same loop and the same ``add`` frames."""
+    from .ceiling import _echo_server, _in_process
+
+    proc, port, pid = _in_process(_echo_server)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            stretches = []
+            for _ in range(REPEATS):
+                before = _cpu_s(pid)
+                for seq in range(1, ADDS + 1):
+                    rid = ["versus0123456789", seq, seq]
+                    sock.sendall(_frame([seq + 2, "add", JOB, {"key": b"k", "amount": 1, "round": None, "rid": rid}]))
+                    _reply_bytes(sock)
+                stretches.append((_cpu_s(pid) - before) / ADDS * 1e6)
+            return min(stretches)
+    finally:
+        proc.kill()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.versus", description=__doc__.split("\n\n")[0])
     parser.add_argument("revs", nargs="+", metavar="REV", help="git revisions to compare this tree with")
@@ -167,9 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     pythons = {"this tree": sys.executable, **{rev: _venv(rev, args.work) for rev in args.revs}}
     figures: dict[str, list[float]] = {name: [] for name in pythons}
+    figures[ECHO] = []
     for round_ in range(1, ROUNDS + 1):
         for name, python in pythons.items():
             figures[name].append(server_cpu_per_add(python))
+        figures[ECHO].append(echo_cpu_per_request())
         print(f"round {round_}: " + ", ".join(f"{n} {v[-1]:.1f} µs" for n, v in figures.items()),
               file=sys.stderr, flush=True)
     base = statistics.median(figures["this tree"])
