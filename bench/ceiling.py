@@ -20,7 +20,7 @@ TCPStore's). Each row is 8 client processes, each doing one request at a time fo
 
 Rows are run in turn, twice, and each shows its ratio to TCPStore's figure of the same pass,
 and the CPU each side spent per request (the clients' own ``process_time``, the server
-process's from ``/proc``): under 8 clients on a few cores a layer's cost is not what it costs
+process's, every thread's schedstat): under 8 clients on a few cores a layer's cost is not what it costs
 alone, and these columns say which side grew.
 
 What it must not know: the other measurements; it starts its own servers on free ports.
@@ -38,6 +38,8 @@ import sys
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
+
+from .process import server_cpu_ns
 
 CLIENTS = 8
 SECONDS = 2.0
@@ -61,14 +63,20 @@ def _connect(port: int) -> socket.socket:
 
 
 def _recv_frame(sock: socket.socket) -> bytes:
-    head = b""
-    while len(head) < _HEADER.size:
-        head += sock.recv(_HEADER.size - len(head))
+    """The next frame's payload off ``sock``."""
+    head = _recv_exactly(sock, _HEADER.size)
     (size,) = _HEADER.unpack(head)
-    body = b""
-    while len(body) < size:
-        body += sock.recv(size - len(body))
-    return body
+    return _recv_exactly(sock, size)
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("the server closed the connection")
+        data += chunk
+    return data
 
 
 # -- servers (each in a process of its own; ``ready`` set once it listens) -----------------
@@ -187,17 +195,18 @@ def _store_client(port: int, token: str, start: Any, done: Any) -> None:
 # -- runs ------------------------------------------------------------------------------------
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds process ``pid`` has spent so far, every thread."""
+    ns = server_cpu_ns(pid)
+    if ns is None:
+        raise RuntimeError(f"cannot read the CPU time of process {pid} (Linux' /proc/PID/task/*/schedstat)")
+    return ns / 1e9
+
+
 class Figure(NamedTuple):
     per_s: float  # requests per second, all clients together
     client_us: float  # CPU per request in the clients
     server_us: float  # CPU per request in the server process
-
-
-def _cpu(pid: int) -> float:
-    """CPU seconds (user + system) process ``pid`` has spent so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _throughput(client: Callable[..., None], port: int, token: str, server_pid: int) -> Figure:
@@ -208,10 +217,10 @@ def _throughput(client: Callable[..., None], port: int, token: str, server_pid: 
     for proc in procs:
         proc.start()
     time.sleep(4.0)  # every client imported what it needs and connected
-    served = _cpu(server_pid)
+    served = _cpu_s(server_pid)
     start.set()
     results = [done.get(timeout=120) for _ in procs]
-    served = _cpu(server_pid) - served  # (the clients are done: what it spent is on their requests)
+    served = _cpu_s(server_pid) - served  # (the clients are done: what it spent is on their requests)
     for proc in procs:
         proc.join(30)
     total = sum(count for count, _ in results)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection
-import os
 import statistics
 import threading
 import time
@@ -34,7 +33,7 @@ from typing import TYPE_CHECKING
 from .backend import Backend, StoreSpec
 from .backend.tcpstore import LABEL as TCPSTORE
 from .backend.tcpstore import TCPStoreService
-from .process import SPAWN, Timeout, Unavailable, end_processes, gather
+from .process import SPAWN, Timeout, Unavailable, end_processes, gather, server_cpu_ns
 from .result import Plan, Row, load_average, percentile
 
 if TYPE_CHECKING:
@@ -133,20 +132,6 @@ def _measure_store(
             raw[f"{label}/{metric}/{clients}"] = {"ops_per_s": ops_per_s, "load": load_average()}
             log.info("store %s %s with %d clients: %.0f ops/s", label, metric, clients, ops_per_s)
     return rows
-
-
-def server_cpu_ns(pid: int | None) -> int | None:
-    """CPU time of process ``pid``, every thread, in ns (Linux' schedstat); None where unknown."""
-    if pid is None:
-        return None
-    total = 0
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/schedstat", encoding="ascii") as f:
-                total += int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None  # not Linux, or a thread ended between listing and reading: no figure
-    return total
 
 
 def latency(

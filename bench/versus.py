@@ -39,57 +39,24 @@ from typing import Any
 
 import msgpack
 
+from .ceiling import _cpu_s, _echo_server, _free_port, _in_process, _recv_frame
+
 ADDS = 8000
 ECHO = "echo (the floor)"
 REPEATS = 3
 ROUNDS = 3
 JOB = "versus"
-_HEADER = struct.Struct(">I")
 _PREFACE = b"\x00RDZV1\r\n"
 _ROOT = Path(__file__).resolve().parents[1]
 
 
 def _frame(obj: Any) -> bytes:
     body = msgpack.packb(obj, use_bin_type=True)
-    return _HEADER.pack(len(body)) + body
+    return struct.pack(">I", len(body)) + body
 
 
 def _reply(sock: socket.socket) -> Any:
-    return msgpack.unpackb(_reply_bytes(sock))
-
-
-def _reply_bytes(sock: socket.socket) -> bytes:
-    head = b""
-    while len(head) < _HEADER.size:
-        head += _recv(sock, _HEADER.size - len(head))
-    (size,) = _HEADER.unpack(head)
-    body = b""
-    while len(body) < size:
-        body += _recv(sock, size - len(body))
-    return body
-
-
-def _recv(sock: socket.socket, n: int) -> bytes:
-    data = sock.recv(n)
-    if not data:
-        raise ConnectionError("the server closed the connection")
-    return data
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _cpu_s(pid: int) -> float:
-    """CPU seconds of process ``pid``, every thread (Linux' schedstat, ns resolution)."""
-    total = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/schedstat", encoding="ascii") as f:
-            total += int(f.read().split()[0])
-    return total / 1e9
+    return msgpack.unpackb(_recv_frame(sock))
 
 
 def _connect(port: int, proc: subprocess.Popen[bytes]) -> socket.socket:
@@ -168,8 +135,6 @@ def _venv(rev: str, work: Path) -> str:
 def echo_cpu_per_request() -> float:
     """The floor: µs of CPU per request of a bare uvloop server that answers every frame with
     a fixed one (``bench.ceiling``'s), driven by the same loop and the same ``add`` frames."""
-    from .ceiling import _echo_server, _in_process
-
     proc, port, pid = _in_process(_echo_server)
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
@@ -180,7 +145,7 @@ def echo_cpu_per_request() -> float:
                 for seq in range(1, ADDS + 1):
                     rid = ["versus0123456789", seq, seq]
                     sock.sendall(_frame([seq + 2, "add", JOB, {"key": b"k", "amount": 1, "round": None, "rid": rid}]))
-                    _reply_bytes(sock)
+                    _recv_frame(sock)
                 stretches.append((_cpu_s(pid) - before) / ADDS * 1e6)
             return min(stretches)
     finally:
