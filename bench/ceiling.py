@@ -20,8 +20,8 @@ TCPStore's). Each row is 8 client processes, each doing one request at a time fo
 
 Rows are run in turn, twice, and each shows its ratio to TCPStore's figure of the same pass,
 and the CPU each side spent per request (the clients' own ``process_time``, the server
-process's, every thread's schedstat): under 8 clients on a few cores a layer's cost is not what it costs
-alone, and these columns say which side grew.
+process's, every thread's schedstat): under 8 clients on a few cores a layer does not cost
+what it costs alone, and these columns say which side grew.
 
 What it must not know: the other measurements; it starts its own servers on free ports.
 """

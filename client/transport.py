@@ -450,13 +450,13 @@ class SocketTransport:
                 sock.sendall(wire.STREAM_PREFACE + greeting + payload)
             else:
                 sock.sendall(wire.STREAM_PREFACE + payload)
-            if reused:
-                message = self._decode(self._read_reply(sock))
-            else:
+            if hello:  # its answer may have the request's behind it (pipelined)
                 replies = frame.FrameDecoder(self._max_response_bytes)
-                message = self._decode(self._read_frame(sock, replies, allow_more=bool(hello)))
-            if hello and message[0] == hello and message[1] == 200:  # welcomed: the request's answer is next
-                message = self._decode(self._read_frame(sock, replies))
+                message = self._decode(self._read_frame(sock, replies, allow_more=True))
+                if message[0] == hello and message[1] == 200:  # welcomed: the request's answer is next
+                    message = self._decode(self._read_frame(sock, replies))
+            else:
+                message = self._decode(self._read_reply(sock))
             ok = message[0] == tag  # tag 0: the server refused the connection and closes it
         except (OSError, EOFError) as exc:
             self._raise_if_closed(exc)
@@ -530,8 +530,7 @@ class SocketTransport:
 
     def _checkout(self, endpoint: Endpoint, timeout: float, fresh: bool) -> tuple[socket.socket, bool]:
         with self._lock:
-            if self._closed or _forks != self._forks:
-                self._check_usable()
+            self._check_usable()
             idle = self._idle.get(endpoint)
             if idle and not fresh:
                 sock = idle.pop()
