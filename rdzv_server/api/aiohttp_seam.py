@@ -33,7 +33,7 @@ from http import HTTPStatus
 from typing import Any, cast
 
 from aiohttp import hdrs, web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
 from rdzv_client import wire
@@ -68,6 +68,19 @@ log = logging.getLogger("rdzv_server.api")
 
 # aiohttp's default limit on header fields (RequestHandler's max_headers), when none is given.
 _AIOHTTP_MAX_HEADERS = 128
+
+
+def describe(
+    head: RequestHead, exc: BaseException | None, chunk: bytes, head_bytes: int | None, max_fields: int
+) -> Refusal:
+    """Why and where aiohttp's parser refused a request (:meth:`.head.RequestHead.refusal`),
+    ``chunk`` being the bytes it refused it in (its first ``head_bytes`` the head's)."""
+    if isinstance(exc, LineTooLong):
+        # aiohttp's LineTooLong carries (the line's first 100 bytes and "...", its limit).
+        quoted, limit = (exc.args + (b"", "?"))[:2]
+        start = bytes(quoted)[:-3] if isinstance(quoted, (bytes, bytearray)) else b""
+        return head.long_line(start, limit, chunk, head_bytes)
+    return head.refusal(exc, chunk, head_bytes, max_fields)
 
 
 def classify(status: int, too_large: bool) -> wire.ErrorCode:
@@ -178,7 +191,7 @@ class HttpConnection(RequestHandler, TrackedConnection):
             exc = getattr(message, "exc", None)
             if isinstance(exc, HttpProcessingError):  # the parser refused it (aiohttp's _ErrInfo)
                 if self._refusal is None:
-                    self._refusal = (exc, self._head.refusal(exc, data, head_bytes, self._max_fields))
+                    self._refusal = (exc, describe(self._head, exc, data, head_bytes, self._max_fields))
             else:
                 self._head.close()
                 headers = cast(Any, message).headers
@@ -257,7 +270,7 @@ class HttpConnection(RequestHandler, TrackedConnection):
         if known is not None and known[0] is exc:
             refusal = known[1]
         else:  # not seen in data_received: what its type says (a body's error, for one)
-            refusal = self._head.refusal(exc, b"", None, self._max_fields)
+            refusal = describe(self._head, exc, b"", None, self._max_fields)
         code = classify(status, refusal.too_large)
         self._table.rejected(code)
         if code is wire.ErrorCode.INTERNAL:  # a bug, not the client's doing: keep the traceback

@@ -166,14 +166,10 @@ class RequestHead:
     def refusal(self, exc: BaseException | None, chunk: bytes, head_bytes: int | None, max_fields: int) -> Refusal:
         """Why and where aiohttp's parser refused the request, which it did while reading
         ``chunk`` (the last one fed; its first ``head_bytes`` belong to the head, None: no
-        head was being read). ``max_fields``: the parser's limit on header fields."""
-        if isinstance(exc, LineTooLong):
-            # aiohttp's LineTooLong carries (the line's first 100 bytes and "...", its limit).
-            quoted, limit = (exc.args + (b"", "?"))[:2]
-            needle = bytes(quoted)[:-3] if isinstance(quoted, (bytes, bytearray)) else b""
-            found = chunk.find(needle) if needle else -1
-            where = self.where(chunk, head_bytes, found) if found >= 0 else ""
-            return Refusal(f"a line longer than {limit} bytes", where, too_large=True)
+        head was being read). ``max_fields``: the parser's limit on header fields. A line too
+        long is :meth:`long_line`'s (what it needs is in aiohttp's exception: the seam's)."""
+        if isinstance(exc, LineTooLong):  # its line and limit: see long_line
+            return Refusal("a line longer than the server's limit", too_large=True)
         if head_bytes is None:
             return Refusal(_type_reason(exc))
         if self._chunk[0] == 0 and chunk[:2] == _TLS_RECORD:
@@ -201,6 +197,13 @@ class RequestHead:
         if head_bytes < len(chunk):
             return Refusal("a malformed body", "in the body")
         return Refusal(_type_reason(exc))
+
+    def long_line(self, start: bytes, limit: object, chunk: bytes, head_bytes: int | None) -> Refusal:
+        """A line (or part of one: a target, a name, a value) passed the parser's ``limit``;
+        ``start``: its first bytes, to be found in ``chunk`` (never shown)."""
+        found = chunk.find(start) if start else -1
+        where = self.where(chunk, head_bytes, found) if found >= 0 else ""
+        return Refusal(f"a line longer than {limit} bytes", where, too_large=True)
 
     def where(self, chunk: bytes, head_bytes: int | None, at: int) -> str:
         """Where the byte ``at`` of ``chunk`` (the last one fed; its first ``head_bytes`` belong

@@ -12,6 +12,7 @@ import pytest
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.http_parser import HttpRequestParser
 
+from rdzv_server.api.aiohttp_seam import describe
 from rdzv_server.api.head import RequestHead
 
 HEAD = b"GET /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer abc\r\n\r\n"
@@ -90,6 +91,6 @@ async def test_no_parser_refusal_quotes_the_request() -> None:
         assert token.decode() in refused.value.message  # aiohttp's own message quotes it ...
         head = RequestHead()
         taken = head.feed(raw)
-        text = head.refusal(refused.value, raw, taken, 128).message
+        text = describe(head, refused.value, raw, taken, 128).message
         assert token.decode() not in text and token[:8].decode() not in text, text  # ... ours never
         assert text.startswith("the request could not be read: ") and len(text) < 200
