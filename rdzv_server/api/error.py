@@ -6,7 +6,7 @@ a bug: a 500 ``internal`` whose traceback goes to the server log, never to the c
 :func:`error_middleware` renders it over HTTP and adds aiohttp's own HTTP errors (unknown
 route, wrong method, body over ``client_max_size``), which only HTTP has. What aiohttp
 refuses before any handler runs (its parser's errors) is rendered by
-:class:`.connection.HttpConnection` with the same codes.
+:class:`.aiohttp_seam.HttpConnection` with the same codes.
 """
 
 from __future__ import annotations
