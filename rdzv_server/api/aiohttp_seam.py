@@ -27,12 +27,13 @@ What it must not know: the operations, the service, the app's routes.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any, cast
 
-from aiohttp import hdrs, web
+from aiohttp import hdrs, web, web_protocol
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
@@ -43,18 +44,19 @@ from .error import code_for_status
 from .head import Refusal, RequestHead
 from .header import security_headers
 
-#: The parts of aiohttp this module relies on beyond its documented API, each with a test:
-#: - ``RequestHandler._messages``: the queue ``data_received`` appends each parsed request to,
-#:   as ``(message, payload)``; read right after it to see what the parser made of the bytes;
-#: - ``web_protocol._ErrInfo``: what it queues for a request its parser refused, with ``.exc``
-#:   (the ``HttpProcessingError``);
-#: - ``web.Server.request_factory``: the factory each new ``RequestHandler`` copies, called
-#:   with ``(message, payload, protocol, writer, task)``; wrapped to see a request dispatched;
-#: - ``RequestHandler.transport`` set to None: aiohttp then neither writes to nor closes the
-#:   transport, which :class:`.connection.Closing` has taken over;
+#: The parts of aiohttp this module relies on beyond its documented API, each read or written
+#: by one function below and tested through it (``tests/unit/test_aiohttp_seam.py``):
+#: - ``RequestHandler._messages`` (:func:`queued`, :func:`parsed_since`): the queue
+#:   ``data_received`` appends each parsed request to, as ``(message, payload)``;
+#: - ``web_protocol._ErrInfo.exc`` (:func:`parser_error`): what aiohttp queues for a request
+#:   its parser refused, with the parser's ``HttpProcessingError``;
+#: - ``web.Server.request_factory`` (:func:`on_dispatch`): the factory each new
+#:   ``RequestHandler`` copies, called with ``(message, payload, protocol, writer, task)``;
+#: - ``RequestHandler.transport = None`` (:func:`let_go`): aiohttp then neither writes to nor
+#:   closes the transport, which :class:`.connection.Closing` has taken over;
 #: - ``RequestHandler.finish_response(request, resp, start_time)`` and
-#:   ``handle_error(request, status, exc, message)``: overridden, with these parameters;
-#: - ``LineTooLong.args``: ``(the line's first bytes, the limit)``.
+#:   ``handle_error(request, status, exc, message)``: overridden by :class:`HttpConnection`;
+#: - ``LineTooLong.args`` (:func:`long_line`): the refused line's first bytes and the limit.
 PRIVATE_NAMES = (
     "RequestHandler._messages",
     "web_protocol._ErrInfo.exc",
@@ -66,8 +68,60 @@ PRIVATE_NAMES = (
 )
 log = logging.getLogger("rdzv_server.api")
 
+RequestFactory = Callable[..., web.BaseRequest]
+#: Whether an ``Authorization`` header (None: absent) holds a valid token of the server.
+Authenticates = Callable[[str | None], bool]
+
 # aiohttp's default limit on header fields (RequestHandler's max_headers), when none is given.
 _AIOHTTP_MAX_HEADERS = 128
+
+
+# -------------------------------------------------------------------- aiohttp's private parts
+
+
+def queued(protocol: RequestHandler) -> int:
+    """How many requests wait in the protocol's queue (``RequestHandler._messages``)."""
+    return len(protocol._messages)
+
+
+def parsed_since(protocol: RequestHandler, before: int) -> list[tuple[Any, HttpProcessingError | None]]:
+    """What the parser queued after the first ``before`` entries: each message, and the
+    parser's error when it is aiohttp's record of a refused request (None: a request)."""
+    return [(message, parser_error(message)) for message, _ in itertools.islice(protocol._messages, before, None)]
+
+
+def parser_error(message: object) -> HttpProcessingError | None:
+    """The parser's error if ``message`` is aiohttp's record of a refusal (``_ErrInfo.exc``)."""
+    if isinstance(message, web_protocol._ErrInfo) and isinstance(message.exc, HttpProcessingError):
+        return message.exc
+    return None
+
+
+def let_go(protocol: RequestHandler) -> None:
+    """Make aiohttp forget the protocol's transport: it neither writes to it nor closes it."""
+    protocol.transport = None
+
+
+def on_dispatch(manager: web.Server, started: Callable[[object, Any], None]) -> None:
+    """Call ``started(protocol, payload)`` as each request is dispatched, by wrapping
+    ``manager.request_factory`` (which each ``RequestHandler`` copies when it is made: call
+    this before making any)."""
+    inner: RequestFactory = manager.request_factory
+
+    def request_factory(message: Any, payload: Any, protocol: Any, writer: Any, task: Any) -> web.BaseRequest:
+        started(protocol, payload)
+        return inner(message, payload, protocol, writer, task)
+
+    manager.request_factory = request_factory
+
+
+def long_line(exc: LineTooLong) -> tuple[bytes, object]:
+    """The first bytes of the line ``exc`` refused (never shown; to be found) and its limit."""
+    quoted, limit = (exc.args + (b"", "?"))[:2]  # (the line's first 100 bytes and "...", the limit)
+    return (bytes(quoted)[:-3] if isinstance(quoted, (bytes, bytearray)) else b""), limit
+
+
+# --------------------------------------------------------------------------- refusals
 
 
 def describe(
@@ -76,9 +130,7 @@ def describe(
     """Why and where aiohttp's parser refused a request (:meth:`.head.RequestHead.refusal`),
     ``chunk`` being the bytes it refused it in (its first ``head_bytes`` the head's)."""
     if isinstance(exc, LineTooLong):
-        # aiohttp's LineTooLong carries (the line's first 100 bytes and "...", its limit).
-        quoted, limit = (exc.args + (b"", "?"))[:2]
-        start = bytes(quoted)[:-3] if isinstance(quoted, (bytes, bytearray)) else b""
+        start, limit = long_line(exc)
         return head.long_line(start, limit, chunk, head_bytes)
     return head.refusal(exc, chunk, head_bytes, max_fields)
 
@@ -107,9 +159,6 @@ def json_error(code: wire.ErrorCode, message: str) -> web.Response:
 
 # --------------------------------------------------------------------------- HTTP connections
 
-RequestFactory = Callable[..., web.BaseRequest]
-#: Whether an ``Authorization`` header (None: absent) holds a valid token of the server.
-Authenticates = Callable[[str | None], bool]
 
 
 class HttpConnection(RequestHandler, TrackedConnection):
@@ -183,13 +232,10 @@ class HttpConnection(RequestHandler, TrackedConnection):
         first = len(data) if self.trusted or head_bytes is None else head_bytes
         if not self._table.charge(self, first):
             return
-        queued = self._messages
-        before = len(queued)
+        before = queued(self)
         super().data_received(data)
-        for index in range(before, len(queued)):
-            message = queued[index][0]
-            exc = getattr(message, "exc", None)
-            if isinstance(exc, HttpProcessingError):  # the parser refused it (aiohttp's _ErrInfo)
+        for message, exc in parsed_since(self, before):
+            if exc is not None:  # the parser refused it
                 if self._refusal is None:
                     self._refusal = (exc, describe(self._head, exc, data, head_bytes, self._max_fields))
             else:
@@ -305,7 +351,7 @@ class HttpConnection(RequestHandler, TrackedConnection):
             self.force_close()
             return
         self._untrack()
-        self.transport = None  # aiohttp neither writes to it nor closes it now
+        let_go(self)
         Closing(self._table, code, message, http_error(code, message)).adopt(transport)
         self.connection_lost(None)  # aiohttp lets go: the handler is cancelled, the request dropped
 
@@ -323,14 +369,12 @@ def http_factory(
     the app authenticates every request itself); ``settings`` are ``RequestHandler`` keyword
     arguments (limits, timeouts, logging).
     """
-    inner: RequestFactory = manager.request_factory
 
-    def request_factory(message: Any, payload: Any, protocol: Any, writer: Any, task: Any) -> web.BaseRequest:
+    def started(protocol: object, payload: Any) -> None:
         if isinstance(protocol, HttpConnection):
             protocol.request_started(payload)
-        return inner(message, payload, protocol, writer, task)
 
-    manager.request_factory = request_factory
+    on_dispatch(manager, started)
 
     def factory() -> HttpConnection:
         return HttpConnection(manager, table, authenticates, **settings)

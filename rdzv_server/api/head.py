@@ -57,6 +57,7 @@ TLS_ON_PLAIN_PORT = "TLS on a plain HTTP port (use http://, or give the server -
 NO_HOST = "no Host header (HTTP/1.1 requires one)"
 TOO_MANY_FIELDS = "too many header fields"
 MALFORMED = "a malformed request"
+MALFORMED_BODY = "a malformed body (its chunk sizes or length)"
 _PREFACE = "HTTP/2's connection preface (this server speaks HTTP/1.1)"
 # By the refusal's type, when neither the bytes nor the fields tell more.
 _TYPE_REASONS: tuple[tuple[type[BaseException], str], ...] = (
@@ -87,7 +88,7 @@ class Refusal:
 @dataclasses.dataclass(frozen=True)
 class _Line:
     """One line of the head within the refused chunk: ``start``/``end`` index the chunk (the
-    end excludes CR LF), ``name`` is the line's start as known (from earlier reads, too)."""
+    end excludes CR LF); a line that began in an earlier read has its kept start in ``prefix``."""
 
     start: int
     end: int
@@ -195,7 +196,7 @@ class RequestHead:
             reason, at = fault
             return Refusal(reason, self.where(chunk, head_bytes, at) if at >= 0 else "")
         if head_bytes < len(chunk):
-            return Refusal("a malformed body", "in the body")
+            return Refusal(MALFORMED_BODY)
         return Refusal(_type_reason(exc))
 
     def long_line(self, start: bytes, limit: object, chunk: bytes, head_bytes: int | None) -> Refusal:
