@@ -94,15 +94,14 @@ class _FirstByte(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         table = self._listener.table
-        loop = asyncio.get_running_loop()
-        if not table.admit(self, loop.time()):
+        if not table.admit(self, table.timers.time()):
             message = f"the server is at its connection limit ({table.max_connections}); retry shortly"
             Closing(table, wire.ErrorCode.TOO_MANY_CONNECTIONS, message).adopt(transport)
             return
         self._transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
         # Silent, it has shown no token either: a stranger's connection waits --auth-timeout at most.
         wait = table.idle_timeout if table.auth_timeout is None else min(table.idle_timeout, table.auth_timeout)
-        self._timer = loop.call_later(wait, self._idle)
+        self._timer = asyncio.get_running_loop().call_later(wait, self._idle)
 
     def _idle(self) -> None:
         self._timer = None

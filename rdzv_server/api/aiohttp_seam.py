@@ -178,9 +178,8 @@ class HttpConnection(RequestHandler, TrackedConnection):
     def __init__(
         self, manager: web.Server, table: ConnectionTable, authenticates: Authenticates, **settings: Any
     ) -> None:
-        loop = asyncio.get_running_loop()
-        super().__init__(manager, loop=loop, **settings)
-        self._timers = loop
+        super().__init__(manager, loop=asyncio.get_running_loop(), **settings)
+        self._timers = table.timers
         self._max_fields = int(settings.get("max_headers", _AIOHTTP_MAX_HEADERS))
         self._table = table
         self._authenticates = authenticates
