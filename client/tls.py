@@ -1,5 +1,9 @@
-"""TLS for the clients: the one ``ssl.SSLContext`` both transports use, and what a TLS
-failure means.
+"""TLS for the clients, and the TLS helpers the server shares with them: the one
+``ssl.SSLContext`` both client transports use, and what a TLS failure means.
+
+It lives in the client package because the client must not import the server; the server
+(``rdzv_server/server.py``, ``rdzv_server/storage/etcd_client.py``) imports
+:func:`no_key_password` and :func:`ssl_reason` from here rather than keep a second copy.
 
 What it owns:
 - :func:`client_context`: the client's context from its options (``ca_file``: the CA bundle
@@ -8,7 +12,9 @@ What it owns:
   verified and its hostname checked, always;
 - :func:`is_tls_misconfiguration` and :func:`tls_failure`: which TLS errors retrying cannot
   fix (an untrusted certificate, a refused client certificate, a port that does not speak
-  TLS), and the sentence that says so.
+  TLS), and the sentence that says so;
+- shared with the server: :func:`no_key_password` (an encrypted key fails to load instead
+  of prompting on the terminal) and :func:`ssl_reason` (OpenSSL's message in one line).
 
 What it must not know: HTTP, the stream protocol, retries, torch.
 """

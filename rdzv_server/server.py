@@ -46,7 +46,8 @@ from rdzv_client.tls import no_key_password, ssl_reason
 from . import logformat
 from .api.app import METRICS, create_app
 from .api.auth import TokenError, TokenTable, bearer_token, load_tokens
-from .api.connection import FD_RESERVE, LINGER, Closing, ConnectionTable, http_factory
+from .api.aiohttp_seam import http_factory
+from .api.connection import FD_RESERVE, LINGER, Closing, ConnectionTable
 from .api.stream import StreamServer
 from .config import ServerConfig
 from .replication import join
@@ -93,7 +94,7 @@ class _FirstByte(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         table = self._listener.table
-        if not table.admit(self):
+        if not table.admit(self, table.timers.time()):
             message = f"the server is at its connection limit ({table.max_connections}); retry shortly"
             Closing(table, wire.ErrorCode.TOO_MANY_CONNECTIONS, message).adopt(transport)
             return
@@ -140,7 +141,7 @@ class _FirstByte(asyncio.Protocol):
 class Listener:
     """The server's one port: accepts connections and hands each to HTTP or the stream protocol.
 
-    ``http`` and ``stream`` are protocol factories (:func:`.api.connection.http_factory`
+    ``http`` and ``stream`` are protocol factories (:func:`.api.aiohttp_seam.http_factory`
     and :class:`StreamServer`); each owns the connections it is handed, and their shutdown.
     ``table`` counts every connection, from accept on.
     """
@@ -298,6 +299,7 @@ async def serve(config: ServerConfig, stop: asyncio.Event) -> None:
         limit, clamped if limit < config.max_connections else "", _open_files_limit(), limit,
     )  # fmt: skip
     table = ConnectionTable(
+        timers=asyncio.get_running_loop(),
         max_connections=limit,
         max_buffered_bytes=config.max_buffered_bytes,
         idle_timeout=config.idle_timeout,

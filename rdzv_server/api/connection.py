@@ -8,10 +8,6 @@ What it owns:
   the counters ``/metrics`` shows;
 - :class:`TrackedConnection`: what a stream or HTTP connection tells the table, and its one
   timer, which enforces ``--idle-timeout``, ``--read-timeout`` and ``--auth-timeout``;
-- :class:`HttpConnection`: aiohttp's ``RequestHandler`` with that accounting, the read
-  deadline and the head limit (``--max-head-bytes``, :class:`RequestHead`) aiohttp lacks, and
-  ``{"error", "message"}`` JSON for everything its parser refuses, saying what was wrong and
-  where without quoting a byte of the request (:func:`refusal_reason`);
 - :class:`Closing`: the last seconds of a refused connection (answer, half-close, drain, close);
 - :class:`LogThrottle`: one source of warnings that hostile clients cannot turn into a flood.
 
@@ -41,12 +37,9 @@ Rules:
   never hold more than the share and a real client's small hello or head still gets in. A
   stranger's idle and read deadlines are ``auth_timeout`` when that is shorter, and a stream
   must say its hello within ``auth_timeout`` of its first byte (else ``request_timeout``).
-- An HTTP request head (from the request's first byte to its empty line) passing
-  ``max_head_bytes`` is refused ``431 headers_too_large`` before aiohttp buffers it; aiohttp
-  bounds each line and the number of fields itself.
-- No answer and no log line quotes the request: aiohttp's parser messages quote the line
-  they refuse, credentials included, so a refusal is described from the error's type and
-  position alone (:func:`refusal_reason`).
+- Time is the table's :class:`Timers` (the event loop in the server): the rules read it once
+  per event and take it as ``now`` (:meth:`ConnectionTable.admit`,
+  :meth:`TrackedConnection.check_deadlines`), so tests drive them with a fake clock.
 - Every HTTP answer written here carries the app's security headers (``header.py``).
 - Refusals are answered, then the connection is half-closed and its input drained for
   :data:`LINGER` seconds, so the client reads the answer instead of a reset. Over TLS, which
@@ -54,33 +47,19 @@ Rules:
   drains until the client's close_notify or its shutdown timeout (``server.py``).
 
 What it must not know: the operations, the service, the stream framing (``stream.py``
-implements :class:`TrackedConnection`'s hooks).
+implements :class:`TrackedConnection`'s hooks), aiohttp (``aiohttp_seam.py`` implements them
+for HTTP; HTTP heads are ``head.py``'s).
 """
 
 from __future__ import annotations
 
 import abc
-import ast
 import asyncio
 import heapq
 import logging
-import re
 from collections.abc import Callable, Iterator
 from http import HTTPStatus
-from typing import Any, ClassVar, Protocol, cast
-
-from aiohttp import hdrs, web
-from aiohttp.http_exceptions import (
-    BadHttpMessage,
-    BadHttpMethod,
-    BadStatusLine,
-    HttpProcessingError,
-    InvalidHeader,
-    InvalidURLError,
-    LineTooLong,
-)
-from aiohttp.web_protocol import RequestHandler
-from multidict import istr
+from typing import ClassVar, Protocol, cast
 
 from rdzv_client import wire
 
@@ -114,6 +93,23 @@ PROTOCOLS = ("undecided", "stream", "http")
 SHED_REASONS = ("idle_timeout", "read_timeout", "auth_timeout", "buffers_full", "connection_limit")
 
 
+class Timer(Protocol):
+    """A scheduled call (asyncio's ``TimerHandle``)."""
+
+    def cancel(self) -> None: ...
+
+    def when(self) -> float: ...
+
+
+class Timers(Protocol):
+    """Where the table and its connections read the time and schedule their deadlines: the
+    event loop in the server (``loop.time()``, ``loop.call_at``), a fake clock in tests."""
+
+    def time(self) -> float: ...
+
+    def call_at(self, when: float, callback: Callable[[], object]) -> Timer: ...
+
+
 class LogThrottle:
     """Log at most ``burst`` lines per ``interval`` seconds; count the rest and say how many.
 
@@ -121,18 +117,20 @@ class LogThrottle:
     suppressed, so a flood costs one timer per interval, not one line per event.
     """
 
-    def __init__(self, logger: logging.Logger, *, interval: float = LOG_INTERVAL, burst: int = LOG_BURST) -> None:
+    def __init__(
+        self, logger: logging.Logger, timers: Timers, *, interval: float = LOG_INTERVAL, burst: int = LOG_BURST
+    ) -> None:
         self._logger = logger
+        self._timers = timers
         self._interval = interval
         self._burst = burst
         self._window_end = 0.0
         self._logged = 0
         self._suppressed = 0
-        self._summary: asyncio.TimerHandle | None = None
+        self._summary: Timer | None = None
 
     def warning(self, msg: str, *args: object) -> None:
-        loop = asyncio.get_running_loop()
-        now = loop.time()
+        now = self._timers.time()
         if now >= self._window_end:
             self._window_end = now + self._interval
             self._logged = 0
@@ -142,7 +140,7 @@ class LogThrottle:
             return
         self._suppressed += 1
         if self._summary is None:
-            self._summary = loop.call_at(self._window_end, self._summarize)
+            self._summary = self._timers.call_at(self._window_end, self._summarize)
 
     def _summarize(self) -> None:
         self._summary = None
@@ -165,6 +163,7 @@ class ConnectionTable:
     def __init__(
         self,
         *,
+        timers: Timers,
         max_connections: int,
         max_buffered_bytes: int,
         idle_timeout: float,
@@ -173,7 +172,9 @@ class ConnectionTable:
         max_head_bytes: int,
         auth_timeout: float | None,
     ) -> None:
-        """``auth_timeout`` None: auth is off, and every connection is a token holder's."""
+        """``auth_timeout`` None: auth is off, and every connection is a token holder's.
+        ``timers``: the clock of every time the table and its connections store (the loop's)."""
+        self.timers = timers
         self.max_connections = max_connections
         self.max_buffered_bytes = max_buffered_bytes
         self.idle_timeout = idle_timeout
@@ -189,8 +190,8 @@ class ConnectionTable:
         self.closing = 0  # Closing protocols alive (lingering refusals)
         self.shed_total: dict[str, int] = dict.fromkeys(SHED_REASONS, 0)
         self.rejected_total: dict[str, int] = {}
-        self.refusals = LogThrottle(log)
-        self.limit_log = LogThrottle(log, burst=1)
+        self.refusals = LogThrottle(log, timers)
+        self.limit_log = LogThrottle(log, timers, burst=1)
         self._holders: set[TrackedConnection] = set()
         self._strangers: set[TrackedConnection] = set()  # the holders not yet authenticated
         self._candidates: list[tuple[TrackedConnection, float, bool]] = []  # best last
@@ -202,9 +203,10 @@ class ConnectionTable:
 
     # -- connections ------------------------------------------------------------------------
 
-    def admit(self, conn: Sheddable) -> bool:
-        """Count a new connection, shedding another at the limit. False: refuse the newcomer."""
-        if self.count >= self.max_connections and not self._make_room():
+    def admit(self, conn: Sheddable, now: float) -> bool:
+        """Count a new connection, arrived at ``now``, shedding another at the limit. False:
+        refuse the newcomer."""
+        if self.count >= self.max_connections and not self._make_room(now):
             self.rejected(wire.ErrorCode.TOO_MANY_CONNECTIONS)
             self._log_limit("refused a new connection (nothing idle to shed)")
             return False
@@ -231,7 +233,7 @@ class ConnectionTable:
     def rejected(self, code: wire.ErrorCode) -> None:
         self.rejected_total[code.value] = self.rejected_total.get(code.value, 0) + 1
 
-    def _make_room(self) -> bool:
+    def _make_room(self, now: float) -> bool:
         if self.undecided:
             oldest = next(iter(self.undecided))
             self.undecided.pop(oldest)
@@ -239,7 +241,7 @@ class ConnectionTable:
             self.shed("connection_limit")
             self._log_limit("closed a connection that had not spoken")
             return True
-        victim = self._victim()
+        victim = self._victim(now)
         if victim is None:
             return False
         conn, slow = victim
@@ -255,7 +257,7 @@ class ConnectionTable:
         self.unregister(conn)  # counted out now, though its descriptor closes on the next loop pass
         return True
 
-    def _victim(self) -> tuple[TrackedConnection, bool] | None:
+    def _victim(self, now: float) -> tuple[TrackedConnection, bool] | None:
         """The next connection to shed (and whether it is slow rather than idle), or None."""
         while True:
             while self._candidates:
@@ -265,7 +267,6 @@ class ConnectionTable:
                         return conn, True
                     if not slow and conn.reading_since is None and not conn.held and conn.last_active == stamp:
                         return conn, False
-            now = asyncio.get_running_loop().time()
             if now < self._rescan_at:
                 return None
             found = heapq.nsmallest(SHED_SCAN, self._scan(now - SLOW_READ))
@@ -411,13 +412,15 @@ class TrackedConnection(abc.ABC):
     #: Has shown a valid token (or auth is off): its bytes are not a stranger's.
     trusted: bool = False
     _table: ConnectionTable
-    _deadline: asyncio.TimerHandle | None = None
+    _timers: Timers
+    _deadline: Timer | None = None
     _auth_due: float | None = None
 
-    def _track(self, table: ConnectionTable, loop: asyncio.AbstractEventLoop) -> None:
-        now = loop.time()
+    def _track(self, table: ConnectionTable, timers: Timers) -> None:
+        """Count this connection in ``table`` from now (``timers``' clock: the table's)."""
+        now = timers.time()
         self._table = table
-        self._clock = loop
+        self._timers = timers
         self.last_active = now
         self.reading_since = None
         self.held = 0
@@ -426,7 +429,7 @@ class TrackedConnection(abc.ABC):
         if not self.trusted and self.must_authenticate is not None and table.auth_timeout is not None:
             self._auth_due = now + table.auth_timeout
             due = min(due, self._auth_due)
-        self._deadline = loop.call_at(due, self._check_deadlines)
+        self._deadline = timers.call_at(due, self._on_deadline)
         table.register(self)
 
     def _untrack(self) -> None:
@@ -460,14 +463,21 @@ class TrackedConnection(abc.ABC):
         timer = self._deadline
         if timer is not None and timer.when() > due:
             timer.cancel()
-            self._deadline = self._clock.call_at(due, self._check_deadlines)
+            self._deadline = self._timers.call_at(due, self._on_deadline)
 
-    def _check_deadlines(self) -> None:
+    def _on_deadline(self) -> None:
         self._deadline = None
+        self.check_deadlines(self._timers.time())
+
+    def check_deadlines(self, now: float) -> None:
+        """Apply the idle, read and authentication deadlines at ``now``: shed this connection
+        if one has passed, else schedule the next look (one timer per connection)."""
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
         table = self._table
         if self not in table.open:
             return
-        now = self._clock.time()
         idle, read = self._limits()
         stranger = not self.trusted and table.auth_timeout is not None
         if stranger and self._auth_due is not None and now >= self._auth_due:
@@ -507,7 +517,7 @@ class TrackedConnection(abc.ABC):
             due = now + min(idle, read)
         if stranger and self._auth_due is not None:
             due = min(due, self._auth_due)
-        self._deadline = self._clock.call_at(due, self._check_deadlines)
+        self._deadline = self._timers.call_at(due, self._on_deadline)
 
     def _late(self, reason: str, what: str, message: str) -> None:
         """Close with ``request_timeout``: ``what`` (a %g stands for the limit) logged, ``message`` answered."""
@@ -613,433 +623,3 @@ class Closing(asyncio.Protocol):
             self._timer = None
             self._table.closing -= 1
         self._transport = None
-
-
-# --------------------------------------------------------------------------- HTTP heads
-
-# A header is named in a refusal when it is one of HTTP's own (aiohttp's ``hdrs``): a name the
-# client made up is bytes it sent, and could be anything, a token pasted in the wrong place too.
-_KNOWN_HEADERS = {str(name).lower(): str(name) for name in vars(hdrs).values() if isinstance(name, istr)}
-# Bytes of a line kept to name its header: the longest known name and its colon.
-_NAME_BYTES = max(map(len, _KNOWN_HEADERS)) + 1
-_HEAD_END = b"\r\n\r\n"
-_FIELD_NAME = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):")
-
-
-class RequestHead:
-    """The head (request line and header fields) of the HTTP request arriving on one
-    connection, as its bytes go by: its size (for ``--max-head-bytes``), where it ends, and
-    where in it a parser error struck, named by its line and byte offset, never quoted.
-
-    No I/O: bytes in, numbers out. The head starts at the request's first byte other than CR
-    or LF (a server ignores empty lines before a request line, and so does aiohttp's parser)
-    and ends with its first empty line (CRLF CRLF: aiohttp's parser refuses a bare LF, and a
-    head it accepts otherwise is closed by :meth:`close`). Only the start of the line still
-    arriving is kept (enough to name a known header), never a value.
-    """
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        """A new request: its head starts with the next byte."""
-        self.size = 0  # bytes of the head received so far
-        self.open = True  # still arriving
-        self._started = False  # a byte other than CR or LF went by
-        self._request_line_at = 0
-        self._tail = b""  # its last 3 bytes: an empty line may span two reads
-        self._line = b""  # the start of the line still arriving ...
-        self._line_at = 0  # ... and where it starts in the head
-        self._chunk = (0, b"", 0)  # (size, _line, _line_at) when the last chunk came
-
-    def close(self) -> None:
-        """The parser has the whole head, whatever this reader saw of it."""
-        self.open = False
-
-    def feed(self, data: bytes) -> int:
-        """Count the bytes of ``data`` that belong to the head; return how many (all while the
-        head goes on, the bytes up to its empty line in the chunk that ends it, 0 after)."""
-        if not self.open:
-            return 0
-        self._chunk = (self.size, self._line, self._line_at)
-        start = 0
-        if not self._started:
-            if data[:1] in (b"\r", b"\n"):
-                start = len(data) - len(data.lstrip(b"\r\n"))
-                if start == len(data):
-                    self.size += start
-                    return start
-            self._started = True
-            self._request_line_at = self._line_at = self.size + start
-        end, ended = len(data), False
-        if self._tail and not start:
-            found = (self._tail + data[:3]).find(_HEAD_END)
-            if found >= 0:
-                end, ended = found + len(_HEAD_END) - len(self._tail), True
-        if not ended:
-            found = data.find(_HEAD_END, start)
-            if found >= 0:
-                end, ended = found + len(_HEAD_END), True
-        newline = data.rfind(b"\n", start, end)
-        if newline >= 0:
-            self._line = data[newline + 1 : min(end, newline + 1 + _NAME_BYTES)]
-            self._line_at = self.size + newline + 1
-        elif len(self._line) < _NAME_BYTES:
-            self._line += data[start : min(end, start + _NAME_BYTES - len(self._line))]
-        self._tail = (self._tail + data[max(start, end - 3) : end])[-3:]
-        self.size += end
-        self.open = not ended
-        return end
-
-    def where(self, chunk: bytes, head_bytes: int | None, needle: bytes, column: int) -> str:
-        """Where a parser error struck in ``chunk`` (the last one fed; its first ``head_bytes``
-        belong to the head, None: unknown): at ``column`` of the first ``needle`` in it, the
-        bytes the parser's message quoted. Says which line and which byte, quoting nothing;
-        "" when it cannot tell."""
-        found = chunk.find(needle) if needle and head_bytes is not None else -1
-        if head_bytes is None or found < 0:
-            return ""
-        at = found + column
-        if at >= head_bytes:
-            return "in the body"
-        size, line, line_at = self._chunk
-        # llhttp points past a bare LF it refuses: that byte is the end of the line before.
-        bare_lf = at >= 1 and chunk[at - 1 : at] == b"\n" and chunk[at - 2 : at - 1] != b"\r"
-        newline = chunk.rfind(b"\n", 0, at - 1 if bare_lf else at)
-        if newline >= 0:
-            line, line_at = chunk[newline + 1 : newline + 1 + _NAME_BYTES], size + newline + 1
-        else:
-            line = (line + chunk[:_NAME_BYTES])[:_NAME_BYTES]
-        if line_at == self._request_line_at:
-            what = "the request line"
-        else:
-            name = _FIELD_NAME.match(line)
-            known = _KNOWN_HEADERS.get(name.group(1).decode("ascii").lower()) if name else None
-            what = f"header {known}" if known else "a header field"
-        return f"in {what}, at byte {size + at} of the request"
-
-
-# aiohttp's messages for llhttp's errors: "REASON:\n\n  b'THE LINE'\n  <spaces>^" (possibly
-# after "Bad status line:\n  "). REASON is llhttp's own text; the line is the request's.
-_LLHTTP = re.compile(
-    r"(?:^|\n  )(?P<reason>[A-Za-z][A-Za-z0-9 ,'/-]{0,99}):\n\n  (?P<line>b(?P<q>['\"]).*(?P=q))\n  (?P<caret> *)\^\Z"
-)
-_DUPLICATE = re.compile(r"Duplicate '([A-Za-z-]+)' header found\.")
-# aiohttp's own messages that quote nothing, said in our words.
-_FIXED_REASONS = {
-    "Too many headers received": "too many header fields",
-    "Missing 'Host' header in request.": "no Host header (HTTP/1.1 requires one)",
-    "Received HTTPS traffic on an HTTP port": "TLS on a plain HTTP port (use http://, or give the server --tls-cert)",
-}
-# By the error's type, when its message has nothing we can use.
-_TYPE_REASONS: tuple[tuple[type[BaseException], str], ...] = (
-    (InvalidURLError, "a request target that is not a valid path or URL"),
-    (BadHttpMethod, "an unknown method"),
-    (BadStatusLine, "a malformed request line"),
-    (InvalidHeader, "a forbidden byte in a header field"),
-)
-# repr() width of each byte: how many characters of aiohttp's quoted line stand for it.
-_REPR_WIDTH = [len(repr(bytes([byte]))) - 3 for byte in range(256)]
-
-
-def _byte_at(line: bytes, width: int) -> int:
-    """The index in ``line`` of the byte that ``width`` characters of its repr() precede."""
-    if len(repr(line[:width])) == width + 3:  # nothing escaped before it (the usual case)
-        return width
-    seen = 0
-    for index, byte in enumerate(line):
-        if seen >= width:
-            return index
-        seen += _REPR_WIDTH[byte]
-    return len(line)
-
-
-def parser_error(exc: BaseException | None) -> tuple[str, bytes, int]:
-    """What aiohttp's parser refused, in words that quote nothing, and where to look for it:
-    ``(reason, needle, column)``, ``needle`` being the bytes its message quoted (to be found,
-    never shown; empty when unknown) and ``column`` the offending byte's index in it."""
-    message = getattr(exc, "message", "")
-    message = message if isinstance(message, str) else ""
-    if isinstance(exc, LineTooLong):
-        limit, quoted = exc.args[1] if len(exc.args) > 1 else "?", exc.args[0] if exc.args else b""
-        needle = bytes(quoted)[:-3] if isinstance(quoted, (bytes, bytearray)) else b""
-        return f"a line longer than {limit} bytes", needle, 0
-    if isinstance(exc, InvalidHeader) and exc.args and isinstance(exc.args[0], bytes):
-        value = exc.args[0]
-        return "a forbidden byte (NUL) in a header field", value, max(0, value.find(b"\x00"))
-    llhttp = _LLHTTP.search(message)
-    if llhttp is not None:
-        try:
-            line = ast.literal_eval(llhttp["line"])
-        except (ValueError, SyntaxError):
-            line = b""
-        if not isinstance(line, bytes):
-            line = b""
-        reason = llhttp["reason"]
-        return reason[0].lower() + reason[1:], line, _byte_at(line, max(0, len(llhttp["caret"]) - 2))
-    if message in _FIXED_REASONS:
-        return _FIXED_REASONS[message], b"", 0
-    duplicate = _DUPLICATE.fullmatch(message)
-    if duplicate is not None and duplicate.group(1).lower() in _KNOWN_HEADERS:
-        return f"header {_KNOWN_HEADERS[duplicate.group(1).lower()]} given twice", b"", 0
-    for kind, reason in _TYPE_REASONS:
-        if isinstance(exc, kind):
-            return reason, b"", 0
-    return "a malformed request", b"", 0
-
-
-def refusal_reason(exc: BaseException | None, where: str = "") -> str:
-    """The message of a request aiohttp's parser refused: what was wrong (and ``where``, from
-    :meth:`RequestHead.where`), never the request's bytes, which may hold a token."""
-    reason = parser_error(exc)[0]
-    return f"the request could not be read: {reason}{' ' + where if where else ''}"
-
-
-def classify(status: int, exc: BaseException | None) -> wire.ErrorCode:
-    """The wire code of a request aiohttp refused before any handler ran."""
-    if isinstance(exc, LineTooLong) or (isinstance(exc, BadHttpMessage) and "Too many headers" in exc.message):
-        return wire.ErrorCode.HEADERS_TOO_LARGE
-    if status == 417:
-        return wire.ErrorCode.EXPECTATION_FAILED
-    if status == 413:
-        return wire.ErrorCode.BODY_TOO_LARGE
-    if 400 <= status < 500:
-        return wire.ErrorCode.BAD_REQUEST
-    return wire.ErrorCode.INTERNAL
-
-
-def json_error(code: wire.ErrorCode, message: str) -> web.Response:
-    """An error answer for aiohttp to write, with the security headers."""
-    return web.Response(
-        body=wire.dump_json(wire.error_body(code, message)),
-        status=wire.HTTP_STATUS[code],
-        content_type=wire.CONTENT_TYPE_JSON,
-        headers=security_headers(False),
-    )
-
-
-# --------------------------------------------------------------------------- HTTP connections
-
-RequestFactory = Callable[..., web.BaseRequest]
-#: Whether an ``Authorization`` header (None: absent) holds a valid token of the server.
-Authenticates = Callable[[str | None], bool]
-
-
-class HttpConnection(RequestHandler, TrackedConnection):
-    """One HTTP connection: aiohttp's protocol, tracked by the table (see the module rules).
-
-    ``data_received`` measures the request head (:class:`RequestHead`), charges bytes and
-    starts the read deadline; a request is in flight from its dispatch (:func:`http_factory`
-    wraps aiohttp's request factory) to the end of ``finish_response``. Requests aiohttp's
-    parser refuses are answered as every refusal is (JSON
-    with a documented code and the security headers, over :class:`Closing`), with one
-    throttled warning line; neither quotes the request.
-    """
-
-    protocol = "http"
-    article = "an HTTP"
-
-    def __init__(
-        self, manager: web.Server, table: ConnectionTable, authenticates: Authenticates, **settings: Any
-    ) -> None:
-        super().__init__(manager, loop=asyncio.get_running_loop(), **settings)
-        self._table = table
-        self._authenticates = authenticates
-        self._deadline = None
-        self._in_flight = False
-        self._responding = False
-        self._payload: Any = None
-        self._draining: Any = None  # the body of an answered request that aiohttp still reads away
-        self._head = RequestHead()
-        self._refusal: tuple[BaseException, str] | None = None  # the parser's error, described
-
-    # -- transport events ------------------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        self._track(self._table, self._loop)
-
-    def data_received(self, data: bytes) -> None:
-        if not data or self.transport is None:
-            super().data_received(data)
-            return
-        now = self._loop.time()
-        self.last_active = now
-        if self.reading_since is None and not self._in_flight:
-            self._start_reading(now)
-        head = self._head
-        if self._draining is not None and self._draining.is_eof():
-            self._draining = None  # the answered request's body is gone: a new request begins
-        if not head.open or self._draining is not None:
-            self._receive(data, None)
-            return
-        taken = head.feed(data)
-        if head.size > self._table.max_head_bytes:
-            self._refuse_head()
-        else:
-            self._receive(data, taken)
-
-    def connection_lost(self, exc: BaseException | None) -> None:
-        self._untrack()
-        super().connection_lost(exc)
-
-    def _receive(self, data: bytes, head_bytes: int | None) -> None:
-        """Charge ``data`` (its first ``head_bytes`` are the head; None: no head is being
-        read), hand it to aiohttp, and see what its parser made of it.
-
-        A stranger's bytes after the end of its head are charged once the parser has read the
-        head (in this same call, before anything else runs): a token in it makes them a token
-        holder's, so a client's first request is not refused for strangers' bytes."""
-        first = len(data) if self.trusted or head_bytes is None else head_bytes
-        if not self._table.charge(self, first):
-            return
-        queued = self._messages
-        before = len(queued)
-        super().data_received(data)
-        for index in range(before, len(queued)):
-            message = queued[index][0]
-            exc = getattr(message, "exc", None)
-            if isinstance(exc, HttpProcessingError):  # the parser refused it (aiohttp's _ErrInfo)
-                if self._refusal is None:
-                    _, needle, column = parser_error(exc)
-                    self._refusal = (exc, refusal_reason(exc, self._head.where(data, head_bytes, needle, column)))
-            else:
-                self._head.close()
-                headers = cast(Any, message).headers
-                if not self.trusted and self._authenticates(headers.get(hdrs.AUTHORIZATION)):
-                    self._table.trust(self)
-        if first < len(data) and self.transport is not None:
-            self._table.charge(self, len(data) - first)
-
-    def _refuse_head(self) -> None:
-        table = self._table
-        table.rejected(wire.ErrorCode.HEADERS_TOO_LARGE)
-        table.refusals.warning(
-            "Refused an HTTP request from %s: 431 headers_too_large (its head passed %d bytes, --max-head-bytes).",
-            self._peer(),
-            table.max_head_bytes,
-        )
-        self.shed(
-            wire.ErrorCode.HEADERS_TOO_LARGE,
-            f"the request head (request line and header fields) is larger than {table.max_head_bytes} bytes "
-            "(--max-head-bytes)",
-        )
-
-    def _peer(self) -> str:
-        peer = self.transport.get_extra_info("peername") if self.transport is not None else None
-        return str(peer[0]) if isinstance(peer, tuple) and peer else "an unknown address"
-
-    # -- requests ----------------------------------------------------------------------------
-
-    def busy(self) -> bool:
-        return self._in_flight
-
-    def _reading_counts(self) -> bool:
-        if self._in_flight and (self._payload is None or self._payload.is_eof()):
-            self.reading_since = None  # the whole request is in: what follows is the next one
-            return False
-        return True
-
-    def request_started(self, payload: Any) -> None:
-        self._in_flight = True
-        self._payload = payload
-        self._head.close()
-        if payload.is_eof():
-            self.reading_since = None
-
-    async def finish_response(
-        self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
-    ) -> Any:
-        if isinstance(resp, web.HTTPException) and resp.status >= 400:
-            # Raised outside the middlewares (an unknown Expect: aiohttp's 417): answer it as JSON,
-            # in our words (aiohttp's quote the request's header).
-            code = classify(resp.status, None)
-            self._table.rejected(code)
-            resp = json_error(code, _STATUS_REASONS.get(resp.status, HTTPStatus(resp.status).phrase.lower()))
-        self._responding = True
-        try:
-            return await super().finish_response(request, resp, start_time)
-        finally:
-            self._responding = False
-            self._request_finished()
-
-    def _request_finished(self) -> None:
-        if self._payload is not None and not self._payload.is_eof():
-            self._draining = self._payload  # aiohttp reads the rest away (or closes): not a head
-        self._in_flight = False
-        self._payload = None
-        self.reading_since = None
-        self.last_active = self._loop.time()
-        self._head.reset()
-        if self.held:
-            self._table.release(self, self.held)
-
-    def handle_error(
-        self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
-    ) -> web.StreamResponse:
-        code = classify(status, exc)
-        self._table.rejected(code)
-        if code is wire.ErrorCode.INTERNAL:  # a bug, not the client's doing: keep the traceback
-            log.error("Unhandled error serving an HTTP request from %s.", request.remote, exc_info=exc)
-            reason = "internal server error; the server log has details"
-        else:
-            known = self._refusal
-            reason = known[1] if known is not None and known[0] is exc else refusal_reason(exc)
-            self._table.refusals.warning(
-                "Refused an HTTP request from %s: %d %s (%s).",
-                request.remote,
-                wire.HTTP_STATUS[code],
-                code.value,
-                reason,
-            )
-        if request.writer.output_size > 0:
-            raise ConnectionError("the response had begun; the connection is closed instead")
-        resp = json_error(code, reason)
-        resp.force_close()
-        if code is not wire.ErrorCode.INTERNAL and self.transport is not None:
-            # Answered as every refusal is (HTTP/1.1, the security headers, half-close and
-            # drain); aiohttp, handed a closed connection, writes nothing of ``resp``.
-            self.shed(code, reason)
-        return resp
-
-    # -- closing -----------------------------------------------------------------------------
-
-    def shed(self, code: wire.ErrorCode | None, message: str) -> None:
-        transport = self.transport
-        if transport is None:
-            return
-        if code is None or self._responding:  # idle, or mid-response: nothing more to say
-            self.force_close()
-            return
-        self._untrack()
-        self.transport = None  # aiohttp neither writes to it nor closes it now
-        Closing(self._table, code, message, http_error(code, message)).adopt(transport)
-        self.connection_lost(None)  # aiohttp lets go: the handler is cancelled, the request dropped
-
-
-# aiohttp's own answers raised outside the middlewares, in words that quote nothing.
-_STATUS_REASONS = {417: "this server knows only Expect: 100-continue"}
-
-
-def http_factory(
-    manager: web.Server, table: ConnectionTable, authenticates: Authenticates, **settings: Any
-) -> Callable[[], HttpConnection]:
-    """The protocol factory of HTTP connections served by ``manager`` (aiohttp's ``web.Server``).
-
-    ``authenticates`` tells a valid ``Authorization`` header (only for the table's accounting:
-    the app authenticates every request itself); ``settings`` are ``RequestHandler`` keyword
-    arguments (limits, timeouts, logging).
-    """
-    inner: RequestFactory = manager.request_factory
-
-    def request_factory(message: Any, payload: Any, protocol: Any, writer: Any, task: Any) -> web.BaseRequest:
-        if isinstance(protocol, HttpConnection):
-            protocol.request_started(payload)
-        return inner(message, payload, protocol, writer, task)
-
-    manager.request_factory = request_factory
-
-    def factory() -> HttpConnection:
-        return HttpConnection(manager, table, authenticates, **settings)
-
-    return factory

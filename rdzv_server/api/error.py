@@ -6,7 +6,7 @@ a bug: a 500 ``internal`` whose traceback goes to the server log, never to the c
 :func:`error_middleware` renders it over HTTP and adds aiohttp's own HTTP errors (unknown
 route, wrong method, body over ``client_max_size``), which only HTTP has. What aiohttp
 refuses before any handler runs (its parser's errors) is rendered by
-:class:`.connection.HttpConnection` with the same codes.
+:class:`.aiohttp_seam.HttpConnection` with the same codes.
 """
 
 from __future__ import annotations
@@ -24,15 +24,26 @@ from .codec import encode
 
 log = logging.getLogger("rdzv_server.api")
 
-_HTTP_CODES: dict[int, wire.ErrorCode] = {
-    404: wire.ErrorCode.NOT_FOUND,
-    405: wire.ErrorCode.METHOD_NOT_ALLOWED,
-    408: wire.ErrorCode.REQUEST_TIMEOUT,
-    413: wire.ErrorCode.BODY_TOO_LARGE,
-    415: wire.ErrorCode.UNSUPPORTED_MEDIA_TYPE,
-    417: wire.ErrorCode.EXPECTATION_FAILED,
-    431: wire.ErrorCode.HEADERS_TOO_LARGE,
-}
+# The codes of the errors aiohttp raises itself (an unknown route, a wrong method, a body over
+# client_max_size, ...), which come with a status and no code. Each status is the code's own,
+# read from the one table (record.HTTP_STATUS), never written here a second time.
+_AIOHTTP_CODES = (
+    wire.ErrorCode.NOT_FOUND,
+    wire.ErrorCode.METHOD_NOT_ALLOWED,
+    wire.ErrorCode.REQUEST_TIMEOUT,
+    wire.ErrorCode.BODY_TOO_LARGE,
+    wire.ErrorCode.UNSUPPORTED_MEDIA_TYPE,
+    wire.ErrorCode.EXPECTATION_FAILED,
+    wire.ErrorCode.HEADERS_TOO_LARGE,
+)
+_CODE_OF_STATUS = {wire.HTTP_STATUS[code]: code for code in _AIOHTTP_CODES}
+
+
+def code_for_status(status: int, otherwise: wire.ErrorCode) -> wire.ErrorCode:
+    """The wire code of an error aiohttp answered with ``status`` alone (``otherwise`` for a
+    status without a code of its own here)."""
+    return _CODE_OF_STATUS.get(status, otherwise)
+
 
 INTERNAL_MESSAGE = "internal server error; the server log has details"
 
@@ -57,7 +68,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        code = _HTTP_CODES.get(exc.status, wire.ErrorCode.BAD_REQUEST)
+        code = code_for_status(exc.status, wire.ErrorCode.BAD_REQUEST)
         message = exc.text or exc.reason
         if exc.status == 413:
             message = f"request body too large: {exc.text}"

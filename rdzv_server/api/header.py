@@ -2,8 +2,9 @@
 
 What it owns: the one definition of those headers. The app adds them to every response it
 prepares (``app.py``); the answers written below the app (aiohttp's parser refusals, shed
-and refused connections: ``connection.py``) carry the same set, so no answer, not even a
-refusal of a malformed request, can be framed, sniffed or leak an address in a Referer.
+and refused connections: ``connection.py``, ``aiohttp_seam.py``) carry the same set, so no
+answer, not even a refusal of a malformed request, can be framed, sniffed or leak an address
+in a Referer.
 
 What it must not know: which answer it is, beyond whether it is one of the pages.
 """

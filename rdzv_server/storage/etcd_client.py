@@ -14,7 +14,7 @@ and stale (``aioetcd3`` and ``etcd3aio`` have had no release in years, ``python-
 synchronous and pins old ``grpcio``/``protobuf``), and each would pull in gRPC, a large
 native dependency, for a handful of calls. The JSON gateway is etcd's own stable API,
 served on every client URL since 3.3 (``/v3/`` since 3.4), and aiohttp is already the
-server's HTTP stack. The cost is ours to carry: this module is about 400 lines.
+server's HTTP stack. The cost is ours to carry: this module, about 1,000 lines.
 
 Rules:
 - Every request has a deadline (:attr:`EtcdClient.request_timeout_s`), and each try on one

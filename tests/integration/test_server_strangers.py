@@ -1,7 +1,7 @@
 """Before authentication a connection gets nothing, against the real server process: no
 credential echoed, no more than its share of the buffers, no more than a few seconds.
 
-Rules checked (README "Security", rdzv_server/api/connection.py):
+Rules checked (README "Security", rdzv_server/api/connection.py, head.py, aiohttp_seam.py):
 - no answer and no log line quotes a credential (the token, the read-only token, the
   dashboard's cookie) when aiohttp's parser refuses a request: a refusal says what was wrong
   and where (which header, which byte), never the request's bytes;
