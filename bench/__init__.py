@@ -11,4 +11,7 @@ only through its command line, its HTTP API (via ``rdzv_client``) and the torchr
 handler that torch's registry returns; every address it uses is on 127.0.0.1. One
 exception, on purpose: ``bench.ha`` times the server's own etcd client and file log, to
 show what one log write costs in each mode.
+
+The one-issue diagnostics (``ceiling``, ``versus``, ``snapshot``, ``etcd_faults``) are the
+lab's, :mod:`bench.lab`: each runs on its own, and nothing here imports them.
 """

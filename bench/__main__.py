@@ -3,7 +3,7 @@
     python -m bench                 # everything (10-25 minutes on 2 cores)
     python -m bench --quick         # every measurement, small (about 3 minutes)
     python -m bench --only formation,store --backends rdzv-server,c10d --sizes 8,64,256
-    python -m bench --only ha --quick   # replicas over etcd vs the single server, and etcd faults (~1 minute)
+    python -m bench --only ha --quick   # replicas over etcd vs the single server (~1 minute)
     python -m bench --only scale --sizes 4096,16384   # one job of thousands of simulated agents
 
 Measurements (one module each): ``formation`` (bench.formation), ``store``

@@ -20,21 +20,6 @@ replica, ``127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3``, and follows a follower's ``
   An ack within :data:`IN_FLIGHT_S` of the kill is the dead leader's last answer still in
   the socket: no survivor can lead before the dead one's lease runs out (it cannot revoke
   it), and the shortest lease is 2 s, so nothing in that window is the new leader's.
-- etcd faults: fresh replicas at the server's default lease (5 s) over a fresh 3-member etcd;
-  one client adds continuously, and beside it a bare
-  :class:`rdzv_server.storage.etcd_client.EtcdClient` puts continuously (etcd's own gap, to
-  tell it from the replicas'). Each of ``plan.ha_repeats`` times: SIGKILL of an etcd
-  follower, then of etcd's leader (restarted on its data between kills): the write gap, the
-  longest interval between consecutive acks from the last ack before the kill until
-  :data:`STEADY_ACKS` acks after it. Then, :data:`QUORUM_REPEATS` times, a quorum loss
-  shaped like issue 14's reproduction: SIGSTOP the two etcd members that are not etcd's
-  leader, send :data:`IN_FLIGHT` adds straight to the leader replica (one endpoint, no
-  retries, an answer awaited up to :data:`IN_FLIGHT_WAIT_S`), SIGCONT both after
-  :data:`QUORUM_LOSS_S`: how many in-flight adds were answered (any answer, ``not_leader``
-  included) or hung, how far apart their answers came, the resume time (SIGCONT to the
-  first add acknowledged after it), and how far that lags etcd's own (SIGCONT to the bare
-  client's first put after it: etcd electing a leader again is etcd's time, not the
-  replicas'). The counter must be exact.
 - round trip: what one write costs the log in each mode, sequentially from one caller
   (no grouping): a bare etcd ``put`` and a fenced txn shaped like a replica's record write
   (compare the leader key's create revision; put the record and ``log-head``) through the
@@ -48,6 +33,9 @@ The replicated mode's throughput and formation run on the replicas of the first 
 ``plan.ha_ttls`` (2 s by default), before their take-overs. Everything is on 127.0.0.1;
 every wait is bounded (``plan.timeout``); etcd and every replica are stopped in ``finally``
 (a Ctrl-C or SIGTERM unwinds through it).
+
+What etcd's own faults (a member killed, the quorum lost) cost the replicas is the lab's,
+``python -m bench.lab.etcd_faults`` (issue 14): it shares this module's writer.
 """
 
 from __future__ import annotations
@@ -102,22 +90,12 @@ IN_FLIGHT_S = 0.1
 STEADY_ACKS = 10
 #: A throughput step may take this long beyond its duration (connections, a slow tail).
 STEP_SLACK_S = 30.0
-#: The etcd faults run at the server's default lease: the targets are stated for it.
-FAULTS_LEASE_TTL = 5
-#: Quorum losses measured (each takes about half a minute).
-QUORUM_REPEATS = 2
-#: How long two of three etcd members stay SIGSTOPped: issue 14's reproduction.
-QUORUM_LOSS_S = 8.0
-#: Adds sent straight to the leader replica as the quorum goes, and how long each may wait
-#: for an answer before it counts as hung (a leader serves again well within it).
-IN_FLIGHT = 8
-IN_FLIGHT_WAIT_S = 20.0
 
 
 def measure(plan: Plan) -> tuple[list[Row], dict[str, Any]]:
     """Rows for every part (throughput, formation, take-over, round trip) and the raw samples."""
-    parts: dict[str, list[Row]] = {"throughput": [], "formation": [], "take-over": [], "etcd faults": [], "round trip": []}
-    raw: dict[str, Any] = {"throughput": {}, "formation": {}, "take-over": {}, "etcd faults": {}, "round trip": {}}
+    parts: dict[str, list[Row]] = {"throughput": [], "formation": [], "take-over": [], "round trip": []}
+    raw: dict[str, Any] = {"throughput": {}, "formation": {}, "take-over": {}, "round trip": {}}
     with contextlib.ExitStack() as cleanup:
         etcd = EtcdCluster(ETCD_MEMBERS, election_ms=plan.ha_etcd_election_ms)
         etcd_problem: tuple[str, str] | None = None  # (status, why) when etcd did not start
@@ -139,7 +117,6 @@ def measure(plan: Plan) -> tuple[list[Row], dict[str, Any]]:
                 _failed(replicated.label, plan, parts, *etcd_problem, load=k == 0, takeover_ttl=ttl)
                 continue
             _serve(replicated, plan, parts, raw, takeover_ttl=ttl, load=k == 0)
-    parts["etcd faults"] += _etcd_faults_rows(plan, raw["etcd faults"])
     rows = [row for part in parts.values() for row in part]
     return rows, raw
 
@@ -335,19 +312,19 @@ def _takeover_rows(backend: ReplicatedBackend, ttl: int, plan: Plan, raw: dict[s
     leader = [t.leader_s for t in done]
     n = len(done)
     rows = [
-        Row(MEASUREMENT, backend.label, ack_med, n, statistics.median(ack), "s", detail=_samples(ack)),
-        Row(MEASUREMENT, backend.label, ack_max, n, max(ack), "s", detail=_samples(ack)),
-        Row(MEASUREMENT, backend.label, leader_med, n, statistics.median(leader), "s", detail=_samples(leader)),
-        Row(MEASUREMENT, backend.label, leader_max, n, max(leader), "s", detail=_samples(leader)),
+        Row(MEASUREMENT, backend.label, ack_med, n, statistics.median(ack), "s", detail=samples(ack)),
+        Row(MEASUREMENT, backend.label, ack_max, n, max(ack), "s", detail=samples(ack)),
+        Row(MEASUREMENT, backend.label, leader_med, n, statistics.median(leader), "s", detail=samples(leader)),
+        Row(MEASUREMENT, backend.label, leader_max, n, max(leader), "s", detail=samples(leader)),
     ]
     if failures:  # a kill that was not taken over in time: its max is unknown
         for i in (1, 3):
             rows[i] = Row.failed(MEASUREMENT, backend.label, rows[i].metric, n, "s", "timeout", "; ".join(failures))
-    log.info("ha take-over TTL %d: ack %s, leader %s, failures %s", ttl, _samples(ack), _samples(leader), failures)
+    log.info("ha take-over TTL %d: ack %s, leader %s, failures %s", ttl, samples(ack), samples(leader), failures)
     return rows
 
 
-def _samples(values: list[float]) -> str:
+def samples(values: list[float]) -> str:
     return "samples " + ", ".join(f"{v:.2f}" for v in values) + " s"
 
 
@@ -366,11 +343,11 @@ async def _takeovers(backend: ReplicatedBackend, plan: Plan) -> tuple[list[TakeO
     async with AsyncClient(backend.endpoint, retry_budget=budget) as client:
         await asyncio.wait_for(client.create_job(job, min_nodes=1, max_nodes=1), budget)
 
-        writer = asyncio.create_task(_add_until(client, job, stop, acks, errors))
+        writer = asyncio.create_task(add_until(client, job, stop, acks, errors))
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as http:
                 for _ in range(plan.ha_repeats):
-                    await _until_acked(acks, len(acks) + STEADY_ACKS, errors, budget)
+                    await until_acked(acks, len(acks) + STEADY_ACKS, errors, budget)
                     leader = await asyncio.to_thread(backend.wait_for_leader, budget)
                     first = len(acks)
                     killed_at = backend.kill(leader)
@@ -391,7 +368,7 @@ async def _takeovers(backend: ReplicatedBackend, plan: Plan) -> tuple[list[TakeO
     return done, failures, counter, len(acks)
 
 
-async def _add_until(
+async def add_until(
     client: AsyncClient, job: str, stop: asyncio.Event, acks: list[float], errors: list[BaseException]
 ) -> None:
     """Add 1 to the job's counter until ``stop``: each acknowledgement's time.monotonic() goes
@@ -404,7 +381,7 @@ async def _add_until(
         errors.append(exc)
 
 
-async def _until_acked(acks: list[float], count: int, errors: list[BaseException], timeout: float) -> None:
+async def until_acked(acks: list[float], count: int, errors: list[BaseException], timeout: float) -> None:
     """Wait until the writer has ``count`` acks (writes flow); raise :class:`Timeout` after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while len(acks) < count:
@@ -454,262 +431,6 @@ async def _leads(http: aiohttp.ClientSession, url: str) -> bool:
             return answer.status == 200
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError):  # not answering: not leading
         return False
-
-
-# --------------------------------------------------------------------------- etcd faults
-
-FAULT_METRICS = (
-    ("follower", "etcd follower kill: gap"),
-    ("leader", "etcd leader kill: gap"),
-)
-QUORUM_METRICS = (
-    "quorum back: resume median",
-    "quorum back: resume max",
-    "quorum back: behind etcd max",
-    "step-down: in-flight answered",
-    "step-down: in-flight hung",
-    "step-down: answer spread max",
-)
-ETCD_OWN = f"etcd x{ETCD_MEMBERS} (EtcdClient)"
-
-
-@dataclasses.dataclass(frozen=True)
-class MemberLoss:
-    """One SIGKILL of an etcd member: the longest interval between acks around it (s), the
-    same for the bare etcd client's puts, and which member it was."""
-
-    role: str  # "leader" or "follower": etcd's role of the member killed
-    member: int
-    gap_s: float
-    etcd_gap_s: float
-
-
-@dataclasses.dataclass(frozen=True)
-class QuorumLoss:
-    """One quorum loss: when writes resumed after SIGCONT (s), when the bare etcd client's
-    puts did, and each in-flight add's outcome ("ok", an error code, "hung" or "dropped")
-    with its answer's time after the SIGSTOP (s)."""
-
-    resume_s: float
-    etcd_resume_s: float
-    in_flight: list[tuple[str, float]]
-
-
-def _etcd_faults_failed(plan: Plan, status: str, detail: str) -> list[Row]:
-    label = f"rdzv-server (etcd x{REPLICAS})"
-    rows = [
-        Row.failed(MEASUREMENT, label, f"{metric} {stat}", plan.ha_repeats, "s", status, detail)
-        for _, metric in FAULT_METRICS
-        for stat in ("median", "max")
-    ]
-    return rows + [Row.failed(MEASUREMENT, label, metric, QUORUM_REPEATS, "s", status, detail) for metric in QUORUM_METRICS]
-
-
-def _etcd_faults_rows(plan: Plan, raw: dict[str, Any]) -> list[Row]:
-    """Fresh etcd and replicas at the default lease; every fault of the module docstring."""
-    etcd = EtcdCluster(ETCD_MEMBERS, election_ms=plan.ha_etcd_election_ms)
-    backend = ReplicatedBackend([], size=REPLICAS, lease_ttl=FAULTS_LEASE_TTL)
-    try:
-        try:
-            etcd.start(plan.work_dir, plan.log_dir)
-            backend.etcd_urls = list(etcd.client_urls)
-            backend.start(plan.work_dir, plan.log_dir)
-        except (Unavailable, Timeout) as exc:
-            log.info("ha etcd faults: could not start: %s", exc)
-            return _etcd_faults_failed(plan, "unavailable" if isinstance(exc, Unavailable) else "error", str(exc))
-        try:
-            losses, quorum, counter, acks = asyncio.run(_etcd_faults(etcd, backend, plan))
-        except Exception as exc:  # noqa: BLE001 - the writer's or a restart's failure is a row, not a crash
-            status = "timeout" if isinstance(exc, (Timeout, asyncio.TimeoutError)) else "error"
-            log.info("ha etcd faults: %s %s", status, exc)
-            return _etcd_faults_failed(plan, status, f"{type(exc).__name__}: {exc}")
-    finally:
-        backend.stop()
-        etcd.stop()
-    raw.update(
-        {
-            "member_losses": [dataclasses.asdict(loss) for loss in losses],
-            "quorum_losses": [dataclasses.asdict(q) for q in quorum],
-            "counter": counter,
-            "acks": acks,
-            "load": load_average(),
-        }
-    )
-    if counter != acks:
-        return _etcd_faults_failed(plan, "error", f"the counter is {counter} after {acks} acknowledged adds")
-    label = backend.label
-    rows: list[Row] = []
-    for role, metric in FAULT_METRICS:
-        gaps = [loss.gap_s for loss in losses if loss.role == role]
-        own = [loss.etcd_gap_s for loss in losses if loss.role == role]
-        if not gaps:
-            continue
-        rows.append(Row(MEASUREMENT, label, f"{metric} median", len(gaps), statistics.median(gaps), "s", detail=_samples(gaps)))
-        rows.append(Row(MEASUREMENT, label, f"{metric} max", len(gaps), max(gaps), "s", detail=_samples(gaps)))
-        rows.append(Row(MEASUREMENT, ETCD_OWN, f"{role} kill: put gap max", len(own), max(own), "s", detail=_samples(own)))
-    resumes = [q.resume_s for q in quorum]
-    behind = [q.resume_s - q.etcd_resume_s for q in quorum]
-    outcomes = [outcome for q in quorum for outcome, _ in q.in_flight]
-    answered = [o for o in outcomes if o not in ("hung", "dropped")]
-    spreads = [
-        max(times) - min(times)
-        for times in ([t for outcome, t in q.in_flight if outcome not in ("hung", "dropped")] for q in quorum)
-        if times
-    ]
-    breakdown = ", ".join(f"{outcomes.count(o)} {o}" for o in sorted(set(outcomes)))
-    rows += [
-        Row(MEASUREMENT, label, QUORUM_METRICS[0], len(resumes), statistics.median(resumes), "s", detail=_samples(resumes)),
-        Row(MEASUREMENT, label, QUORUM_METRICS[1], len(resumes), max(resumes), "s", detail=_samples(resumes)),
-        Row(MEASUREMENT, label, QUORUM_METRICS[2], len(behind), max(behind), "s", detail=_samples(behind)),
-        Row(MEASUREMENT, label, QUORUM_METRICS[3], len(outcomes), len(answered), "adds", detail=breakdown),
-        Row(MEASUREMENT, label, QUORUM_METRICS[4], len(outcomes), outcomes.count("hung"), "adds", detail=breakdown),
-    ]
-    if spreads:
-        rows.append(Row(MEASUREMENT, label, QUORUM_METRICS[5], len(spreads), max(spreads), "s", detail=_samples(spreads)))
-    else:
-        rows.append(Row.failed(MEASUREMENT, label, QUORUM_METRICS[5], len(quorum), "s", "never", "no in-flight add was answered"))
-    log.info("ha etcd faults: %s; quorum %s", [dataclasses.astuple(loss) for loss in losses], quorum)
-    return rows
-
-
-async def _etcd_faults(
-    etcd: EtcdCluster, backend: ReplicatedBackend, plan: Plan
-) -> tuple[list[MemberLoss], list[QuorumLoss], int, int]:
-    """Every fault under one continuous writer (and one bare etcd put loop); return the member
-    losses, the quorum losses, the counter and the acknowledged adds."""
-    from rdzv_client import AsyncClient
-    from rdzv_server.storage.etcd_client import EtcdClient
-
-    budget = plan.timeout
-    job = f"ha-etcd-faults-{uuid.uuid4().hex[:8]}"
-    acks: list[float] = []
-    puts: list[float] = []
-    errors: list[BaseException] = []
-    stop = asyncio.Event()
-    losses: list[MemberLoss] = []
-    quorum: list[QuorumLoss] = []
-    etcd_client = EtcdClient(etcd.client_urls)
-    async with AsyncClient(backend.endpoint, retry_budget=budget) as client:
-        await asyncio.wait_for(client.create_job(job, min_nodes=1, max_nodes=1), budget)
-
-        async def put() -> None:
-            key = f"/rdzv-bench-put-{uuid.uuid4().hex[:8]}".encode()
-            while not stop.is_set():
-                try:
-                    await etcd_client.put(key, b"x")
-                    puts.append(time.monotonic())
-                except Exception:  # noqa: BLE001 - etcd without quorum: the gap shows it
-                    await asyncio.sleep(0.01)
-
-        tasks = [asyncio.create_task(_add_until(client, job, stop, acks, errors)), asyncio.create_task(put())]
-        try:
-            for role in ("follower", "leader"):
-                for _ in range(plan.ha_repeats):
-                    await _until_acked(acks, len(acks) + STEADY_ACKS, errors, budget)
-                    leader = await asyncio.to_thread(etcd.leader)
-                    member = leader if role == "leader" else (leader + 1) % ETCD_MEMBERS
-                    first_ack, first_put = len(acks), len(puts)
-                    killed_at = await asyncio.to_thread(etcd.kill, member)
-                    await _until_after(acks, killed_at, STEADY_ACKS, errors, budget)
-                    await _until_after(puts, killed_at, STEADY_ACKS, errors, budget)
-                    losses.append(
-                        MemberLoss(role, member, _gap(acks, first_ack, killed_at), _gap(puts, first_put, killed_at))
-                    )
-                    log.info("ha etcd faults: %s m%d killed: gap %.3f s (etcd's own %.3f s)", role, member,
-                             losses[-1].gap_s, losses[-1].etcd_gap_s)  # fmt: skip
-                    await asyncio.to_thread(etcd.restart, member)
-            for _ in range(QUORUM_REPEATS):
-                await _until_acked(acks, len(acks) + STEADY_ACKS, errors, budget)
-                quorum.append(await _quorum_loss(etcd, backend, job, acks, puts, errors, budget))
-                log.info("ha etcd faults: quorum loss: %s", quorum[-1])
-        finally:
-            stop.set()
-            for task in tasks:
-                try:
-                    await asyncio.wait_for(task, budget)
-                except asyncio.TimeoutError:
-                    pass  # wait_for cancelled it; the counter check tells
-            await etcd_client.close()
-        if errors:
-            raise RuntimeError(f"the writer failed: {errors[0]!r}") from errors[0]
-        counter = await asyncio.wait_for(client.add(job, "counter", 0), budget)
-    return losses, quorum, counter, len(acks)
-
-
-async def _quorum_loss(
-    etcd: EtcdCluster,
-    backend: ReplicatedBackend,
-    job: str,
-    acks: list[float],
-    puts: list[float],
-    errors: list[BaseException],
-    budget: float,
-) -> QuorumLoss:
-    """SIGSTOP both etcd followers, send the in-flight adds to the leader replica, SIGCONT."""
-    from rdzv_client import AsyncClient
-    from rdzv_client.error import RdzvConnectionError, RdzvError
-
-    leader = await asyncio.to_thread(etcd.leader)
-    followers = [i for i in range(ETCD_MEMBERS) if i != leader]
-    replica = await asyncio.to_thread(backend.wait_for_leader, budget)
-    endpoint = f"127.0.0.1:{backend.ports[replica]}"
-    stopped_at = time.monotonic()
-    for i in followers:
-        etcd.pause(i)
-
-    async def in_flight(one: AsyncClient) -> tuple[str, float]:
-        sent = time.monotonic()
-        try:
-            await one.add(job, "in-flight", 1)
-            outcome = "ok"
-        except RdzvError as exc:
-            if exc.code is not None:  # an answer: not_leader, say
-                outcome = exc.code.value
-            elif isinstance(exc, RdzvConnectionError):  # no answer: waited out, or the connection dropped
-                outcome = "hung" if time.monotonic() - sent >= IN_FLIGHT_WAIT_S * 0.9 else "dropped"
-            else:
-                outcome = type(exc).__name__
-        return outcome, time.monotonic() - stopped_at
-
-    clients = [AsyncClient(endpoint, retry_budget=0, request_timeout=IN_FLIGHT_WAIT_S) for _ in range(IN_FLIGHT)]
-    try:
-        pending = [asyncio.create_task(in_flight(one)) for one in clients]
-        await asyncio.sleep(QUORUM_LOSS_S)
-        resumed_at = time.monotonic()
-        for i in followers:
-            etcd.resume(i)
-        first = await _until_after(acks, resumed_at, 1, errors, budget)
-        etcd_first = await _until_after(puts, resumed_at, 1, errors, budget)
-        outcomes = await asyncio.gather(*pending)
-    finally:
-        for i in followers:
-            etcd.resume(i)  # a no-op for one already resumed
-        await asyncio.gather(*(one.aclose() for one in clients), return_exceptions=True)
-    return QuorumLoss(first - resumed_at, etcd_first - resumed_at, list(outcomes))
-
-
-async def _until_after(times: list[float], at: float, count: int, errors: list[BaseException], timeout: float) -> float:
-    """Wait until ``times`` holds ``count`` entries later than ``at``; return the first of them."""
-    deadline = time.monotonic() + timeout
-    while True:
-        later = [t for t in times[-(count + 2000):] if t > at]
-        if len(later) >= count:
-            return later[0]
-        if errors:
-            raise RuntimeError(f"the writer failed: {errors[0]!r}") from errors[0]
-        if time.monotonic() >= deadline:
-            raise Timeout(f"{count} acks after the fault: not within {timeout:g} s")
-        await asyncio.sleep(0.01)
-
-
-def _gap(times: list[float], first: int, at: float) -> float:
-    """The longest interval between consecutive ``times`` from the last one at or before
-    ``at`` (an index from ``first - 1`` on) to the end."""
-    start = max(0, first - 1)
-    while start + 1 < len(times) and times[start + 1] <= at:
-        start += 1
-    window = times[start:]
-    return max((b - a for a, b in zip(window, window[1:])), default=0.0)
 
 
 # --------------------------------------------------------------------------- round trip

@@ -150,6 +150,7 @@ TARGETS = (
     ),
     # Issue 14: losing one etcd member changes nothing, etcd's leader included (at the default
     # lease); a step-down answers everything in flight; writes resume soon after a quorum loss.
+    # These rows are the lab's (python -m bench.lab.etcd_faults), judged here with the rest.
     Target(
         "<= 1.5 s",
         lambda r: r.measurement == "ha" and r.metric == "etcd leader kill: gap max",

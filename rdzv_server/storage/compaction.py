@@ -7,7 +7,7 @@ process, and the small protocol between the log and that process.
 
 Why a separate process, and not the event loop, a thread, or a fork:
 - On the event loop, building and encoding the state costs time proportional to its size
-  (about 0.25 s per 1M small keys, ``python -m bench.snapshot``), and every client waits
+  (about 0.25 s per 1M small keys, ``python -m bench.lab.snapshot``), and every client waits
   that long: nothing proportional to the state's size may run there.
 - In a thread, the GIL still serialises the work with the loop, and msgpack's ``packb``
   holds the GIL for a whole call: encoding a 1M-key state in a thread stalls the loop

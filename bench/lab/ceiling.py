@@ -1,4 +1,4 @@
-"""``python -m bench.ceiling``: where 8-client store throughput is lost, layer by layer (~1 minute).
+"""``python -m bench.lab.ceiling``: where 8-client store throughput is lost, layer by layer (~1 minute).
 
 What it owns: one diagnostic table, for the store throughput target that ``python -m bench``
 measures through the plug-in's store (issue 15: 8-client ``add`` throughput >= 0.35x
@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from .process import server_cpu_ns
+from ..process import server_cpu_ns
 
 CLIENTS = 8
 SECONDS = 2.0

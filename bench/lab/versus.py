@@ -1,4 +1,4 @@
-"""``python -m bench.versus REV [REV ...]``: the server's CPU per ``add``, this tree against
+"""``python -m bench.lab.versus REV [REV ...]``: the server's CPU per ``add``, this tree against
 other revisions, with one and the same client (~2 minutes for two revisions).
 
 What it owns: one comparison, for issue 15's target on the server's CPU per ``add`` as a
@@ -10,7 +10,7 @@ then sends ``[tag, "add", job, {key, amount, round, rid}]`` frames one at a time
 a fresh request id as the client sends it (so the server keeps its exactly-once session),
 and reads each reply. The server's CPU is every thread's schedstat (ns) over :data:`ADDS`
 adds, the least of :data:`REPEATS` such stretches per start; the servers are started in turn
-(this tree, then each revision, then ``bench.ceiling``'s bare uvloop echo server, which
+(this tree, then each revision, then ``bench.lab.ceiling``'s bare uvloop echo server, which
 answers every frame with a fixed one: the floor of the event loop and the kernel), :data:`ROUNDS`
 times, and the table gives the medians.
 
@@ -47,7 +47,7 @@ REPEATS = 3
 ROUNDS = 3
 JOB = "versus"
 _PREFACE = b"\x00RDZV1\r\n"
-_ROOT = Path(__file__).resolve().parents[1]
+_ROOT = Path(__file__).resolve().parents[2]  # the checkout: bench/lab/versus.py
 
 
 def _frame(obj: Any) -> bytes:
@@ -134,7 +134,7 @@ def _venv(rev: str, work: Path) -> str:
 
 def echo_cpu_per_request() -> float:
     """The floor: µs of CPU per request of a bare uvloop server that answers every frame with
-    a fixed one (``bench.ceiling``'s), driven by the same loop and the same ``add`` frames."""
+    a fixed one (``bench.lab.ceiling``'s), driven by the same loop and the same ``add`` frames."""
     proc, port, pid = _in_process(_echo_server)
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
@@ -153,7 +153,7 @@ def echo_cpu_per_request() -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.versus", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.lab.versus", description=__doc__.split("\n\n")[0])
     parser.add_argument("revs", nargs="+", metavar="REV", help="git revisions to compare this tree with")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "rdzv-bench-versus",
                         help="where the revisions' trees and virtual environments are kept")

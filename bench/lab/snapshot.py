@@ -1,4 +1,4 @@
-"""``python -m bench.snapshot``: how long the server stops answering while it snapshots and recovers.
+"""``python -m bench.lab.snapshot``: how long the server stops answering while it snapshots and recovers.
 
 What it measures. A durable server (``--fsync never``, so the disk is not what is timed)
 takes ``--keys`` keys (1M by default) in ``multi_set`` batches of 1,000, with
@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .process import Service, free_port
+from ..process import Service, free_port
 
 #: Keys per multi_set batch, and batches in flight, while filling the server.
 BATCH = 1000
@@ -235,7 +235,7 @@ def table(result: dict[str, object]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.snapshot", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.lab.snapshot", description=__doc__.split("\n\n")[0])
     p.add_argument("--keys", type=int, default=1_000_000, help="keys in the server (default %(default)s)")
     p.add_argument("--timeout", type=float, default=120.0, help="s for any one wait (default %(default)s)")
     p.add_argument("--work-dir", type=Path, default=None, help="where the data directory goes (default: $TMPDIR)")
