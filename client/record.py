@@ -313,9 +313,9 @@ class Command(Request):
 #: In a spelling plan, the "default" of a field that is kept whatever it holds.
 _KEEP = object()
 
-#: Per (record class, the metadata key that leaves fields out): each field kept, in order, with
-#: the default it is left out at (or ``_KEEP``) and whether it is an inline record.
-_PLANS: dict[tuple[type[Any], str], tuple[tuple[str, Any, bool], ...]] = {}
+#: Per metadata key that leaves fields out (WIRE_KEY, LOG_KEY), per record class: each field
+#: kept, in order, with the default it is left out at (or ``_KEEP``) and whether it is inline.
+_PLANS: dict[str, dict[type[Any], tuple[tuple[str, Any, bool], ...]]] = {}
 
 
 def spelled(record: Any, leave_out: str) -> dict[str, Any]:
@@ -325,26 +325,22 @@ def spelled(record: Any, leave_out: str) -> dict[str, Any]:
     record's fields spelled in its place, a field added later (:func:`optional`) left out
     while it holds its default. The rule is read from a plan derived once per class, not
     generated as code: a store write's record costs a loop over its five fields."""
-    out: dict[str, Any] = {}
-    _spell_into(out, record, leave_out)
-    return out
-
-
-def _spell_into(out: dict[str, Any], record: Any, leave_out: str) -> None:
     cls = type(record)
-    plan = _PLANS.get((cls, leave_out))
+    plan = _PLANS.setdefault(leave_out, {}).get(cls)
     if plan is None:
-        plan = _PLANS[cls, leave_out] = tuple(
+        plan = _PLANS[leave_out][cls] = tuple(
             (f.name, f.default if f.metadata.get(OMIT_KEY) else _KEEP, bool(f.metadata.get(INLINE_KEY)))
             for f in dataclasses.fields(cls)
             if f.metadata.get(leave_out, True)
         )
+    out: dict[str, Any] = {}
     for name, default, inlined in plan:
         value = getattr(record, name)
         if inlined:
-            _spell_into(out, value, leave_out)
+            out.update(spelled(value, leave_out))
         elif default is _KEEP or value != default:
             out[name] = value
+    return out
 
 
 # `rid` is [client_id: str, seq: int(, floor: int)]; checked by _convert_rid.
@@ -416,8 +412,16 @@ class MultiSetRequest(Command):
 
     def validate(self) -> None:
         keys_ok(self.keys)
+        unpaired = self.unpaired()
+        if unpaired:
+            raise WireError(unpaired)
+
+    def unpaired(self) -> str | None:
+        """Why the keys and values do not pair up, or None: the one check, which the wire
+        makes of a body (:class:`WireError`) and core of a command built some other way."""
         if len(self.keys) != len(self.values):
-            raise WireError(f"multi_set got {len(self.keys)} keys but {len(self.values)} values")
+            return f"multi_set got {len(self.keys)} keys but {len(self.values)} values"
+        return None
 
 
 @dataclass(frozen=True)

@@ -362,6 +362,8 @@ class _Schema:
     inline: tuple[tuple[str, type[Any], tuple[str, ...]], ...]
     validates: bool
     names: frozenset[str]
+    #: ``fields`` as the decoder reads them: (name, as_is, convert, required) each.
+    steps: tuple[tuple[str, type, Convert, bool], ...]
 
 
 _schemas: dict[type[Any], _Schema] = {}
@@ -396,6 +398,7 @@ def _build_schema(cls: type[Any]) -> _Schema:
         tuple(inline),
         callable(getattr(cls, "validate", None)),
         frozenset(fields),
+        tuple((name, f.as_is, f.convert, f.required) for name, f in fields.items()),
     )
 
 
@@ -430,15 +433,15 @@ def _decode(cls: type[T], body: object, given: dict[str, Any]) -> T:
         unknown = set(body) - schema.names
         raise WireError(f"unknown field(s) {sorted(map(str, unknown))} for {cls.__name__}")
     kwargs: dict[str, Any] = {}
-    for name, f in schema.fields.items():
+    for name, as_is, convert, required in schema.steps:
         value = body.get(name, _MISSING)
         if value is _MISSING:
-            if f.required:
+            if required:
                 raise WireError(f"missing field {name!r} for {cls.__name__}")
-        elif type(value) is f.as_is:
+        elif type(value) is as_is:
             kwargs[name] = value
         else:
-            kwargs[name] = f.convert(name, value)
+            kwargs[name] = convert(name, value)
     for name, record, names in schema.inline:
         kwargs[name] = record(**{n: kwargs.pop(n) for n in names if n in kwargs})
     obj = cls(**kwargs, **given)
