@@ -335,16 +335,16 @@ class _Field:
     hint: Any
     convert: Convert
     required: bool
-    #: The one type whose values ``convert`` returns unchanged and whose test is ``type(v) is``:
-    #: the decoder takes such a value without the call (bytes; None for an optional field).
-    as_is: type
 
 
 class _NoValue:
-    """The ``as_is`` of a field whose every value goes through its converter (no value has this type)."""
+    """The as-is type of a field whose every value goes through its converter (no value has this type)."""
 
 
 def _as_is(hint: Any) -> type:
+    """The one type whose values the converter of a field of type ``hint`` returns unchanged,
+    tested as ``type(v) is``: the decoder takes such a value without the call (a key's bytes,
+    the None of an optional field such as a store request's round)."""
     if hint is bytes or hint is bool:
         return hint
     if typing.get_origin(hint) in (Union, types.UnionType) and type(None) in typing.get_args(hint):
@@ -362,7 +362,7 @@ class _Schema:
     inline: tuple[tuple[str, type[Any], tuple[str, ...]], ...]
     validates: bool
     names: frozenset[str]
-    #: ``fields`` as the decoder reads them: (name, as_is, convert, required) each.
+    #: ``fields`` as the decoder reads them: (name, as-is type, convert, required) each.
     steps: tuple[tuple[str, type, Convert, bool], ...]
 
 
@@ -392,13 +392,13 @@ def _build_schema(cls: type[Any]) -> _Schema:
             continue
         has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
         convert = _FIELD_CONVERTERS.get(f.name) or _converter(hints[f.name])
-        fields[f.name] = _Field(f.name, hints[f.name], convert, not has_default, _as_is(hints[f.name]))
+        fields[f.name] = _Field(f.name, hints[f.name], convert, not has_default)
     return _Schema(
         fields,
         tuple(inline),
         callable(getattr(cls, "validate", None)),
         frozenset(fields),
-        tuple((name, f.as_is, f.convert, f.required) for name, f in fields.items()),
+        tuple((name, _as_is(f.hint), f.convert, f.required) for name, f in fields.items()),
     )
 
 
@@ -422,11 +422,11 @@ _MISSING = object()
 
 def _decode(cls: type[T], body: object, given: dict[str, Any]) -> T:
     """The one decoder: the schema's fields in order, each through its converter unless its
-    value already has the field's ``as_is`` type (most of a store request: its key, its
-    round). One loop read from the schema, not code generated from it, so there is one
-    definition of what a body may hold and of each error's text; it costs what the
+    value already has the field's as-is type (:func:`_as_is`; most of a store request: its
+    key, its round). One loop read from the schema, not code generated from it, so there is
+    one definition of what a body may hold and of each error's text; it costs about what the
     generated decoders it replaced did (docs/architecture.md, "How a body is checked")."""
-    schema = _schemas.get(cls) or _schema(cls)
+    schema = _schema(cls)
     if not isinstance(body, dict):
         raise WireError(f"body must be a map, not {type(body).__name__}")
     if not body.keys() <= schema.names:
