@@ -153,11 +153,6 @@ def optional(default: Any) -> Any:
     return dataclasses.field(default=default, metadata={OMIT_KEY: True})
 
 
-def omitted(f: dataclasses.Field[Any], value: Any) -> bool:
-    """Whether field ``f`` holding ``value`` is left out of the wire map and the log record."""
-    return bool(f.metadata.get(OMIT_KEY)) and value == f.default
-
-
 def inline(*, required: tuple[str, ...] = (), default_factory: Callable[[], Any] | None = None) -> Any:
     """A field holding a record whose fields the wire map and the log record spell in its
     place, as they always have (a join's settings: ``min_nodes`` ... beside ``node_id``).
@@ -309,75 +304,43 @@ class Command(Request):
     rdzv_id: str = dataclasses.field(metadata={WIRE_KEY: False})
 
     def to_record(self) -> dict[str, Any]:
-        """The log record: the fields the log keeps, an inline record's (the job settings)
-        spelled in its place, and ``op``. Built by code generated once per class from the
-        same field metadata (:func:`_compile_recorder`); :meth:`reference_record` is the
-        plain reading of the rule, which the generated code must match."""
-        cls = type(self)
-        recorder = _RECORDERS.get(cls)
-        if recorder is None:
-            recorder = _RECORDERS[cls] = _compile_recorder(cls)
-        return recorder(self)
-
-    def reference_record(self) -> dict[str, Any]:
-        """:meth:`to_record` field by field through the metadata (the rule, for tests and
-        for the records with an inline field, which are rare: a join, a create)."""
-        record: dict[str, Any] = {}
-        for f, inlined in _log_fields(type(self)):
-            value = getattr(self, f.name)
-            if inlined:
-                record.update(
-                    {g.name: getattr(value, g.name) for g in dataclasses.fields(value) if not omitted(g, getattr(value, g.name))}
-                )
-            elif not omitted(f, value):
-                record[f.name] = value
+        """The log record: :func:`spelled` for the log, then ``op``."""
+        record = spelled(self, LOG_KEY)
         record["op"] = self.op
         return record
 
 
-_RECORDERS: dict[type[Command], Callable[[Any], dict[str, Any]]] = {}
+#: In a spelling plan, the "default" of a field that is kept whatever it holds.
+_KEEP = object()
+
+#: Per metadata key that leaves fields out (WIRE_KEY, LOG_KEY), per record class: each field
+#: kept, in order, with the default it is left out at (or ``_KEEP``) and whether it is inline.
+_PLANS: dict[str, dict[type[Any], tuple[tuple[str, Any, bool], ...]]] = {}
 
 
-def _compile_recorder(cls: type[Command]) -> Callable[[Any], dict[str, Any]]:
-    """``cls.to_record`` as straight-line code: one dict display of the fields always kept,
-    in declaration order, then one test per field left out at its default (the key order,
-    hence the record's bytes, is the reference's). A store write's record costs a dict."""
-    fields = _log_fields(cls)
-    if any(inlined for _, inlined in fields):
-        return cls.reference_record
-    env: dict[str, Any] = {}
-    lines = ["def to_record(self):"]
-    always: list[str] = []
-    rest: list[str] = []
-    for i, (f, _) in enumerate(fields):
-        if f.metadata.get(OMIT_KEY):
-            env[f"d{i}"] = f.default
-            rest += [f"    v = self.{f.name}", f"    if not v == d{i}:", f"        r[{f.name!r}] = v"]
-        elif rest:  # after a field that may be left out: keep the order
-            rest.append(f"    r[{f.name!r}] = self.{f.name}")
-        else:
-            always.append(f"{f.name!r}: self.{f.name}")
-    if not rest:
-        always.append(f"'op': {cls.op!r}")
-    else:
-        rest.append(f"    r['op'] = {cls.op!r}")
-    lines.append(f"    r = {{{', '.join(always)}}}")
-    lines += [*rest, "    return r"]
-    exec(compile("\n".join(lines), f"<to_record of {cls.__name__}>", "exec"), env)
-    return env["to_record"]  # type: ignore[no-any-return]
-
-
-_LOG_FIELDS: dict[type[Command], tuple[tuple[dataclasses.Field[Any], bool], ...]] = {}
-
-
-def _log_fields(cls: type[Command]) -> tuple[tuple[dataclasses.Field[Any], bool], ...]:
-    """The fields of ``cls``'s log record, whether each is inline; derived once per class."""
-    fields = _LOG_FIELDS.get(cls)
-    if fields is None:
-        fields = _LOG_FIELDS[cls] = tuple(
-            (f, bool(f.metadata.get(INLINE_KEY))) for f in dataclasses.fields(cls) if f.metadata.get(LOG_KEY, True)
+def spelled(record: Any, leave_out: str) -> dict[str, Any]:
+    """The fields of ``record`` (a dataclass) as the wire map (``leave_out=WIRE_KEY``) or the
+    log record (``LOG_KEY``) spells them, one rule for both: in declaration order (the order
+    is the bytes), without the fields whose metadata says ``leave_out: False``, an inline
+    record's fields spelled in its place, a field added later (:func:`optional`) left out
+    while it holds its default. The rule is read from a plan derived once per class, not
+    generated as code: a store write's record costs a loop over its five fields."""
+    cls = type(record)
+    plan = _PLANS.setdefault(leave_out, {}).get(cls)
+    if plan is None:
+        plan = _PLANS[leave_out][cls] = tuple(
+            (f.name, f.default if f.metadata.get(OMIT_KEY) else _KEEP, bool(f.metadata.get(INLINE_KEY)))
+            for f in dataclasses.fields(cls)
+            if f.metadata.get(leave_out, True)
         )
-    return fields
+    out: dict[str, Any] = {}
+    for name, default, inlined in plan:
+        value = getattr(record, name)
+        if inlined:
+            out.update(spelled(value, leave_out))
+        elif default is _KEEP or value != default:
+            out[name] = value
+    return out
 
 
 # `rid` is [client_id: str, seq: int(, floor: int)]; checked by _convert_rid.
@@ -449,8 +412,16 @@ class MultiSetRequest(Command):
 
     def validate(self) -> None:
         keys_ok(self.keys)
+        unpaired = self.unpaired()
+        if unpaired:
+            raise WireError(unpaired)
+
+    def unpaired(self) -> str | None:
+        """Why the keys and values do not pair up, or None: the one check, which the wire
+        makes of a body (:class:`WireError`) and core of a command built some other way."""
         if len(self.keys) != len(self.values):
-            raise WireError(f"multi_set got {len(self.keys)} keys but {len(self.values)} values")
+            return f"multi_set got {len(self.keys)} keys but {len(self.values)} values"
+        return None
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ from .record import CORDON_BY as CORDON_BY
 from .record import REFUSE_CAUSES as REFUSE_CAUSES
 from .record import MAX_REASON_CHARS as MAX_REASON_CHARS
 from .record import MAX_CORDON_S as MAX_CORDON_S
-from .record import INLINE_KEY, OMIT_KEY, REQUIRED_KEY, WIRE_KEY, key_ok, keys_ok, nonnegative, omitted
+from .record import INLINE_KEY, REQUIRED_KEY, WIRE_KEY, key_ok, keys_ok, nonnegative, spelled
 
 CONTENT_TYPE_MSGPACK = "application/msgpack"
 CONTENT_TYPE_JSON = "application/json"
@@ -337,6 +337,21 @@ class _Field:
     required: bool
 
 
+class _NoValue:
+    """The as-is type of a field whose every value goes through its converter (no value has this type)."""
+
+
+def _as_is(hint: Any) -> type:
+    """The one type whose values the converter of a field of type ``hint`` returns unchanged,
+    tested as ``type(v) is``: the decoder takes such a value without the call (a key's bytes,
+    the None of an optional field such as a store request's round)."""
+    if hint is bytes or hint is bool:
+        return hint
+    if typing.get_origin(hint) in (Union, types.UnionType) and type(None) in typing.get_args(hint):
+        return type(None)
+    return _NoValue
+
+
 @dataclasses.dataclass(frozen=True)
 class _Schema:
     """A record's wire map, derived once from its declaration: every field in order (the
@@ -346,6 +361,9 @@ class _Schema:
     fields: dict[str, _Field]
     inline: tuple[tuple[str, type[Any], tuple[str, ...]], ...]
     validates: bool
+    names: frozenset[str]
+    #: ``fields`` as the decoder reads them: (name, as-is type, convert, required) each.
+    steps: tuple[tuple[str, type, Convert, bool], ...]
 
 
 _schemas: dict[type[Any], _Schema] = {}
@@ -375,7 +393,13 @@ def _build_schema(cls: type[Any]) -> _Schema:
         has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
         convert = _FIELD_CONVERTERS.get(f.name) or _converter(hints[f.name])
         fields[f.name] = _Field(f.name, hints[f.name], convert, not has_default)
-    return _Schema(fields, tuple(inline), callable(getattr(cls, "validate", None)))
+    return _Schema(
+        fields,
+        tuple(inline),
+        callable(getattr(cls, "validate", None)),
+        frozenset(fields),
+        tuple((name, _as_is(f.hint), f.convert, f.required) for name, f in fields.items()),
+    )
 
 
 def wire_fields(cls: type[Any]) -> dict[str, Any]:
@@ -390,28 +414,34 @@ def from_mapping(cls: type[T], body: object, **given: Any) -> T:
     Raises :class:`WireError` on a non-mapping body, an unknown or missing field, a wrong
     type, a negative duration, an oversize key or an illegal id.
     """
-    decode = _decoders.get(cls)
-    if decode is None:
-        decode = _decoders[cls] = _compile_decoder(cls, _schema(cls))
-    return decode(body, given)  # type: ignore[no-any-return]
+    return _decode(cls, body, given)
 
 
-def _check(cls: type[T], body: object, given: dict[str, Any]) -> T:
-    """The reference decoder, field by field through the converters: every body that the
-    compiled decoder does not accept at first sight comes here, so each error is raised in
-    one place and reads the same whichever path found it."""
+_MISSING = object()
+
+
+def _decode(cls: type[T], body: object, given: dict[str, Any]) -> T:
+    """The one decoder: the schema's fields in order, each through its converter unless its
+    value already has the field's as-is type (:func:`_as_is`; most of a store request: its
+    key, its round). One loop read from the schema, not code generated from it, so there is
+    one definition of what a body may hold and of each error's text; it costs about what the
+    generated decoders it replaced did (docs/architecture.md, "How a body is checked")."""
+    schema = _schema(cls)
     if not isinstance(body, dict):
         raise WireError(f"body must be a map, not {type(body).__name__}")
-    schema = _schema(cls)
-    unknown = set(body) - schema.fields.keys()
-    if unknown:
+    if not body.keys() <= schema.names:
+        unknown = set(body) - schema.names
         raise WireError(f"unknown field(s) {sorted(map(str, unknown))} for {cls.__name__}")
     kwargs: dict[str, Any] = {}
-    for name, f in schema.fields.items():
-        if name in body:
-            kwargs[name] = f.convert(name, body[name])
-        elif f.required:
-            raise WireError(f"missing field {name!r} for {cls.__name__}")
+    for name, as_is, convert, required in schema.steps:
+        value = body.get(name, _MISSING)
+        if value is _MISSING:
+            if required:
+                raise WireError(f"missing field {name!r} for {cls.__name__}")
+        elif type(value) is as_is:
+            kwargs[name] = value
+        else:
+            kwargs[name] = convert(name, value)
     for name, record, names in schema.inline:
         kwargs[name] = record(**{n: kwargs.pop(n) for n in names if n in kwargs})
     obj = cls(**kwargs, **given)
@@ -420,101 +450,37 @@ def _check(cls: type[T], body: object, given: dict[str, Any]) -> T:
     return obj
 
 
-_decoders: dict[type[Any], Callable[[object, dict[str, Any]], Any]] = {}
-
-# A value the compiled decoder takes as it is: the converter would return it unchanged.
-_ACCEPT: dict[Any, str] = {
-    bytes: "type({v}) is bytes",
-    str: "type({v}) is str and {v}.isascii()",  # non-ASCII text goes through _text_ok
-    bool: "type({v}) is bool",
-    int: "type({v}) is int and -9223372036854775808 <= {v} < 9223372036854775808",
-}
-
-
-def _accept(hint: Any, v: str) -> str | None:
-    test = _ACCEPT.get(hint)
-    if test is not None:
-        return test.format(v=v)
-    if typing.get_origin(hint) in (Union, types.UnionType):
-        args = typing.get_args(hint)
-        inner = [a for a in args if a is not type(None)]
-        if type(None) in args and len(inner) == 1 and (test := _accept(inner[0], v)) is not None:
-            return f"{v} is None or ({test})"
-    return None
-
-
-_NO_DEFAULT = object()
-
-
-def _field_default(cls: type[Any], name: str) -> Any:
-    """Field ``name``'s plain default (what the dataclass assigns when it is absent), or
-    ``_NO_DEFAULT`` for a default factory."""
-    f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    return _NO_DEFAULT if f.default is dataclasses.MISSING else f.default
-
-
-def _compile_decoder(cls: type[T], schema: _Schema) -> Callable[[object, dict[str, Any]], T]:
-    """The decoder of record ``cls``, generated from its one declaration (the schema) as
-    straight-line code: a body of the right shape whose every value is already of its type
-    costs a few comparisons and the dataclass's own ``__init__``. Anything else (a missing or
-    unknown field, a value to convert or refuse) is handed, untouched, to :func:`_check`, so
-    the two paths cannot disagree on what they accept."""
-    if schema.inline or any(_field_default(cls, name) is _NO_DEFAULT for name, f in schema.fields.items() if not f.required):
-        # a join or create (rare; regrouping settings is the reference's job), or a default factory
-        return lambda body, given: _check(cls, body, given)
-    env: dict[str, Any] = {"cls": cls, "check": _check, "keys": frozenset(schema.fields), "missing": object()}
-    lines = [
-        "def decode(body, given):",
-        "    if type(body) is not dict or not body.keys() <= keys:",
-        "        return check(cls, body, given)",
-    ]
-    args = []
-    for i, (name, f) in enumerate(schema.fields.items()):
-        v, accept = f"v{i}", _accept(f.hint, f"v{i}")
-        env[f"c{i}"], env[f"d{i}"] = f.convert, _field_default(cls, name)
-        lines.append(f"    {v} = body.get({name!r}, missing)")
-        if f.required:
-            lines += [f"    if {v} is missing:", "        return check(cls, body, given)"]
-            lines.append(f"    if not ({accept}):" if accept else "    if True:")
-        else:  # absent: the dataclass's own default, as the reference leaves it
-            lines += [f"    if {v} is missing:", f"        {v} = d{i}"]
-            lines.append(f"    elif not ({accept}):" if accept else "    else:")
-        lines.append(f"        {v} = c{i}({name!r}, {v})")
-        args.append(f"{name}={v}")
-    lines.append(f"    obj = cls({', '.join(args)}, **given)")
-    if schema.validates:
-        lines.append("    obj.validate()")
-    lines.append("    return obj")
-    exec(compile("\n".join(lines), f"<decoder of {cls.__name__}>", "exec"), env)
-    return env["decode"]  # type: ignore[no-any-return]
-
-
 def to_mapping(obj: Any) -> dict[str, Any]:
-    """The plain dict of a request or response dataclass, ready for :func:`pack` (an inline
-    record's fields are spelled in its place). Built by code generated once per class
-    (:func:`_compile_mapper`); :func:`reference_mapping` is the rule it must match."""
+    """The plain dict of a request or response dataclass, ready for :func:`pack`: the record
+    spelled for the wire (:func:`rdzv_client.record.spelled`: an inline record's fields in its
+    place, a field added later left out at its default), a tuple as a list, a record as its map."""
+    out = spelled(obj, WIRE_KEY)
     cls = type(obj)
-    mapper = _mappers.get(cls)
-    if mapper is None:
-        mapper = _mappers[cls] = _compile_mapper(cls)
-    return mapper(obj)
+    not_plain = _not_plain.get(cls)
+    if not_plain is None:
+        not_plain = _not_plain[cls] = _fields_not_plain(cls)
+    for name in not_plain:
+        if name in out:
+            out[name] = _plain(out[name])
+    return out
 
 
-def reference_mapping(obj: Any) -> dict[str, Any]:
-    """:func:`to_mapping` field by field through the metadata: the rule, for tests and for
-    records with an inline field (a join, a create)."""
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(obj):
+#: Per record class, the wire fields :func:`to_mapping` passes through :func:`_plain`.
+_not_plain: dict[type[Any], tuple[str, ...]] = {}
+
+
+def _fields_not_plain(cls: type[Any]) -> tuple[str, ...]:
+    """The wire fields of ``cls`` (an inline record's in its place) that may hold a tuple or a record."""
+    hints = typing.get_type_hints(cls)
+    names: list[str] = []
+    for f in dataclasses.fields(cls):
         if not f.metadata.get(WIRE_KEY, True):
             continue
-        v = getattr(obj, f.name)
         if f.metadata.get(INLINE_KEY):
-            out.update(to_mapping(v))
-            continue
-        if omitted(f, v):  # a field added later, at its default: the bytes stay what they were
-            continue
-        out[f.name] = _plain(v)
-    return out
+            names += _fields_not_plain(hints[f.name])
+        elif not _scalar(hints[f.name]):
+            names.append(f.name)
+    return tuple(names)
 
 
 def _plain(v: Any) -> Any:
@@ -528,8 +494,6 @@ def _plain(v: Any) -> Any:
     return v
 
 
-_mappers: dict[type[Any], Callable[[Any], dict[str, Any]]] = {}
-
 # A field of these types is packed as it is (no tuple, no record to convert).
 _PACKED_AS_IS = frozenset({bytes, str, int, float, bool, type(None)})
 
@@ -538,33 +502,6 @@ def _scalar(hint: Any) -> bool:
     if typing.get_origin(hint) in (Union, types.UnionType):
         return all(_scalar(a) for a in typing.get_args(hint))
     return hint in _PACKED_AS_IS
-
-
-def _compile_mapper(cls: type[Any]) -> Callable[[Any], dict[str, Any]]:
-    """``to_mapping`` of record ``cls`` as straight-line code: one dict display of the fields
-    always sent, in declaration order, then one test per field left out at its default; a
-    field that may hold a tuple or a record goes through :func:`_plain` (the key order, hence
-    the frame's bytes, is the reference's)."""
-    fields = [f for f in dataclasses.fields(cls) if f.metadata.get(WIRE_KEY, True)]
-    if any(f.metadata.get(INLINE_KEY) for f in fields):
-        return reference_mapping
-    hints = typing.get_type_hints(cls)
-    env: dict[str, Any] = {"plain": _plain}
-    always: list[str] = []
-    rest: list[str] = []
-    for i, f in enumerate(fields):
-        value = f"obj.{f.name}" if _scalar(hints[f.name]) else f"plain(obj.{f.name})"
-        if f.metadata.get(OMIT_KEY):
-            env[f"d{i}"] = f.default
-            kept = value.replace(f"obj.{f.name}", "v")
-            rest += [f"    v = obj.{f.name}", f"    if not v == d{i}:", f"        out[{f.name!r}] = {kept}"]
-        elif rest:  # after a field that may be left out: keep the order
-            rest.append(f"    out[{f.name!r}] = {value}")
-        else:
-            always.append(f"{f.name!r}: {value}")
-    lines = ["def to_mapping(obj):", f"    out = {{{', '.join(always)}}}", *rest, "    return out"]
-    exec(compile("\n".join(lines), f"<to_mapping of {cls.__name__}>", "exec"), env)
-    return env["to_mapping"]  # type: ignore[no-any-return]
 
 
 # --------------------------------------------------------------------------- requests
@@ -750,10 +687,7 @@ def decode_request(op: str, body: object, rdzv_id: str = "") -> Request:
     cls = REQUESTS.get(op)
     if cls is None:
         raise WireError(f"unknown operation {op!r}")
-    decode = _decoders.get(cls)  # (from_mapping's first step, taken here: this is every request's path)
-    if decode is None:
-        decode = _decoders[cls] = _compile_decoder(cls, _schema(cls))
-    return decode(body, {"rdzv_id": rdzv_id} if cls.writes else {})  # type: ignore[no-any-return]
+    return _decode(cls, body, {"rdzv_id": rdzv_id} if cls.writes else {})
 
 
 def op_path(rdzv_id: str, op: str) -> str:

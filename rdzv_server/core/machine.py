@@ -256,8 +256,9 @@ class StateMachine:
         return Outcome({}, (key_topic(cmd.rdzv_id, cmd.round, cmd.key),))
 
     def _multi_set(self, cmd: c.MultiSet, now: float) -> Outcome:
-        if len(cmd.keys) != len(cmd.values):
-            raise BadRequest(f"multi_set got {len(cmd.keys)} keys but {len(cmd.values)} values")
+        unpaired = cmd.unpaired()
+        if unpaired:
+            raise BadRequest(unpaired)
         self._store(cmd.rdzv_id, now).multi_set(cmd.round, cmd.keys, cmd.values)
         return Outcome({}, tuple(key_topic(cmd.rdzv_id, cmd.round, k) for k in cmd.keys))
 

@@ -235,32 +235,6 @@ def test_a_request_id_taken_at_first_sight_is_one_the_rules_accept(value: Any) -
     assert rid_outcome(wire._convert_rid, value) == rid_outcome(wire._checked_rid, value)
 
 
-def reference_outcome(op: str, body: Any) -> tuple[str, Any]:
-    cls = wire.REQUESTS[op]
-    given = {"rdzv_id": "job"} if cls.writes else {}
-    try:
-        return "ok", wire._check(cls, body, given)
-    except wire.WireError as exc:
-        return "error", str(exc)
-
-
-def outcome(op: str, body: Any) -> tuple[str, Any]:
-    try:
-        return "ok", wire.decode_request(op, body, "job")
-    except wire.WireError as exc:
-        return "error", str(exc)
-
-
-@pytest.mark.parametrize("op", OPS)
-@FUZZ
-@given(data=st.data())
-def test_the_compiled_decoder_accepts_and_refuses_exactly_what_the_reference_does(op: str, data: st.DataObject) -> None:
-    """Each record's decoder is generated from its declaration for speed; the field-by-field
-    reference (``wire._check``) is the definition: same request, or the same error message."""
-    body = data.draw(st.one_of(request_fields(op), VALUES))
-    assert outcome(op, body) == reference_outcome(op, body)
-
-
 @pytest.mark.parametrize(
     "op, body",
     [
