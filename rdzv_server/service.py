@@ -40,7 +40,7 @@ from .core import command as c
 from .core import decision
 from .core.cordon import Cordon
 from .core.error import RdzvError
-from .core.event import EventPage, JobEvent
+from .core.event import Cause, EventPage, JobEvent
 from .core.machine import Entry, StateMachine, events_topic, key_topic, round_topic
 from .core.rendezvous import JobSummary, JobView
 from .core.store import KeyValueStore
@@ -227,7 +227,7 @@ class Service:
     def cordon_counts(self) -> dict[str, int]:
         """Cordons in effect by whom (operator, flapping): the metrics' gauge."""
         now = self.now()
-        counts = {"operator": 0, "flapping": 0}
+        counts = {Cause.OPERATOR.value: 0, Cause.FLAPPING.value: 0}
         for cordon in self.machine.cordons.cordons.values():
             if cordon.active(now):
                 counts[cordon.by] = counts.get(cordon.by, 0) + 1

@@ -54,6 +54,7 @@ from rdzv_client import wire
 
 from ..core import command as c
 from ..core.error import Forbidden
+from ..core.event import Cause
 from ..service import Service
 from . import page
 from .auth import OPEN, Grant, TokenTable, bearer_token
@@ -268,7 +269,7 @@ async def cordon_host(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     body = await decode(request, svc.config.max_body_bytes)
     req = wire.from_mapping(wire.CordonRequest, body, rdzv_id="")
-    if req.by != "operator":
+    if req.by != Cause.OPERATOR.value:
         raise wire.WireError("by: only the server quarantines hosts for flapping; an operator's cordon is by operator")
     await svc.write(req, req.rid)
     cordon, now = await svc.cordon_of(req.host)
