@@ -55,6 +55,7 @@ from rdzv_client import wire
 from ..core import command as c
 from ..core.error import Forbidden
 from ..core.event import Cause
+from ..role import single_view
 from ..service import Service
 from . import page
 from .auth import OPEN, Grant, TokenTable, bearer_token
@@ -329,16 +330,8 @@ async def cluster(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     view = await svc.cluster_view()  # etcd silent: NotReady, a 503
     if view is None:  # the one server
-        me = {
-            "id": f"{socket.gethostname()}:{svc.bound_port or svc.config.port}",
-            "url": f"{request.scheme}://{request.host}",
-            "role": "single",
-            "since": svc.started_at,
-            "started": svc.started_at,
-            "applied_index": svc.log_index(),
-        }
-        leader = {"id": me["id"], "url": me["url"], "since": me["since"]}
-        return encode(request, {"mode": "single", "this": me["id"], "leader": leader, "replicas": [me], "etcd": None})
+        server_id = f"{socket.gethostname()}:{svc.bound_port or svc.config.port}"
+        view = single_view(server_id, f"{request.scheme}://{request.host}", svc.started_at, svc.log_index())
     return encode(request, view)
 
 
