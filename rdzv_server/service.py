@@ -54,7 +54,7 @@ __all__ = ["Answer", "Service"]
 
 
 class Service:
-    """The running server minus HTTP. Create, ``await start()``, serve, ``await stop()``."""
+    """The running server minus HTTP. Create, ``await start()``, serve, ``begin_stop()``, ``await close()``."""
 
     def __init__(
         self, config: ServerConfig, join: Callable[[Service], Role] | None = None, clock: Clock = SYSTEM_CLOCK
