@@ -95,17 +95,12 @@ def quarantine(
     return out
 
 
-def refusal_cause(exc: RdzvError) -> Cause | None:
-    """The timeline's cause for a join refused with ``exc``; None: ``exc`` is no refusal it records."""
-    return next((cause for kind, cause in REFUSAL_CAUSES if isinstance(exc, kind)), None)
-
-
 def refusal(machine: StateMachine, join: c.Join, exc: RdzvError) -> list[c.Command] | None:
     """What to log for ``join`` refused with ``exc``, in order: the job, when the refused node
     was its first (the job exists to say why it is not in it), then the refusal, unless the
     job's timeline says the same already (a node refused again and again is recorded once).
     None when ``exc`` is not a refusal the timeline records (the caller raises it as it is)."""
-    cause = refusal_cause(exc)
+    cause = next((cause for kind, cause in REFUSAL_CAUSES if isinstance(exc, kind)), None)
     if cause is None:
         return None
     refused = c.Refused(join.rdzv_id, join.node_id, join.addr, cause.value, exc.message)
