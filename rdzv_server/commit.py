@@ -197,9 +197,9 @@ class Pipeline:
         reason = f"an append was not committed: {exc}"
         svc = self._svc
         if svc.part.step_down(reason):
-            svc.stop_serving(reason)
+            svc.lifecycle.step_down(reason)
         else:  # no term to end: the one server
-            svc.fatal(exc)
+            svc.lifecycle.fatal(exc)
 
     def durable(self, log_: Log, command: c.Command, outcome: Outcome, fut: asyncio.Future[None]) -> None:
         """A record's append to ``log_`` finished: on success the command's effects, else a stop."""

@@ -121,10 +121,8 @@ class Service:
         self.follow = lifecycle.follow
         self.lead = lifecycle.lead
         self.stop_leading = lifecycle.stop_leading
-        self.stop_serving = lifecycle.step_down
         self.begin_stop = lifecycle.begin_stop
         self.close = lifecycle.close
-        self.fatal = lifecycle.fatal
 
     async def start(self) -> None:
         """Recover from the data directory (if any), then start the timer and report ready.
