@@ -3,7 +3,8 @@
 What it owns: the one declaration of each record that crosses between the two sides or
 between the server's rings: the error codes with their one HTTP status each, the
 validation error of a body (:class:`WireError`), a job's settings with their one set of
-defaults (:class:`JobSettings`), a node's place in a formed round (:class:`Assignment`),
+defaults (:class:`JobSettings`), a node's place in a formed round (:class:`Assignment`), the
+event vocabulary of a job's timeline (:class:`Kind`, :class:`Cause`),
 and every write request, which is at once the wire record the client sends, the core
 command the server applies and the record its log keeps (:class:`Command` and its
 subclasses; field metadata says which fields the wire map or the log record leave out).
@@ -347,8 +348,69 @@ def spelled(record: Any, leave_out: str) -> dict[str, Any]:
 Rid = tuple[Any, ...] | None
 
 
+# -- the event vocabulary of a job's timeline (the server's core.event keeps the timeline) --
+
+
+class Kind(str, enum.Enum):
+    JOB_CREATED = "job_created"
+    JOB_CLOSED = "job_closed"
+    NODE_JOINED = "node_joined"
+    ROUND_FORMED = "round_formed"
+    STANDBY_PROMOTED = "standby_promoted"
+    NODE_DEPARTED = "node_departed"
+    JOIN_REFUSED = "join_refused"
+    SERVER_RESTARTED = "server_restarted"
+    # Fleet control (README "Fleet control"):
+    NODE_REFUSED = "node_refused"  # a node was not admitted: its health check failed, or its host is cordoned
+    HOST_CORDONED = "host_cordoned"  # a host of one of the job's nodes was cordoned
+    HOST_UNCORDONED = "host_uncordoned"  # ... and its cordon lifted
+    RESTART_COUNTED = "restart_counted"  # a failure spent one restart of the job's budget
+
+
+class Cause(str, enum.Enum):
+    """Why: the ``cause`` of each kind of event."""
+
+    # job_created
+    JOIN = "join"  # the first node's join made it
+    CREATE = "create"  # a client created it (a store-only job, rdzvctl)
+    # node_joined: the place the node got in line
+    CANDIDATE = "candidate"  # in the round that is forming
+    WAITING = "waiting"  # after a round formed: makes the running nodes restart into the next
+    STANDBY = "standby"  # max_nodes are in: a spare
+    REJOINED = "rejoined"  # a member of the last round is back (its workers restarted)
+    # round_formed
+    MAX_NODES = "max_nodes"  # max_nodes joined
+    MEMBERS_BACK = "members_back"  # every live member of the last round re-joined, spares filled it
+    LAST_CALL = "last_call"  # last_call_timeout passed after min_nodes joined
+    # node_departed
+    CONNECTION_CLOSED = "connection_closed"  # its agent's watch dropped and did not return
+    HEARTBEAT_EXPIRED = "heartbeat_expired"  # silent for the heartbeat TTL (a host that vanished)
+    LEFT = "left"  # a graceful leave (the agent finished)
+    JOIN_TIMEOUT = "join_timeout"  # waited longer than join_timeout for a round
+    NOT_REJOINED = "not_rejoined"  # a live member of the last round that the next round formed without
+    # join_refused
+    SETTINGS_CONFLICT = "settings_conflict"  # the node asked for other --nnodes / --rdzv-conf settings
+    # node_refused
+    HEALTH_CHECK_FAILED = "health_check_failed"  # the node's health_check command failed before its join
+    CORDONED = "cordoned"  # the node's host is cordoned (node_refused; node_departed: taken out of line)
+    # host_cordoned, host_uncordoned: OPERATOR (rdzvctl), or
+    FLAPPING = "flapping"  # the server quarantined a host whose nodes kept dying
+    # restart_counted
+    MEMBER_DIED = "member_died"  # a member of the formed round died
+    WORKERS_FAILED = "workers_failed"  # a member re-joined its formed round: its workers failed
+    # server_restarted
+    RECOVERY = "recovery"  # the server restarted and rebuilt its state from its log
+    LEADER_CHANGED = "leader_changed"  # another replica took over as leader (--etcd)
+    # job_closed
+    AGENT = "agent"  # a torchrun agent closed it: its shutdown (the run ended) or set_closed()
+    OPERATOR = "operator"  # rdzvctl close
+    CLOSED = "closed"  # a client that did not say who it is
+    RESTART_BUDGET_EXHAUSTED = "restart_budget_exhausted"  # a failure beyond max_restarts (the server)
+    # (a job outliving --job-ttl is collected, timeline and all: that is the end of its story)
+
+
 #: Who closes a job, as its timeline records it ("": not said).
-CLOSE_CAUSES = ("", "agent", "operator")
+CLOSE_CAUSES = ("", Cause.AGENT.value, Cause.OPERATOR.value)
 
 
 @dataclass(frozen=True)
@@ -509,7 +571,7 @@ class CloseRequest(Command):
 
 
 #: Why a node refuses itself before joining (``refuse``): its health check failed.
-REFUSE_CAUSES = ("health_check_failed",)
+REFUSE_CAUSES = (Cause.HEALTH_CHECK_FAILED.value,)
 
 
 @dataclass(frozen=True)
@@ -539,7 +601,7 @@ class RefuseRequest(Command):
 
 
 #: Who cordons a host: an operator (rdzvctl), or the server for flapping (automatic quarantine).
-CORDON_BY = ("operator", "flapping")
+CORDON_BY = (Cause.OPERATOR.value, Cause.FLAPPING.value)
 
 
 @dataclass(frozen=True)

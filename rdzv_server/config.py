@@ -15,7 +15,7 @@ from rdzv_client.wire import MAX_CORDON_S, default_token_file
 
 from .core.cordon import MAX_DEATHS_PER_HOST
 from .core.machine import DEFAULT_SESSION_TTL, Limits
-from .storage import DEFAULT_MAX_QUEUED_BYTES, DEFAULT_MAX_QUEUED_RECORDS, default_data_dir
+from .storage import DEFAULT_MAX_QUEUED_BYTES, DEFAULT_MAX_QUEUED_RECORDS, DEFAULT_SNAPSHOT_EVERY, default_data_dir
 
 # 29400 is torchrun's default rendezvous port: `--rdzv-endpoint=HOST` alone reaches us.
 DEFAULT_PORT = 29400
@@ -45,8 +45,6 @@ DEFAULT_QUARANTINE_WINDOW = 3600.0
 DEFAULT_QUARANTINE_FOR = 3600.0
 # A window longer than a year would count deaths no one remembers.
 MAX_QUARANTINE_WINDOW_S = 366 * 86400.0
-# Records between snapshots: bounds replay time (~1 s per million records) and log size.
-DEFAULT_SNAPSHOT_EVERY = 100_000
 # -- limits (README "Limits"): nothing a client sends grows the server without bound. --
 # Connections: a 10,000-node job holds about two each (watch + store); the rest of the fd
 # limit stays free for the log and for new connections to be refused politely.

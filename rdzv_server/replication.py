@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import ServerConfig
 from .core.error import NotLeader, NotReady, RdzvError
-from .role import RoleName, transition
+from .role import RoleName, cluster_document, replica_entry, transition
 from .storage.election import Election, LeaderKey
 from .storage.etcd_client import (
     EtcdAuthError,
@@ -401,14 +401,7 @@ class Replication:
         self.role_since = since
 
     def _entry(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "url": self.url,
-            "role": self.role.value,
-            "since": self.role_since,
-            "started": self.started,
-            "applied_index": self.applied_index,
-        }
+        return replica_entry(self.id, self.url, self.role, self.role_since, self.started, self.applied_index)
 
     async def _publish(self, entry: dict[str, Any] | None = None) -> None:
         """Put this replica's registry entry (``entry``, else its current one), attached to its
@@ -450,26 +443,21 @@ class Replication:
             with contextlib.suppress(ValueError):
                 entry = json.loads(kv.value)
                 replicas[entry["id"]] = entry
-        replicas[self.id] = self._entry()  # this one's own, fresher than what it published
+        this = replicas[self.id] = self._entry()  # this one's own, fresher than what it published
         leader = None
         if self.leader is not None:
             since = replicas.get(self.leader["id"], {}).get("since")
             leader = {**self.leader, "since": since}
         members = await self.client.member_list()
-        return {
-            "mode": "replicated",
-            "this": self.id,
-            "leader": leader,
-            "replicas": sorted(replicas.values(), key=lambda r: str(r["id"])),
-            "etcd": {
-                "prefix": self.prefix,
-                "endpoints": list(self.client.endpoints),
-                "members": [
-                    {"id": f"{m.id:x}", "name": m.name, "client_urls": m.client_urls, "peer_urls": m.peer_urls}
-                    for m in members
-                ],
-            },
+        etcd = {
+            "prefix": self.prefix,
+            "endpoints": list(self.client.endpoints),
+            "members": [
+                {"id": f"{m.id:x}", "name": m.name, "client_urls": m.client_urls, "peer_urls": m.peer_urls}
+                for m in members
+            ],
         }
+        return cluster_document("replicated", this, leader, sorted(replicas.values(), key=lambda r: str(r["id"])), etcd)
 
 
 def _parse_name(name: str) -> dict[str, Any] | None:

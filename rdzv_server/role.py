@@ -3,7 +3,9 @@
 What it owns: the roles a server takes (:class:`RoleName`), the table of legal role changes
 (:data:`TRANSITIONS`, checked in one place, :func:`transition`), the interface the service
 decides through (:class:`Role`), and :class:`Single`, the role of the one server (no ``--etcd``).
-:mod:`.replication` implements :class:`Role` for a replica.
+:mod:`.replication` implements :class:`Role` for a replica. The cluster document
+(``GET /v1/cluster``) is built here alone (:func:`cluster_document`, :func:`replica_entry`,
+:func:`single_view`), for a replica and for the one server alike.
 
 Rules:
 - The one server is ``single`` for its whole life. A replica starts a ``candidate`` and moves
@@ -59,6 +61,31 @@ def transition(old: RoleName, new: RoleName) -> RoleName:
     if new not in TRANSITIONS[old]:
         raise IllegalRoleChange(old, new)
     return new
+
+
+def replica_entry(
+    replica_id: str, url: str, role: RoleName, since: float, started: float, applied_index: int
+) -> dict[str, Any]:
+    """One server's entry in the cluster document (a replica also publishes it in etcd's registry):
+    ``since`` is when it took up ``role``, ``started`` when its process started (wall-clock seconds)."""
+    return {"id": replica_id, "url": url, "role": role.value, "since": since, "started": started,
+            "applied_index": applied_index}  # fmt: skip
+
+
+def cluster_document(
+    mode: str, this: dict[str, Any], leader: dict[str, Any] | None, replicas: list[dict[str, Any]],
+    etcd: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """``GET /v1/cluster``: ``mode`` (``single`` or ``replicated``), which replica answers
+    (``this``, its entry), the leader (``{"id", "url", "since"}``, None if none is known), every
+    replica's entry, and etcd's part (None for the one server)."""
+    return {"mode": mode, "this": this["id"], "leader": leader, "replicas": replicas, "etcd": etcd}
+
+
+def single_view(server_id: str, url: str, started: float, applied_index: int) -> dict[str, Any]:
+    """The cluster document of the one server: it alone, leading since it started."""
+    me = replica_entry(server_id, url, RoleName.SINGLE, started, started, applied_index)
+    return cluster_document("single", me, {"id": me["id"], "url": me["url"], "since": me["since"]}, [me], None)
 
 
 class Role(Protocol):

@@ -9,7 +9,9 @@ step-down) and refuses new ones until :meth:`Waiters.reopen`.
 
 Rules: a poll is parked on every topic its condition depends on, registered before it
 parks and removed when it ends, however it ends (answered, timed out, cancelled); every
-wait is bounded by its hold.
+wait is bounded by its hold, measured by the service's :class:`~.clock.Clock` (the loop's
+timer only wakes a poll to look at the clock again; :meth:`Waiters.recheck` does too, after a
+fake clock moved).
 
 What it must not know: what the topics mean, the state machine, the log.
 """
@@ -19,6 +21,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Hashable, Iterable
 from typing import TypeVar
+
+from .clock import Clock
 
 T = TypeVar("T")
 
@@ -32,7 +36,8 @@ def _hold_over(fut: asyncio.Future[None]) -> None:
 class Waiters:
     """Parked long-polls, keyed by topic; a write wakes exactly the topics it touched."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
         self._by_topic: dict[Hashable, set[asyncio.Future[None]]] = {}
         self._closed: BaseException | None = None
 
@@ -49,6 +54,13 @@ class Waiters:
                 if not fut.done():
                     fut.set_result(None)
 
+    def recheck(self) -> None:
+        """Wake every parked poll: each checks its condition and its hold again (a fake clock moved)."""
+        for futs in self._by_topic.values():
+            for fut in futs:
+                if not fut.done():
+                    fut.set_result(None)
+
     def fail_all(self, exc: BaseException) -> None:
         self._closed = exc
         for futs in self._by_topic.values():
@@ -62,12 +74,13 @@ class Waiters:
     ) -> T | None:
         """Return ``check()`` once it is not None, re-checking on every wake; None after ``hold`` s."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + hold
+        clock = self._clock
+        deadline = clock.monotonic() + hold
         while True:
             value = check()
             if value is not None:
                 return value
-            remaining = deadline - loop.time()
+            remaining = deadline - clock.monotonic()
             if remaining <= 0:
                 return None
             if self._closed is not None:

@@ -54,6 +54,8 @@ from rdzv_client import wire
 
 from ..core import command as c
 from ..core.error import Forbidden
+from ..core.event import Cause
+from ..role import single_view
 from ..service import Service
 from . import page
 from .auth import OPEN, Grant, TokenTable, bearer_token
@@ -268,7 +270,7 @@ async def cordon_host(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     body = await decode(request, svc.config.max_body_bytes)
     req = wire.from_mapping(wire.CordonRequest, body, rdzv_id="")
-    if req.by != "operator":
+    if req.by != Cause.OPERATOR.value:
         raise wire.WireError("by: only the server quarantines hosts for flapping; an operator's cordon is by operator")
     await svc.write(req, req.rid)
     cordon, now = await svc.cordon_of(req.host)
@@ -328,16 +330,8 @@ async def cluster(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     view = await svc.cluster_view()  # etcd silent: NotReady, a 503
     if view is None:  # the one server
-        me = {
-            "id": f"{socket.gethostname()}:{svc.bound_port or svc.config.port}",
-            "url": f"{request.scheme}://{request.host}",
-            "role": "single",
-            "since": svc.started_at,
-            "started": svc.started_at,
-            "applied_index": svc.log_index(),
-        }
-        leader = {"id": me["id"], "url": me["url"], "since": me["since"]}
-        return encode(request, {"mode": "single", "this": me["id"], "leader": leader, "replicas": [me], "etcd": None})
+        server_id = f"{socket.gethostname()}:{svc.bound_port or svc.config.port}"
+        view = single_view(server_id, f"{request.scheme}://{request.host}", svc.started_at, svc.log_index())
     return encode(request, view)
 
 

@@ -39,6 +39,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.event import Cause, Kind
+
 #: A lane's cell states, weakest first: within one round the strongest wins.
 STATES = ("joining", "standby", "member", "left", "cordoned", "refused", "dead")
 _STRENGTH = {state: i for i, state in enumerate(STATES)}
@@ -53,10 +55,13 @@ NODE_LISTS = ("nodes", "joining", "waiting", "standby")
 _PENDING_STATUS = {"candidate": "joining", "waiting": "joining", "standby": "standby"}
 _MEMBER_STATUS = {"alive": "member"}  # a member's other statuses (dead, left) are lane states
 # Every other departure cause is a death; a cordon taking a node out of line is its own state.
-_DEPARTED = {"left": "left", "join_timeout": "left", "cordoned": "cordoned"}
-_REFUSAL = {"cordoned": "cordoned"}  # every other refusal cause (settings, health check) is "refused"
+_DEPARTED = {Cause.LEFT.value: "left", Cause.JOIN_TIMEOUT.value: "left", Cause.CORDONED.value: "cordoned"}
+# Every other refusal cause (settings, health check) is "refused".
+_REFUSAL = {Cause.CORDONED.value: "cordoned"}
 # Kinds that place nodes in lanes; every other kind is a note on its round.
-_NODE_KINDS = frozenset({"node_joined", "standby_promoted", "node_departed", "join_refused", "node_refused"})
+_NODE_KINDS = frozenset(
+    k.value for k in (Kind.NODE_JOINED, Kind.STANDBY_PROMOTED, Kind.NODE_DEPARTED, Kind.JOIN_REFUSED, Kind.NODE_REFUSED)
+)
 
 
 def document_page(document: dict[str, Any], offset: int, limit: int) -> dict[str, Any]:
@@ -114,7 +119,7 @@ class _Replay:
     def apply(self, e: dict[str, Any]) -> None:
         kind, cause, round_, node_id = e["kind"], e["cause"], e["round"], e.get("node_id")
         info = self.round_info(round_)
-        if kind == "round_formed":
+        if kind == Kind.ROUND_FORMED.value:
             info.update(formed_at=e["time"], cause=cause, num_nodes=e.get("num_nodes"), world_size=e.get("world_size"),
                         formation_s=e.get("formation_s"))  # fmt: skip
             for nid, state in self.current.items():
@@ -122,24 +127,24 @@ class _Replay:
                     self.current[nid] = state = "member"
                 self.lanes[nid].mark(round_, state, cause)
             return
-        if kind == "job_created":
+        if kind == Kind.JOB_CREATED.value:
             return  # the start of the story: the first lane says it
-        if node_id is None or (kind not in _NODE_KINDS and kind != "host_cordoned"):
+        if node_id is None or (kind not in _NODE_KINDS and kind != Kind.HOST_CORDONED.value):
             note = {"kind": kind, "cause": cause, "time": e["time"]}
             if node_id is not None:
                 note["node_id"] = node_id
             info["notes"].append(note)
             return
         lane = self.lane(e)
-        if kind == "node_joined":
-            state = "standby" if cause == "standby" else "joining"
+        if kind == Kind.NODE_JOINED.value:
+            state = "standby" if cause == Cause.STANDBY.value else "joining"
             self.current[node_id] = state
-        elif kind == "standby_promoted":
+        elif kind == Kind.STANDBY_PROMOTED.value:
             state = self.current[node_id] = "member"
-        elif kind == "node_departed":
+        elif kind == Kind.NODE_DEPARTED.value:
             state = _DEPARTED.get(cause, "dead")
             self.current.pop(node_id, None)
-        elif kind == "host_cordoned":
+        elif kind == Kind.HOST_CORDONED.value:
             state = "cordoned"  # it finishes its round; its next join is refused
         else:  # join_refused, node_refused
             state = _REFUSAL.get(cause, "refused")

@@ -467,7 +467,8 @@ class StreamServer:
         ``shutting_down``). Requests still running after ``timeout`` are cancelled, and
         connections whose replies cannot be flushed by then are aborted.
         """
-        deadline = asyncio.get_running_loop().time() + timeout
+        clock = self.svc.clock
+        deadline = clock.monotonic() + timeout
         connections = list(self.connections)
         for conn in connections:
             conn.stop_accepting()
@@ -478,7 +479,7 @@ class StreamServer:
             conn.close()
         closing = [conn.closed for conn in connections if not conn.closed.done()]
         if closing:
-            remaining = max(0.0, deadline - asyncio.get_running_loop().time())
+            remaining = max(0.0, deadline - clock.monotonic())
             await asyncio.wait(closing, timeout=max(remaining, 0.1))
         for conn in connections:
             if not conn.closed.done():

@@ -15,8 +15,9 @@ Rules:
   per host, the newest :data:`MAX_DEATHS_PER_HOST`, and for at most :data:`MAX_HOSTS` hosts
   (the host whose last death is oldest is forgotten first): :meth:`deaths_within` is what the
   server's quarantine rule (``--quarantine-after K --quarantine-window W``) reads. The rule
-  itself is the service's decision, logged as an ordinary ``cordon`` command with
-  ``by="flapping"``, so the flags may change between restarts without replay diverging.
+  itself is core's decision (:func:`.decision.quarantine`), applied by the service as an
+  ordinary ``cordon`` command with ``by="flapping"``, so the flags may change between
+  restarts without replay diverging.
 - Everything here changes only through the apply path (``machine.StateMachine``), from the
   command and its ``now``; it travels in the snapshot.
 
@@ -28,6 +29,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
+
+from .event import Cause
 
 #: The most cordons the table holds: an operator's fleet, and more. A cordon beyond it is refused.
 MAX_CORDONS = 100_000
@@ -50,7 +53,7 @@ class Cordon:
 
     def describe(self) -> str:
         """The cordon in words, as a refused node's error and its timeline show it."""
-        who = "an operator" if self.by == "operator" else "the server (automatic quarantine: its nodes kept dying)"
+        who = "an operator" if self.by == Cause.OPERATOR.value else "the server (automatic quarantine: its nodes kept dying)"
         reason = f": {self.reason}" if self.reason else ""
         return f"host {self.host} is cordoned by {who}{reason}"
 

@@ -1,6 +1,9 @@
 """A job's timeline: what happened to it, when, to which node, and why.
 
 What it owns: :class:`JobEvent` (one entry) and :class:`Timeline` (a job's bounded history).
+The event vocabulary itself, :class:`Kind` and :class:`Cause`, is declared once in
+:mod:`rdzv_client.record`, which both sides import (the client validates the causes it may
+send, the API and the page read the kinds), and re-exported here under core's names.
 
 Rules:
 - Events are made by the apply path only (``rendezvous.Job`` and ``machine.StateMachine``),
@@ -21,73 +24,17 @@ What it must not know: I/O, the clock, how events are shown.
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from rdzv_client.record import Cause as Cause
+from rdzv_client.record import Kind as Kind
+
 # Events kept per job: a 1,000-node job's formation (a join per node and the round) fits;
 # older events are dropped first. About 0.5 KB each (tracemalloc): 0.5 MB a job at most.
 DEFAULT_CAPACITY = 1024
-
-
-class Kind(str, enum.Enum):
-    JOB_CREATED = "job_created"
-    JOB_CLOSED = "job_closed"
-    NODE_JOINED = "node_joined"
-    ROUND_FORMED = "round_formed"
-    STANDBY_PROMOTED = "standby_promoted"
-    NODE_DEPARTED = "node_departed"
-    JOIN_REFUSED = "join_refused"
-    SERVER_RESTARTED = "server_restarted"
-    # Fleet control (README "Fleet control"):
-    NODE_REFUSED = "node_refused"  # a node was not admitted: its health check failed, or its host is cordoned
-    HOST_CORDONED = "host_cordoned"  # a host of one of the job's nodes was cordoned
-    HOST_UNCORDONED = "host_uncordoned"  # ... and its cordon lifted
-    RESTART_COUNTED = "restart_counted"  # a failure spent one restart of the job's budget
-
-
-class Cause(str, enum.Enum):
-    """Why: the ``cause`` of each kind of event."""
-
-    # job_created
-    JOIN = "join"  # the first node's join made it
-    CREATE = "create"  # a client created it (a store-only job, rdzvctl)
-    # node_joined: the place the node got in line
-    CANDIDATE = "candidate"  # in the round that is forming
-    WAITING = "waiting"  # after a round formed: makes the running nodes restart into the next
-    STANDBY = "standby"  # max_nodes are in: a spare
-    REJOINED = "rejoined"  # a member of the last round is back (its workers restarted)
-    # round_formed
-    MAX_NODES = "max_nodes"  # max_nodes joined
-    MEMBERS_BACK = "members_back"  # every live member of the last round re-joined, spares filled it
-    LAST_CALL = "last_call"  # last_call_timeout passed after min_nodes joined
-    # node_departed
-    CONNECTION_CLOSED = "connection_closed"  # its agent's watch dropped and did not return
-    HEARTBEAT_EXPIRED = "heartbeat_expired"  # silent for the heartbeat TTL (a host that vanished)
-    LEFT = "left"  # a graceful leave (the agent finished)
-    JOIN_TIMEOUT = "join_timeout"  # waited longer than join_timeout for a round
-    NOT_REJOINED = "not_rejoined"  # a live member of the last round that the next round formed without
-    # join_refused
-    SETTINGS_CONFLICT = "settings_conflict"  # the node asked for other --nnodes / --rdzv-conf settings
-    # node_refused
-    HEALTH_CHECK_FAILED = "health_check_failed"  # the node's health_check command failed before its join
-    CORDONED = "cordoned"  # the node's host is cordoned (node_refused; node_departed: taken out of line)
-    # host_cordoned, host_uncordoned: OPERATOR (rdzvctl), or
-    FLAPPING = "flapping"  # the server quarantined a host whose nodes kept dying
-    # restart_counted
-    MEMBER_DIED = "member_died"  # a member of the formed round died
-    WORKERS_FAILED = "workers_failed"  # a member re-joined its formed round: its workers failed
-    # server_restarted
-    RECOVERY = "recovery"  # the server restarted and rebuilt its state from its log
-    LEADER_CHANGED = "leader_changed"  # another replica took over as leader (--etcd)
-    # job_closed
-    AGENT = "agent"  # a torchrun agent closed it: its shutdown (the run ended) or set_closed()
-    OPERATOR = "operator"  # rdzvctl close
-    CLOSED = "closed"  # a client that did not say who it is
-    RESTART_BUDGET_EXHAUSTED = "restart_budget_exhausted"  # a failure beyond max_restarts (the server)
-    # (a job outliving --job-ttl is collected, timeline and all: that is the end of its story)
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,32 @@ class Outcome(NamedTuple):
     events: tuple[JobEvent, ...] = ()  # what the command added to its job's timeline
 
 
+class WatchView(NamedTuple):
+    """What a watch answers (the one spelling of the watch reply; the client reads its
+    :meth:`body`). A named tuple: one is built per heartbeat."""
+
+    round: int
+    state: str
+    num_nodes_waiting: int
+    closed: bool
+    cause: str | None  # why the job closed (None: open, or closed by no one in particular)
+
+    @classmethod
+    def collected(cls, round_: int) -> WatchView:
+        """The view of a job that was collected while its node watched: closed, nobody waiting."""
+        return cls(round_, JobState.CLOSED.value, 0, True, None)
+
+    def body(self) -> dict[str, Any]:
+        """The reply's fields, in the wire's order."""
+        return {
+            "round": self.round,
+            "state": self.state,
+            "num_nodes_waiting": self.num_nodes_waiting,
+            "closed": self.closed,
+            "cause": self.cause,
+        }
+
+
 def key_topic(rdzv_id: str, scope: int | None, key: bytes) -> Hashable:
     return ("key", rdzv_id, scope, key)
 
@@ -634,15 +660,16 @@ class StateMachine:
                 return True
         return False
 
-    def watch_view(self, rdzv_id: str, round_: int) -> dict[str, Any]:
+    def watch_view(self, rdzv_id: str, round_: int) -> WatchView:
+        """What a node of round ``round_`` watching the job sees now. Raises JobNotFound."""
         job = self._entry(rdzv_id).job
-        return {
-            "round": job.round,
-            "state": job.state.value,
-            "num_nodes_waiting": job.num_nodes_waiting(round_),
-            "closed": job.state is JobState.CLOSED,
-            "cause": job.closed_cause or None,  # why it closed: restart_budget_exhausted stops the agents
-        }
+        return WatchView(
+            job.round,
+            job.state.value,
+            job.num_nodes_waiting(round_),
+            job.state is JobState.CLOSED,
+            job.closed_cause or None,  # why it closed: restart_budget_exhausted stops the agents
+        )
 
     # -- snapshot -----------------------------------------------------------------------------
 

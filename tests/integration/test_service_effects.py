@@ -149,7 +149,7 @@ async def test_a_timer_command_the_log_refuses_is_tried_again_later_without_spin
         loop = asyncio.get_running_loop()
         busy_until = loop.time() + 1.2
         refusals = 0
-        check = svc._log.check
+        check = svc.pipeline.log.check
 
         def busy(record: dict[str, object]) -> None:  # the log's queue, full for 1.2 s
             nonlocal refusals
@@ -158,7 +158,7 @@ async def test_a_timer_command_the_log_refuses_is_tried_again_later_without_spin
                 raise LogQueueFullError("busy")
             check(record)
 
-        svc._log.check = busy  # type: ignore[method-assign]
+        svc.pipeline.log.check = busy  # type: ignore[method-assign]
         gaps = []
         for _ in range(300):  # bounded: the round forms once the log takes the last call
             started_at = loop.time()

@@ -35,7 +35,7 @@ class Run:
         self.sm.apply(c.Join(JOB, node_id, f"10.0.0.{node_id[-1]}", 1, settings or self.settings), self.now)
 
     def refuse(self, node_id: str) -> None:
-        """What the service records when a join's settings conflict (service.join)."""
+        """What the service records when a join's settings conflict (Service.begin_join)."""
         self.sm.apply(c.Refused(JOB, node_id, f"10.0.0.{node_id[-1]}", "settings_conflict", "other --nnodes"), self.now)
 
     def die(self, node_id: str) -> None:

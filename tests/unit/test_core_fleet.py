@@ -237,7 +237,7 @@ def test_worker_failures_spend_the_budget_once_per_round_and_the_third_closes_th
                 log.join("b", 3.5, max_restarts=2)
     doc = job_document(job.view(4.0))
     assert (doc["restarts"], doc["max_restarts"], doc["closed_cause"]) == (2, 2, "restart_budget_exhausted")
-    assert log.sm.watch_view(JOB, job.round)["cause"] == "restart_budget_exhausted"
+    assert log.sm.watch_view(JOB, job.round).cause == "restart_budget_exhausted"
     replayed = log.replayed().job(JOB)
     assert (replayed.restarts, replayed.closed_cause) == (2, "restart_budget_exhausted")
 

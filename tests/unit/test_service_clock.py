@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from rdzv_client.record import JobSettings
 from rdzv_server.config import ServerConfig
 from rdzv_server.core import command as c
@@ -62,5 +64,50 @@ async def test_the_server_clock_counts_only_what_the_clock_says() -> None:
         assert svc.now() == before  # real time passed between the reads: the server clock did not move
         clock.seconds += 2.5
         assert svc.now() == before + 2.5
+    finally:
+        await svc.close()
+
+
+async def test_a_parked_long_polls_hold_ends_when_the_fake_clock_passes_it() -> None:
+    """A get of a key nobody sets holds for its 30 s of the service's clock, not of the loop's:
+    moving the fake clock past it answers "not found" at once."""
+    clock = FakeClock()
+    svc = Service(ServerConfig(memory=True, max_hold=60.0), clock=clock)
+    await svc.start()
+    try:
+        await svc.write(c.Create(JOB, SETTINGS))
+        polled = asyncio.ensure_future(svc.get(JOB, None, b"never", hold=30.0))
+        await asyncio.sleep(0)  # (one step: it parks)
+        assert len(svc.waiters) == 1
+        clock.seconds += 31.0
+        svc.check_deadlines()
+        assert await asyncio.wait_for(polled, PATIENCE) is None
+    finally:
+        await svc.close()
+
+
+async def test_a_node_whose_watch_dropped_is_marked_dead_once_the_fake_clock_passes_the_grace() -> None:
+    """The fast path of death detection runs on the service's clock: a dropped watch is judged
+    (core's ``decision.lost``) once the fake clock has passed ``--disconnect-grace``."""
+    clock = FakeClock()
+    config = ServerConfig(memory=True, disconnect_grace=60.0)  # far past PATIENCE: only the fake clock can end it
+    svc = Service(config, clock=clock)
+    await svc.start()
+    try:
+        formed = JobSettings(min_nodes=2, max_nodes=2, heartbeat_ttl=600.0)
+        await svc.write(c.Join(JOB, "a", "10.0.0.1", 1, formed))
+        joined = await svc.write(c.Join(JOB, "b", "10.0.0.2", 1, formed))
+        watch = asyncio.ensure_future(svc.watch(JOB, "b", joined["round"], 0, hold=60.0))
+        await asyncio.sleep(0)  # (one step: it parks)
+        seen = svc.machine.job(JOB).timeline.next_seq - 1
+        watch.cancel()  # its connection closed
+        with pytest.raises(asyncio.CancelledError):
+            await watch
+        clock.seconds += 60.0
+        svc.check_deadlines()
+        page = await asyncio.wait_for(svc.events(JOB, seen, hold=60.0, limit=10), PATIENCE)
+        assert [(e.kind.value, e.cause.value, e.node_id) for e in page.events] == [
+            ("node_departed", "connection_closed", "b")
+        ]
     finally:
         await svc.close()
