@@ -1,7 +1,8 @@
 """rdzv_client: the client of rdzv-server, for agents, tools and tests.
 
-What it owns: the public surface of the client package: the sync and async clients, their
-error tree and their result records. ``rdzvctl`` lives in :mod:`rdzv_client.ctl` and the
+What it owns: the public surface of the client package: the sync and async clients, every
+error a caller can get from them (the :mod:`rdzv_client.error` tree, and the ValueErrors for
+an unusable token or TLS file), the job's settings and their result records. ``rdzvctl`` lives in :mod:`rdzv_client.ctl` and the
 wire contract in :mod:`rdzv_client.wire`.
 
 What it must not know: torch. Importing this package never imports torch; the torch
@@ -17,10 +18,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .credential import CredentialError
 from .error import (
     BadRequestError,
+    ClientClosedError,
     ConflictError,
+    HostCordonedError,
     JobClosedError,
+    JobClosedInLineError,
     JoinTimeoutError,
     LimitError,
     NotFoundError,
@@ -31,7 +36,8 @@ from .error import (
     ServerError,
     UnauthorizedError,
 )
-from .record import Assignment
+from .record import Assignment, JobSettings
+from .tls import TLSConfigError
 
 if TYPE_CHECKING:
     from .client import AsyncClient, Client, WatchResult
@@ -44,8 +50,13 @@ __all__ = [
     "AsyncClient",
     "BadRequestError",
     "Client",
+    "ClientClosedError",
     "ConflictError",
+    "CredentialError",
+    "HostCordonedError",
     "JobClosedError",
+    "JobClosedInLineError",
+    "JobSettings",
     "JoinTimeoutError",
     "LimitError",
     "NotFoundError",
@@ -54,6 +65,7 @@ __all__ = [
     "RdzvError",
     "RdzvTimeoutError",
     "ServerError",
+    "TLSConfigError",
     "UnauthorizedError",
     "WatchResult",
 ]

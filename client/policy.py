@@ -35,9 +35,7 @@ KeyLike = Union[str, bytes]
 # A restarting server loads its snapshot and replays its log well within 30 s; past that,
 # something is wrong that waiting longer will not fix.
 DEFAULT_RETRY_BUDGET = 30.0
-# The server caps long-polls near 30 s; asking for longer only keeps a possibly dead
-# connection open longer before the client notices.
-DEFAULT_MAX_HOLD = 30.0
+DEFAULT_MAX_HOLD = wire.DEFAULT_MAX_HOLD  # the server's cap: asking for longer gains nothing
 # A node's heartbeat (a watch of no hold) goes out between this fraction and all of a third of
 # its TTL after the server last heard from it (the torchrun handler; the bench's simulated agents).
 BEAT_JITTER = 0.9

@@ -171,8 +171,13 @@ def test_public_names_are_exactly_these() -> None:
             "AsyncClient",
             "BadRequestError",
             "Client",
+            "ClientClosedError",
             "ConflictError",
+            "CredentialError",
+            "HostCordonedError",
             "JobClosedError",
+            "JobClosedInLineError",
+            "JobSettings",
             "JoinTimeoutError",
             "LimitError",
             "NotFoundError",
@@ -181,12 +186,28 @@ def test_public_names_are_exactly_these() -> None:
             "RdzvError",
             "RdzvTimeoutError",
             "ServerError",
+            "TLSConfigError",
             "UnauthorizedError",
             "WatchResult",
         ]
     )
     for name in rdzv_client.__all__:
         assert getattr(rdzv_client, name) is not None
+
+
+def test_every_error_a_caller_can_get_is_exported() -> None:
+    """A user catches what the client raises by its public name: every class of the error
+    tree, and the ValueErrors for an unusable token or TLS file."""
+    from rdzv_client import credential, error, tls
+
+    raised = {
+        cls
+        for module in (error, credential, tls)
+        for cls in vars(module).values()
+        if isinstance(cls, type) and issubclass(cls, Exception) and cls.__module__ == module.__name__
+    }
+    exported = {getattr(rdzv_client, name) for name in rdzv_client.__all__}
+    assert {cls.__name__ for cls in raised - exported} == set()
 
 
 def test_importing_the_client_does_not_import_torch() -> None:
