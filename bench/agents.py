@@ -9,8 +9,8 @@ out of threads and the load generator, not the server, is what gets measured.
 
 What an agent does, as the plug-in does it:
 - one :class:`rdzv_client.AsyncClient` over one pipelined stream connection
-  (:class:`rdzv_client.pipeline.AsyncStreamTransport`, the asyncio twin of the plug-in's
-  :class:`~rdzv_client.pipeline.PipelinedSocketTransport`): every request of the agent
+  (:class:`bench.transport.AsyncStreamTransport`, the asyncio twin of the plug-in's
+  :class:`~rdzv_client.stream.PipelinedSocketTransport`): every request of the agent
   travels on it, so the server holds one descriptor per agent;
 - ``next_rendezvous()``: stop watching, ``join`` (no deadline of its own, as the plug-in),
   then watch the new round;
@@ -102,7 +102,8 @@ class Agent:
 
     def __init__(self, spec: AgentSpec, node_id: str, token: str | None, port: int) -> None:
         from rdzv_client import AsyncClient
-        from rdzv_client.pipeline import AsyncStreamTransport
+
+        from .transport import AsyncStreamTransport
 
         self.spec = spec
         self.node_id = node_id

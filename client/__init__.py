@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .credential import CredentialError
 from .error import (
     BadRequestError,
     ClientClosedError,
@@ -37,13 +36,21 @@ from .error import (
     UnauthorizedError,
 )
 from .record import Assignment, JobSettings
-from .tls import TLSConfigError
 
 if TYPE_CHECKING:
     from .client import AsyncClient, Client, WatchResult
+    from .credential import CredentialError
+    from .tls import TLSConfigError
 
-# Names served by __getattr__, from the module that defines them.
-_LAZY = {"AsyncClient": "client", "Client": "client", "WatchResult": "client"}
+# Names served by __getattr__, from the module that defines them (the token lookup loads the
+# wire, msgpack included, and the TLS one ssl: neither belongs in the server's core).
+_LAZY = {
+    "AsyncClient": "client",
+    "Client": "client",
+    "WatchResult": "client",
+    "CredentialError": "credential",
+    "TLSConfigError": "tls",
+}
 
 __all__ = [
     "Assignment",

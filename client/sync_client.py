@@ -53,13 +53,13 @@ from .policy import (
     tls_context,
     tls_endpoints,
 )
+from .stream import SocketTransport
 from .transport import (
     DEFAULT_CONNECTION_LIMIT,
     DEFAULT_MAX_RESPONSE_BYTES,
     DEFAULT_REQUEST_TIMEOUT,
     BlockingTransport,
     Endpoint,
-    SocketTransport,
     TransportError,
     forks,
 )

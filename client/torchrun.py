@@ -83,7 +83,7 @@ from .error import (
     RdzvError,
     RdzvTimeoutError,
 )
-from .pipeline import PipelinedSocketTransport
+from .stream import PipelinedSocketTransport
 from .policy import BEAT_JITTER
 
 log = logging.getLogger("rdzv_client")

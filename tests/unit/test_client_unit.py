@@ -44,7 +44,8 @@ from rdzv_client.error import (
     UnauthorizedError,
     error_from_body,
 )
-from rdzv_client.transport import Answer, SocketTransport, TransportError, http_answer
+from rdzv_client.stream import SocketTransport
+from rdzv_client.transport import Answer, TransportError, http_answer
 
 # --------------------------------------------------------------------------- endpoints
 
