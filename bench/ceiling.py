@@ -235,7 +235,7 @@ def in_process(server: Callable[[int, Any], None]) -> tuple[mp.process.BaseProce
 
 
 def _rdzv_server() -> tuple[subprocess.Popen[bytes], int, str]:
-    from rdzv_client import Client
+    from rdzv_client import Client, JobSettings
     from rdzv_client.credential import find_token
 
     port = free_port()
@@ -249,7 +249,7 @@ def _rdzv_server() -> tuple[subprocess.Popen[bytes], int, str]:
         try:
             token = find_token(None, None) or ""
             with Client(f"127.0.0.1:{port}", token=token, retry_budget=1.0) as client:
-                client.create_job(JOB, min_nodes=1, max_nodes=1)
+                client.create_job(JOB, JobSettings(min_nodes=1, max_nodes=1))
             return proc, port, token
         except Exception:
             if time.monotonic() > deadline or proc.poll() is not None:

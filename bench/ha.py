@@ -225,7 +225,7 @@ async def _throughput(
     """Acknowledged adds, the seconds they took from the common start, every add's latency
     (s), the counter read afterwards, and (with ``etcd_urls``) how many etcd revisions (one
     per txn: the leader writes nothing else while no node is joined) the adds took."""
-    from rdzv_client import AsyncClient
+    from rdzv_client import AsyncClient, JobSettings
     from rdzv_server.storage.etcd_client import EtcdClient
 
     job = f"ha-throughput-{clients}-{uuid.uuid4().hex[:8]}"
@@ -233,7 +233,7 @@ async def _throughput(
     pool = [AsyncClient(endpoint, retry_budget=budget, request_timeout=budget) for _ in range(clients)]
     etcd = EtcdClient(etcd_urls) if etcd_urls else None
     try:
-        await asyncio.wait_for(pool[0].create_job(job, min_nodes=1, max_nodes=1), budget)
+        await asyncio.wait_for(pool[0].create_job(job, JobSettings(min_nodes=1, max_nodes=1)), budget)
         # Every client opens its connection (and, with replicas, finds the leader) before the start.
         await asyncio.wait_for(asyncio.gather(*(c.add(job, "warm-up", 1) for c in pool)), budget + STEP_SLACK_S)
         revision = await asyncio.wait_for(_etcd_revision(etcd), budget)
@@ -354,7 +354,7 @@ def _samples(values: list[float]) -> str:
 async def _takeovers(backend: ReplicatedBackend, plan: Plan) -> tuple[list[TakeOver], list[str], int, int]:
     """Kill the leader ``plan.ha_repeats`` times under one continuous writer; return each
     take-over, the ones that ran out of time, the counter and the acknowledged adds."""
-    from rdzv_client import AsyncClient
+    from rdzv_client import AsyncClient, JobSettings
 
     budget = plan.timeout
     job = f"ha-takeover-{backend.lease_ttl}-{uuid.uuid4().hex[:8]}"
@@ -364,7 +364,7 @@ async def _takeovers(backend: ReplicatedBackend, plan: Plan) -> tuple[list[TakeO
     errors: list[BaseException] = []
     stop = asyncio.Event()
     async with AsyncClient(backend.endpoint, retry_budget=budget) as client:
-        await asyncio.wait_for(client.create_job(job, min_nodes=1, max_nodes=1), budget)
+        await asyncio.wait_for(client.create_job(job, JobSettings(min_nodes=1, max_nodes=1)), budget)
 
         writer = asyncio.create_task(_add_until(client, job, stop, acks, errors))
         try:
@@ -577,7 +577,7 @@ async def _etcd_faults(
 ) -> tuple[list[MemberLoss], list[QuorumLoss], int, int]:
     """Every fault under one continuous writer (and one bare etcd put loop); return the member
     losses, the quorum losses, the counter and the acknowledged adds."""
-    from rdzv_client import AsyncClient
+    from rdzv_client import AsyncClient, JobSettings
     from rdzv_server.storage.etcd_client import EtcdClient
 
     budget = plan.timeout
@@ -590,7 +590,7 @@ async def _etcd_faults(
     quorum: list[QuorumLoss] = []
     etcd_client = EtcdClient(etcd.client_urls)
     async with AsyncClient(backend.endpoint, retry_budget=budget) as client:
-        await asyncio.wait_for(client.create_job(job, min_nodes=1, max_nodes=1), budget)
+        await asyncio.wait_for(client.create_job(job, JobSettings(min_nodes=1, max_nodes=1)), budget)
 
         async def put() -> None:
             key = f"/rdzv-bench-put-{uuid.uuid4().hex[:8]}".encode()

@@ -33,9 +33,6 @@ from . import wire
 from .credential import find_token
 from .error import NotFoundError, NotLeaderError, RdzvConnectionError, RdzvTimeoutError, ServerError
 from .policy import (
-    DEFAULT_HEARTBEAT_TTL,
-    DEFAULT_JOIN_TIMEOUT,
-    DEFAULT_LAST_CALL_TIMEOUT,
     DEFAULT_MAX_HOLD,
     DEFAULT_RETRY_BUDGET,
     EARLY_ANSWER_PAUSE,
@@ -96,6 +93,9 @@ class AsyncClient:
     ``TLSConfigError`` (a ValueError), as do TLS files given with no TLS endpoint.
     ``transport_type`` builds the transport from those options (the torchrun handler's is
     pipelined); ``transport`` is one built already (tests).
+    Time goes through two seams: every deadline (the retry budget, a long-poll's own
+    timeout, the hold left to a re-poll) is read on ``clock`` (default ``time.monotonic``),
+    and every pause (backoff, the early-answer pause) is ``sleep``: a test moves both.
     Every method may raise :class:`RdzvConnectionError` (no server reachable within
     ``retry_budget``), :class:`BadRequestError` (invalid ids, keys or sizes),
     :class:`UnauthorizedError` (no valid token, or a read-only one for a write) and
@@ -122,6 +122,7 @@ class AsyncClient:
         transport_type: Callable[..., Transport] = AiohttpTransport,
         rng: random.Random | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._endpoints = tls_endpoints(endpoint, tls)
         if request_timeout is None:
@@ -146,6 +147,7 @@ class AsyncClient:
         )
         self._rng = rng or random.Random()
         self._sleep = sleep
+        self._clock = clock
         self._closed = False
 
     @property
@@ -196,7 +198,7 @@ class AsyncClient:
         """Send one operation and return the server's reply map, retrying as the module says.
 
         A write without a ``rid`` gets one here; a write that has one keeps it (sending
-        the same ``rid`` twice applies the write once). ``deadline`` (``time.monotonic()``)
+        the same ``rid`` twice applies the write once). ``deadline`` (on the client's ``clock``)
         bounds retries and shrinks the hold of a long-poll request that is retried.
         """
         self._check_open()
@@ -233,7 +235,7 @@ class AsyncClient:
             if field is not None:
                 hold = float(getattr(req, field))
                 if deadline is not None:
-                    hold = max(0.0, min(hold, deadline - time.monotonic()))
+                    hold = max(0.0, min(hold, deadline - self._clock()))
                     fields[field] = hold
             return answer_body(await self._transport.call(endpoint, rdzv_id, req.op, fields, hold + self._request_timeout))
 
@@ -271,7 +273,7 @@ class AsyncClient:
                 failure: Exception = exc.error if isinstance(exc, Unavailable) else exc
                 code = exc.error.code if isinstance(exc, Unavailable) else None
             tries += 1
-            now = time.monotonic()
+            now = self._clock()
             if give_up_at is None:
                 give_up_at = now + self._retry_budget
                 if deadline is not None:
@@ -365,7 +367,7 @@ class AsyncClient:
         )
 
     async def _pause_if_early(self, sent: float, hold: float, deadline: float) -> None:
-        now = time.monotonic()
+        now = self._clock()
         if now - sent < hold and now < deadline:
             await self._sleep(min(EARLY_ANSWER_PAUSE, deadline - now))
 
@@ -373,14 +375,14 @@ class AsyncClient:
         """Re-send a long-poll ``req`` until its reply says ``found``; the deadline is ours."""
         self._check_open()
         field = HOLD_FIELD[type(req)]
-        deadline = time.monotonic() + timeout
+        deadline = self._clock() + timeout
         while True:
-            sent = time.monotonic()
+            sent = self._clock()
             hold = max(0.0, min(deadline - sent, self._max_hold))
             reply = await self._send(rdzv_id, dataclasses.replace(req, **{field: hold}), deadline)
             if reply_field(reply, "found", bool, req.op):
                 return reply
-            if time.monotonic() >= deadline:
+            if self._clock() >= deadline:
                 raise RdzvTimeoutError(f"{what} within {timeout:g} s")
             await self._pause_if_early(sent, hold, deadline)
 
@@ -482,24 +484,13 @@ class AsyncClient:
 
     # ----------------------------------------------------------------- jobs and rendezvous
 
-    async def create_job(
-        self,
-        rdzv_id: str,
-        *,
-        min_nodes: int,
-        max_nodes: int,
-        last_call_timeout: float = DEFAULT_LAST_CALL_TIMEOUT,
-        join_timeout: float = DEFAULT_JOIN_TIMEOUT,
-        heartbeat_ttl: float = DEFAULT_HEARTBEAT_TTL,
-    ) -> None:
-        """Create the job with these settings; a no-op when it exists with the same ones.
+    async def create_job(self, rdzv_id: str, settings: wire.JobSettings) -> None:
+        """Create the job with ``settings`` (node counts, timeouts, the restart budget); a no-op
+        when it exists with the same ones.
 
         Raises :class:`ConflictError` (``settings_conflict``) when it exists with others.
         """
-        req = wire.CreateJobRequest(
-            rdzv_id, wire.JobSettings(min_nodes, max_nodes, last_call_timeout, join_timeout, heartbeat_ttl)
-        )
-        await self.request(rdzv_id, req)
+        await self.request(rdzv_id, wire.CreateJobRequest(rdzv_id, settings))
 
     async def join(
         self,
@@ -508,23 +499,19 @@ class AsyncClient:
         node_id: str,
         addr: str,
         nproc_per_node: int,
-        min_nodes: int,
-        max_nodes: int,
-        last_call_timeout: float = DEFAULT_LAST_CALL_TIMEOUT,
-        join_timeout: float = DEFAULT_JOIN_TIMEOUT,
-        heartbeat_ttl: float = DEFAULT_HEARTBEAT_TTL,
+        settings: wire.JobSettings,
         master_port: int = 0,
         timeout: float,
         host: str = "",
         topology: str = "",
-        max_restarts: int | None = None,
     ) -> wire.Assignment:
         """Join the job's next round and wait (up to ``timeout`` s) for it to form.
 
-        ``master_port``: the port this node's workers would serve their store on should it
-        become node rank 0; every node's assignment then carries node rank 0's. ``host``: the
-        node's host name when it is not ``addr`` (cordons match either); ``topology``: its
-        topology path (node ranks follow it); ``max_restarts``: the job-wide restart budget.
+        ``settings``: the job's, as this node proposes them (the first node's make the job;
+        every later node must repeat them). ``master_port``: the port this node's workers
+        would serve their store on should it become node rank 0; every node's assignment then
+        carries node rank 0's. ``host``: the node's host name when it is not ``addr`` (cordons
+        match either); ``topology``: its topology path (node ranks follow it).
 
         Raises :class:`HostCordonedError` (the node's host is cordoned),
         :class:`JoinTimeoutError` (the job's ``join_timeout`` passed on the server),
@@ -532,15 +519,15 @@ class AsyncClient:
         :class:`RdzvTimeoutError` (this call's own ``timeout`` passed).
         """
         self._check_open()
-        deadline = time.monotonic() + timeout
-        sent = time.monotonic()
+        deadline = self._clock() + timeout
+        sent = self._clock()
         hold = max(0.0, min(timeout, self._max_hold))
         req = wire.JoinRequest(
             rdzv_id,
             node_id=node_id,
             addr=addr,
             nproc_per_node=nproc_per_node,
-            settings=wire.JobSettings(min_nodes, max_nodes, last_call_timeout, join_timeout, heartbeat_ttl, max_restarts),
+            settings=settings,
             hold=hold,
             master_port=master_port,
             host=host,
@@ -557,7 +544,7 @@ class AsyncClient:
                     poll = wire.AwaitRoundRequest(node_id=node_id, round=round_, hold=hold)
                     reply = await self._send(rdzv_id, poll, deadline)
             except NotFoundError as exc:
-                if exc.code is not wire.ErrorCode.NODE_NOT_FOUND or time.monotonic() >= deadline:
+                if exc.code is not wire.ErrorCode.NODE_NOT_FOUND or self._clock() >= deadline:
                     raise
                 # The server dropped this node from the line (its poll came back later than the
                 # heartbeat TTL, e.g. on an overloaded host): it is alive, so take a place again.
@@ -570,12 +557,12 @@ class AsyncClient:
                     return wire.assignment_from_wire(assignment)
                 except wire.WireError as exc:
                     raise ServerError(f"the server sent an invalid assignment: {exc}") from exc
-            if time.monotonic() >= deadline:
+            if self._clock() >= deadline:
                 raise RdzvTimeoutError(
                     f"node {node_id} got no place in a round of job {rdzv_id} within {timeout:g} s"
                 )
             await self._pause_if_early(sent, hold, deadline)
-            sent = time.monotonic()
+            sent = self._clock()
             hold = max(0.0, min(deadline - sent, self._max_hold))
 
     async def watch(
@@ -606,14 +593,13 @@ class AsyncClient:
         await self.request(rdzv_id, wire.CloseRequest(rdzv_id, cause=cause))
 
     async def refuse(
-        self, rdzv_id: str, *, node_id: str, addr: str, cause: str, detail: str = "", host: str = "",
-        min_nodes: int = 1, max_nodes: int = 1, max_restarts: int | None = None,
+        self, rdzv_id: str, *, node_id: str, addr: str, cause: str, settings: wire.JobSettings, detail: str = "",
+        host: str = "",
     ) -> None:
         """Tell the server this node is not fit to join (``cause``: ``health_check_failed``;
         ``detail``: the check's last output line, cut to what the server keeps): the job's
-        timeline records ``node_refused``. The node counts (``min_nodes``...) make the job if
-        this node is its first."""
-        settings = wire.JobSettings(min_nodes=min_nodes, max_nodes=max_nodes, max_restarts=max_restarts)
+        timeline records ``node_refused``. ``settings`` (the node's, as it would join with
+        them) make the job if this node is its first."""
         req = wire.RefuseRequest(
             rdzv_id, node_id=node_id, addr=addr, cause=cause, detail=one_line(detail, wire.MAX_REASON_CHARS),
             settings=settings, host=host,

@@ -27,9 +27,6 @@ from . import wire
 from .credential import find_token
 from .error import NotFoundError, NotLeaderError, RdzvConnectionError, RdzvTimeoutError, ServerError
 from .policy import (
-    DEFAULT_HEARTBEAT_TTL,
-    DEFAULT_JOIN_TIMEOUT,
-    DEFAULT_LAST_CALL_TIMEOUT,
     DEFAULT_MAX_HOLD,
     DEFAULT_RETRY_BUDGET,
     EARLY_ANSWER_PAUSE,
@@ -92,6 +89,9 @@ class Client:
     ``TLSConfigError`` (a ValueError), as do TLS files given with no TLS endpoint.
     ``transport_type`` builds the transport from those options (the torchrun handler's is
     pipelined); ``transport`` is one built already (tests).
+    Time goes through two seams: every deadline (the retry budget, a long-poll's own
+    timeout, the hold left to a re-poll) is read on ``clock`` (default ``time.monotonic``),
+    and every pause (backoff, the early-answer pause) is ``sleep``: a test moves both.
     Every method may raise :class:`RdzvConnectionError` (no server reachable within
     ``retry_budget``), :class:`BadRequestError` (invalid ids, keys or sizes),
     :class:`UnauthorizedError` (no valid token, or a read-only one for a write) and
@@ -118,6 +118,7 @@ class Client:
         transport_type: Callable[..., BlockingTransport] = SocketTransport,
         rng: random.Random | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._endpoints = tls_endpoints(endpoint, tls)
         if request_timeout is None:
@@ -142,6 +143,7 @@ class Client:
         )
         self._rng = rng or random.Random()
         self._sleep = sleep
+        self._clock = clock
         self._closed = False
 
     @property
@@ -192,7 +194,7 @@ class Client:
         """Send one operation and return the server's reply map, retrying as the module says.
 
         A write without a ``rid`` gets one here; a write that has one keeps it (sending
-        the same ``rid`` twice applies the write once). ``deadline`` (``time.monotonic()``)
+        the same ``rid`` twice applies the write once). ``deadline`` (on the client's ``clock``)
         bounds retries and shrinks the hold of a long-poll request that is retried.
         """
         self._check_open()
@@ -229,7 +231,7 @@ class Client:
             if field is not None:
                 hold = float(getattr(req, field))
                 if deadline is not None:
-                    hold = max(0.0, min(hold, deadline - time.monotonic()))
+                    hold = max(0.0, min(hold, deadline - self._clock()))
                     fields[field] = hold
             return answer_body(self._transport.call(endpoint, rdzv_id, req.op, fields, hold + self._request_timeout))
 
@@ -267,7 +269,7 @@ class Client:
                 failure: Exception = exc.error if isinstance(exc, Unavailable) else exc
                 code = exc.error.code if isinstance(exc, Unavailable) else None
             tries += 1
-            now = time.monotonic()
+            now = self._clock()
             if give_up_at is None:
                 give_up_at = now + self._retry_budget
                 if deadline is not None:
@@ -361,7 +363,7 @@ class Client:
         )
 
     def _pause_if_early(self, sent: float, hold: float, deadline: float) -> None:
-        now = time.monotonic()
+        now = self._clock()
         if now - sent < hold and now < deadline:
             self._sleep(min(EARLY_ANSWER_PAUSE, deadline - now))
 
@@ -369,14 +371,14 @@ class Client:
         """Re-send a long-poll ``req`` until its reply says ``found``; the deadline is ours."""
         self._check_open()
         field = HOLD_FIELD[type(req)]
-        deadline = time.monotonic() + timeout
+        deadline = self._clock() + timeout
         while True:
-            sent = time.monotonic()
+            sent = self._clock()
             hold = max(0.0, min(deadline - sent, self._max_hold))
             reply = self._send(rdzv_id, dataclasses.replace(req, **{field: hold}), deadline)
             if reply_field(reply, "found", bool, req.op):
                 return reply
-            if time.monotonic() >= deadline:
+            if self._clock() >= deadline:
                 raise RdzvTimeoutError(f"{what} within {timeout:g} s")
             self._pause_if_early(sent, hold, deadline)
 
@@ -478,24 +480,13 @@ class Client:
 
     # ----------------------------------------------------------------- jobs and rendezvous
 
-    def create_job(
-        self,
-        rdzv_id: str,
-        *,
-        min_nodes: int,
-        max_nodes: int,
-        last_call_timeout: float = DEFAULT_LAST_CALL_TIMEOUT,
-        join_timeout: float = DEFAULT_JOIN_TIMEOUT,
-        heartbeat_ttl: float = DEFAULT_HEARTBEAT_TTL,
-    ) -> None:
-        """Create the job with these settings; a no-op when it exists with the same ones.
+    def create_job(self, rdzv_id: str, settings: wire.JobSettings) -> None:
+        """Create the job with ``settings`` (node counts, timeouts, the restart budget); a no-op
+        when it exists with the same ones.
 
         Raises :class:`ConflictError` (``settings_conflict``) when it exists with others.
         """
-        req = wire.CreateJobRequest(
-            rdzv_id, wire.JobSettings(min_nodes, max_nodes, last_call_timeout, join_timeout, heartbeat_ttl)
-        )
-        self.request(rdzv_id, req)
+        self.request(rdzv_id, wire.CreateJobRequest(rdzv_id, settings))
 
     def join(
         self,
@@ -504,23 +495,19 @@ class Client:
         node_id: str,
         addr: str,
         nproc_per_node: int,
-        min_nodes: int,
-        max_nodes: int,
-        last_call_timeout: float = DEFAULT_LAST_CALL_TIMEOUT,
-        join_timeout: float = DEFAULT_JOIN_TIMEOUT,
-        heartbeat_ttl: float = DEFAULT_HEARTBEAT_TTL,
+        settings: wire.JobSettings,
         master_port: int = 0,
         timeout: float,
         host: str = "",
         topology: str = "",
-        max_restarts: int | None = None,
     ) -> wire.Assignment:
         """Join the job's next round and wait (up to ``timeout`` s) for it to form.
 
-        ``master_port``: the port this node's workers would serve their store on should it
-        become node rank 0; every node's assignment then carries node rank 0's. ``host``: the
-        node's host name when it is not ``addr`` (cordons match either); ``topology``: its
-        topology path (node ranks follow it); ``max_restarts``: the job-wide restart budget.
+        ``settings``: the job's, as this node proposes them (the first node's make the job;
+        every later node must repeat them). ``master_port``: the port this node's workers
+        would serve their store on should it become node rank 0; every node's assignment then
+        carries node rank 0's. ``host``: the node's host name when it is not ``addr`` (cordons
+        match either); ``topology``: its topology path (node ranks follow it).
 
         Raises :class:`HostCordonedError` (the node's host is cordoned),
         :class:`JoinTimeoutError` (the job's ``join_timeout`` passed on the server),
@@ -528,15 +515,15 @@ class Client:
         :class:`RdzvTimeoutError` (this call's own ``timeout`` passed).
         """
         self._check_open()
-        deadline = time.monotonic() + timeout
-        sent = time.monotonic()
+        deadline = self._clock() + timeout
+        sent = self._clock()
         hold = max(0.0, min(timeout, self._max_hold))
         req = wire.JoinRequest(
             rdzv_id,
             node_id=node_id,
             addr=addr,
             nproc_per_node=nproc_per_node,
-            settings=wire.JobSettings(min_nodes, max_nodes, last_call_timeout, join_timeout, heartbeat_ttl, max_restarts),
+            settings=settings,
             hold=hold,
             master_port=master_port,
             host=host,
@@ -553,7 +540,7 @@ class Client:
                     poll = wire.AwaitRoundRequest(node_id=node_id, round=round_, hold=hold)
                     reply = self._send(rdzv_id, poll, deadline)
             except NotFoundError as exc:
-                if exc.code is not wire.ErrorCode.NODE_NOT_FOUND or time.monotonic() >= deadline:
+                if exc.code is not wire.ErrorCode.NODE_NOT_FOUND or self._clock() >= deadline:
                     raise
                 # The server dropped this node from the line (its poll came back later than the
                 # heartbeat TTL, e.g. on an overloaded host): it is alive, so take a place again.
@@ -566,12 +553,12 @@ class Client:
                     return wire.assignment_from_wire(assignment)
                 except wire.WireError as exc:
                     raise ServerError(f"the server sent an invalid assignment: {exc}") from exc
-            if time.monotonic() >= deadline:
+            if self._clock() >= deadline:
                 raise RdzvTimeoutError(
                     f"node {node_id} got no place in a round of job {rdzv_id} within {timeout:g} s"
                 )
             self._pause_if_early(sent, hold, deadline)
-            sent = time.monotonic()
+            sent = self._clock()
             hold = max(0.0, min(deadline - sent, self._max_hold))
 
     def watch(
@@ -602,14 +589,13 @@ class Client:
         self.request(rdzv_id, wire.CloseRequest(rdzv_id, cause=cause))
 
     def refuse(
-        self, rdzv_id: str, *, node_id: str, addr: str, cause: str, detail: str = "", host: str = "",
-        min_nodes: int = 1, max_nodes: int = 1, max_restarts: int | None = None,
+        self, rdzv_id: str, *, node_id: str, addr: str, cause: str, settings: wire.JobSettings, detail: str = "",
+        host: str = "",
     ) -> None:
         """Tell the server this node is not fit to join (``cause``: ``health_check_failed``;
         ``detail``: the check's last output line, cut to what the server keeps): the job's
-        timeline records ``node_refused``. The node counts (``min_nodes``...) make the job if
-        this node is its first."""
-        settings = wire.JobSettings(min_nodes=min_nodes, max_nodes=max_nodes, max_restarts=max_restarts)
+        timeline records ``node_refused``. ``settings`` (the node's, as it would join with
+        them) make the job if this node is its first."""
         req = wire.RefuseRequest(
             rdzv_id, node_id=node_id, addr=addr, cause=cause, detail=one_line(detail, wire.MAX_REASON_CHARS),
             settings=settings, host=host,

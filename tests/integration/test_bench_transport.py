@@ -8,7 +8,7 @@ import asyncio
 from server_process import ServerProcess
 
 from bench.transport import AsyncStreamTransport
-from rdzv_client import AsyncClient
+from rdzv_client import AsyncClient, JobSettings
 from rdzv_client.credential import find_token
 
 
@@ -16,7 +16,7 @@ def test_asyncio_tasks_share_one_connection(server: ServerProcess) -> None:
     async def main() -> tuple[list[int], int]:
         transport = AsyncStreamTransport(token=find_token(None, None))
         async with AsyncClient(server.endpoint, transport=transport) as client:
-            await client.create_job("tasks", min_nodes=1, max_nodes=1)
+            await client.create_job("tasks", JobSettings(min_nodes=1, max_nodes=1))
             parked = asyncio.ensure_future(client.get("tasks", "k", timeout=30))
             counts = await asyncio.gather(*(client.add("tasks", f"c{i % 4}", 1) for i in range(100)))
             await client.set("tasks", "k", "v")

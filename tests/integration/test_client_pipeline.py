@@ -17,7 +17,7 @@ import msgpack
 import pytest
 from server_process import ServerProcess
 
-from rdzv_client import Client, frame, stream, wire
+from rdzv_client import Client, JobSettings, frame, stream, wire
 from rdzv_client.error import ServerError
 from rdzv_client.stream import PipelinedSocketTransport, SocketTransport
 from rdzv_client.transport import Answer, Endpoint, TransportError
@@ -41,7 +41,7 @@ def pipelined(server: ServerProcess) -> tuple[Client, PipelinedSocketTransport]:
 def test_threads_share_one_connection_and_a_parked_get_does_not_block_the_set_behind_it(server: ServerProcess) -> None:
     client, transport = pipelined(server)
     with client:
-        client.create_job("pipe", min_nodes=1, max_nodes=1)
+        client.create_job("pipe", JobSettings(min_nodes=1, max_nodes=1))
         got: list[Any] = []
         waiter = threading.Thread(target=lambda: got.append(client.get("pipe", "k", timeout=30)))
         waiter.start()
@@ -59,9 +59,9 @@ def test_threads_share_one_connection_and_a_parked_get_does_not_block_the_set_be
 def test_a_connection_the_server_dropped_is_replaced_at_once(server: ServerProcess) -> None:
     client, transport = pipelined(server)
     with client:
-        client.create_job("again", min_nodes=1, max_nodes=1)
+        client.create_job("again", JobSettings(min_nodes=1, max_nodes=1))
         server.restart()  # a memory server: it comes back empty, on the same port
-        client.create_job("again", min_nodes=1, max_nodes=1)  # on a fresh connection, no error
+        client.create_job("again", JobSettings(min_nodes=1, max_nodes=1))  # on a fresh connection, no error
         assert client.num_keys("again") == 0
         assert transport.connections == 1
 
@@ -173,7 +173,7 @@ def test_threads_waiting_for_a_connection_that_cannot_open_share_its_failure(mon
 def test_a_forked_child_opens_its_own_connection_and_the_parents_keeps_working(server: ServerProcess) -> None:
     client, transport = pipelined(server)
     with client:
-        client.create_job("forked", min_nodes=1, max_nodes=1)
+        client.create_job("forked", JobSettings(min_nodes=1, max_nodes=1))
         assert client.add("forked", "n", 1) == 1  # the parent's connection is open
         pid = os.fork()
         if pid == 0:  # the child: its own connection (the parent's reader thread is not here)
