@@ -67,6 +67,9 @@ from .transport import (
     forks,
 )
 
+# A refusal's settings unless given: the job it may create is the wire's default one.
+_DEFAULT_SETTINGS = wire.JobSettings()
+
 # The logger's name is the public module's, which users configure (and tests capture).
 log = logging.getLogger("rdzv_client.client")
 
@@ -593,13 +596,13 @@ class AsyncClient:
         await self.request(rdzv_id, wire.CloseRequest(rdzv_id, cause=cause))
 
     async def refuse(
-        self, rdzv_id: str, *, node_id: str, addr: str, cause: str, settings: wire.JobSettings, detail: str = "",
-        host: str = "",
+        self, rdzv_id: str, *, node_id: str, addr: str, cause: str, detail: str = "", host: str = "",
+        settings: wire.JobSettings = _DEFAULT_SETTINGS,
     ) -> None:
         """Tell the server this node is not fit to join (``cause``: ``health_check_failed``;
         ``detail``: the check's last output line, cut to what the server keeps): the job's
         timeline records ``node_refused``. ``settings`` (the node's, as it would join with
-        them) make the job if this node is its first."""
+        them; default: the wire's) make the job if this node is its first."""
         req = wire.RefuseRequest(
             rdzv_id, node_id=node_id, addr=addr, cause=cause, detail=one_line(detail, wire.MAX_REASON_CHARS),
             settings=settings, host=host,

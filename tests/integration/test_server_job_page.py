@@ -46,8 +46,8 @@ def job_with_a_spare(srv: ServerProcess) -> tuple[str, threading.Thread]:
         threads = [
             threading.Thread(
                 target=client.join, args=(job,),
-                kwargs={"node_id": f"n{i}", "addr": f"10.1.0.{i}", "nproc_per_node": 2, "min_nodes": 3,
-                        "max_nodes": 3, "timeout": JOIN_TIMEOUT},
+                kwargs={"node_id": f"n{i}", "addr": f"10.1.0.{i}", "nproc_per_node": 2,
+                        "settings": JobSettings(min_nodes=3, max_nodes=3), "timeout": JOIN_TIMEOUT},
             )
             for i in range(3)
         ]  # fmt: skip
