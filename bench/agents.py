@@ -9,8 +9,8 @@ out of threads and the load generator, not the server, is what gets measured.
 
 What an agent does, as the plug-in does it:
 - one :class:`rdzv_client.AsyncClient` over one pipelined stream connection
-  (:class:`rdzv_client.pipeline.AsyncStreamTransport`, the asyncio twin of the plug-in's
-  :class:`~rdzv_client.pipeline.PipelinedSocketTransport`): every request of the agent
+  (:class:`bench.transport.AsyncStreamTransport`, the asyncio twin of the plug-in's
+  :class:`~rdzv_client.stream.PipelinedSocketTransport`): every request of the agent
   travels on it, so the server holds one descriptor per agent;
 - ``next_rendezvous()``: stop watching, ``join`` (no deadline of its own, as the plug-in),
   then watch the new round;
@@ -101,10 +101,14 @@ class Agent:
     """One torchrun agent on the wire (see the module docstring)."""
 
     def __init__(self, spec: AgentSpec, node_id: str, token: str | None, port: int) -> None:
-        from rdzv_client import AsyncClient
-        from rdzv_client.pipeline import AsyncStreamTransport
+        from rdzv_client import AsyncClient, JobSettings
+
+        from .transport import AsyncStreamTransport
 
         self.spec = spec
+        self.settings = JobSettings(
+            spec.min_nodes, spec.max_nodes, spec.last_call_timeout, spec.join_timeout, spec.heartbeat_ttl
+        )
         self.node_id = node_id
         self.port = port
         self.transport = AsyncStreamTransport(token=token)
@@ -128,9 +132,9 @@ class Agent:
         self._watching = None
         s = self.spec
         a = await self.client.join(
-            s.run_id, node_id=self.node_id, addr="127.0.0.1", nproc_per_node=1, min_nodes=s.min_nodes,
-            max_nodes=s.max_nodes, last_call_timeout=s.last_call_timeout, join_timeout=s.join_timeout,
-            heartbeat_ttl=s.heartbeat_ttl, master_port=self.port, timeout=math.inf,
+            s.run_id, node_id=self.node_id, addr="127.0.0.1", nproc_per_node=1,
+            settings=self.settings,
+            master_port=self.port, timeout=math.inf,
         )  # fmt: skip
         self.num_waiting = 0
         self.changed.clear()

@@ -202,7 +202,7 @@ async def _throughput(
     """Acknowledged adds, the seconds they took from the common start, every add's latency
     (s), the counter read afterwards, and (with ``etcd_urls``) how many etcd revisions (one
     per txn: the leader writes nothing else while no node is joined) the adds took."""
-    from rdzv_client import AsyncClient
+    from rdzv_client import AsyncClient, JobSettings
     from rdzv_server.storage.etcd_client import EtcdClient
 
     job = f"ha-throughput-{clients}-{uuid.uuid4().hex[:8]}"
@@ -210,7 +210,7 @@ async def _throughput(
     pool = [AsyncClient(endpoint, retry_budget=budget, request_timeout=budget) for _ in range(clients)]
     etcd = EtcdClient(etcd_urls) if etcd_urls else None
     try:
-        await asyncio.wait_for(pool[0].create_job(job, min_nodes=1, max_nodes=1), budget)
+        await asyncio.wait_for(pool[0].create_job(job, JobSettings(min_nodes=1, max_nodes=1)), budget)
         # Every client opens its connection (and, with replicas, finds the leader) before the start.
         await asyncio.wait_for(asyncio.gather(*(c.add(job, "warm-up", 1) for c in pool)), budget + STEP_SLACK_S)
         revision = await asyncio.wait_for(_etcd_revision(etcd), budget)
@@ -331,7 +331,7 @@ def samples(values: list[float]) -> str:
 async def _takeovers(backend: ReplicatedBackend, plan: Plan) -> tuple[list[TakeOver], list[str], int, int]:
     """Kill the leader ``plan.ha_repeats`` times under one continuous writer; return each
     take-over, the ones that ran out of time, the counter and the acknowledged adds."""
-    from rdzv_client import AsyncClient
+    from rdzv_client import AsyncClient, JobSettings
 
     budget = plan.timeout
     job = f"ha-takeover-{backend.lease_ttl}-{uuid.uuid4().hex[:8]}"
@@ -341,7 +341,7 @@ async def _takeovers(backend: ReplicatedBackend, plan: Plan) -> tuple[list[TakeO
     errors: list[BaseException] = []
     stop = asyncio.Event()
     async with AsyncClient(backend.endpoint, retry_budget=budget) as client:
-        await asyncio.wait_for(client.create_job(job, min_nodes=1, max_nodes=1), budget)
+        await asyncio.wait_for(client.create_job(job, JobSettings(min_nodes=1, max_nodes=1)), budget)
 
         writer = asyncio.create_task(add_until(client, job, stop, acks, errors))
         try:

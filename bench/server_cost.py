@@ -147,7 +147,7 @@ def _load_worker(pipe: multiprocessing.connection.Connection, endpoint: str, job
 
 
 async def _load(pipe: multiprocessing.connection.Connection, endpoint: str, jobs: list[str], nodes: int) -> None:
-    from rdzv_client import AsyncClient
+    from rdzv_client import AsyncClient, JobSettings
 
     loop = asyncio.get_running_loop()
     async with AsyncClient(endpoint, connection_limit=nodes + BEATS_IN_FLIGHT) as client:
@@ -156,9 +156,9 @@ async def _load(pipe: multiprocessing.connection.Connection, endpoint: str, jobs
             assignments = await asyncio.gather(
                 *(
                     client.join(
-                        job, node_id=f"node-{i}", addr="127.0.0.1", nproc_per_node=1, min_nodes=nodes,
-                        max_nodes=nodes, last_call_timeout=1.0, join_timeout=600.0,
-                        heartbeat_ttl=HEARTBEAT_TTL, timeout=JOIN_TIMEOUT,
+                        job, node_id=f"node-{i}", addr="127.0.0.1", nproc_per_node=1,
+                        settings=JobSettings(nodes, nodes, last_call_timeout=1.0, heartbeat_ttl=HEARTBEAT_TTL),
+                        timeout=JOIN_TIMEOUT,
                     )
                     for i in range(nodes)
                 )
@@ -252,10 +252,10 @@ def _recovery(plan: Plan, raw: dict[str, object], *, snapshot: bool) -> list[Row
 
 
 async def _write_keys(endpoint: str, keys: int) -> None:
-    from rdzv_client import AsyncClient
+    from rdzv_client import AsyncClient, JobSettings
 
     async with AsyncClient(endpoint) as client:
-        await client.create_job("recovery", min_nodes=1, max_nodes=1)
+        await client.create_job("recovery", JobSettings(min_nodes=1, max_nodes=1))
         slots = asyncio.Semaphore(BATCHES_IN_FLIGHT)
 
         async def batch(first: int) -> None:

@@ -1,7 +1,8 @@
 """rdzv_client: the client of rdzv-server, for agents, tools and tests.
 
-What it owns: the public surface of the client package: the sync and async clients, their
-error tree and their result records. ``rdzvctl`` lives in :mod:`rdzv_client.ctl` and the
+What it owns: the public surface of the client package: the sync and async clients, every
+error a caller can get from them (the :mod:`rdzv_client.error` tree, and the ValueErrors for
+an unusable token or TLS file), the job's settings and their result records. ``rdzvctl`` lives in :mod:`rdzv_client.ctl` and the
 wire contract in :mod:`rdzv_client.wire`.
 
 What it must not know: torch. Importing this package never imports torch; the torch
@@ -19,8 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 from .error import (
     BadRequestError,
+    ClientClosedError,
     ConflictError,
+    HostCordonedError,
     JobClosedError,
+    JobClosedInLineError,
     JoinTimeoutError,
     LimitError,
     NotFoundError,
@@ -31,21 +35,35 @@ from .error import (
     ServerError,
     UnauthorizedError,
 )
-from .record import Assignment
+from .record import Assignment, JobSettings
 
 if TYPE_CHECKING:
     from .client import AsyncClient, Client, WatchResult
+    from .credential import CredentialError
+    from .tls import TLSConfigError
 
-# Names served by __getattr__, from the module that defines them.
-_LAZY = {"AsyncClient": "client", "Client": "client", "WatchResult": "client"}
+# Names served by __getattr__, from the module that defines them (the token lookup loads the
+# wire, msgpack included, and the TLS one ssl: neither belongs in the server's core).
+_LAZY = {
+    "AsyncClient": "client",
+    "Client": "client",
+    "WatchResult": "client",
+    "CredentialError": "credential",
+    "TLSConfigError": "tls",
+}
 
 __all__ = [
     "Assignment",
     "AsyncClient",
     "BadRequestError",
     "Client",
+    "ClientClosedError",
     "ConflictError",
+    "CredentialError",
+    "HostCordonedError",
     "JobClosedError",
+    "JobClosedInLineError",
+    "JobSettings",
     "JoinTimeoutError",
     "LimitError",
     "NotFoundError",
@@ -54,6 +72,7 @@ __all__ = [
     "RdzvError",
     "RdzvTimeoutError",
     "ServerError",
+    "TLSConfigError",
     "UnauthorizedError",
     "WatchResult",
 ]

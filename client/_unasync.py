@@ -85,13 +85,13 @@ from .transport import (
 )
 """,
         """\
+from .stream import SocketTransport
 from .transport import (
     DEFAULT_CONNECTION_LIMIT,
     DEFAULT_MAX_RESPONSE_BYTES,
     DEFAULT_REQUEST_TIMEOUT,
     BlockingTransport,
     Endpoint,
-    SocketTransport,
     TransportError,
     forks,
 )

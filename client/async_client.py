@@ -33,31 +33,28 @@ from . import wire
 from .credential import find_token
 from .error import NotFoundError, NotLeaderError, RdzvConnectionError, RdzvTimeoutError, ServerError
 from .policy import (
-    _HOLD_FIELD,
-    DEFAULT_HEARTBEAT_TTL,
-    DEFAULT_JOIN_TIMEOUT,
-    DEFAULT_LAST_CALL_TIMEOUT,
     DEFAULT_MAX_HOLD,
     DEFAULT_RETRY_BUDGET,
     EARLY_ANSWER_PAUSE,
     ELECTION_MAX_PAUSE,
+    HOLD_FIELD,
     MAX_LEADER_REDIRECTS,
     REPLICAS_REQUEST_TIMEOUT,
     KeyLike,
     T,
+    Unanswered,
+    Unavailable,
     WatchResult,
-    _answer,
-    _as_bytes,
-    _one_line,
-    _parse_endpoint,
-    _reply_bytes_list,
-    _reply_field,
-    _tls_context,
-    _tls_endpoints,
-    _Unanswered,
-    _Unavailable,
-    _validated,
+    answer_body,
+    as_bytes,
     backoff_delay,
+    check_request,
+    one_line,
+    parse_endpoint,
+    reply_bytes_list,
+    reply_field,
+    tls_context,
+    tls_endpoints,
 )
 from .transport import (
     DEFAULT_CONNECTION_LIMIT,
@@ -69,6 +66,9 @@ from .transport import (
     TransportError,
     forks,
 )
+
+# A refusal's settings unless given: the job it may create is the wire's default one.
+_DEFAULT_SETTINGS = wire.JobSettings()
 
 # The logger's name is the public module's, which users configure (and tests capture).
 log = logging.getLogger("rdzv_client.client")
@@ -96,6 +96,9 @@ class AsyncClient:
     ``TLSConfigError`` (a ValueError), as do TLS files given with no TLS endpoint.
     ``transport_type`` builds the transport from those options (the torchrun handler's is
     pipelined); ``transport`` is one built already (tests).
+    Time goes through two seams: every deadline (the retry budget, a long-poll's own
+    timeout, the hold left to a re-poll) is read on ``clock`` (default ``time.monotonic``),
+    and every pause (backoff, the early-answer pause) is ``sleep``: a test moves both.
     Every method may raise :class:`RdzvConnectionError` (no server reachable within
     ``retry_budget``), :class:`BadRequestError` (invalid ids, keys or sizes),
     :class:`UnauthorizedError` (no valid token, or a read-only one for a write) and
@@ -122,8 +125,9 @@ class AsyncClient:
         transport_type: Callable[..., Transport] = AiohttpTransport,
         rng: random.Random | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._endpoints = _tls_endpoints(endpoint, tls)
+        self._endpoints = tls_endpoints(endpoint, tls)
         if request_timeout is None:
             request_timeout = DEFAULT_REQUEST_TIMEOUT if len(self._endpoints) == 1 else REPLICAS_REQUEST_TIMEOUT
         if retry_budget < 0 or request_timeout <= 0 or max_hold < 0:
@@ -136,16 +140,17 @@ class AsyncClient:
         self._client_id = client_id or uuid.uuid4().hex[:16]
         if not 0 < len(self._client_id) <= wire.MAX_CLIENT_ID_CHARS:
             raise ValueError(f"client_id must be 1..{wire.MAX_CLIENT_ID_CHARS} characters")
-        self._unanswered = _Unanswered()
+        self._unanswered = Unanswered()
         self._forks = forks()
         self._transport: Transport = transport or transport_type(
             connection_limit=connection_limit,
             max_response_bytes=max_response_bytes,
             token=find_token(token, token_file),
-            tls=_tls_context(self._endpoints, ca_file, cert_file, key_file),
+            tls=tls_context(self._endpoints, ca_file, cert_file, key_file),
         )
         self._rng = rng or random.Random()
         self._sleep = sleep
+        self._clock = clock
         self._closed = False
 
     @property
@@ -189,14 +194,14 @@ class AsyncClient:
         writes and the parent's would share rids, and the server would answer the later of
         two with the earlier one's recorded result without applying it."""
         if forks() != self._forks:
-            self._client_id, self._unanswered, self._forks = uuid.uuid4().hex[:16], _Unanswered(), forks()
+            self._client_id, self._unanswered, self._forks = uuid.uuid4().hex[:16], Unanswered(), forks()
         return (self._client_id, self._unanswered.issue())
 
     async def request(self, rdzv_id: str, req: wire.Request, *, deadline: float | None = None) -> dict[str, Any]:
         """Send one operation and return the server's reply map, retrying as the module says.
 
         A write without a ``rid`` gets one here; a write that has one keeps it (sending
-        the same ``rid`` twice applies the write once). ``deadline`` (``time.monotonic()``)
+        the same ``rid`` twice applies the write once). ``deadline`` (on the client's ``clock``)
         bounds retries and shrinks the hold of a long-poll request that is retried.
         """
         self._check_open()
@@ -204,7 +209,7 @@ class AsyncClient:
 
     async def _send(self, rdzv_id: str, req: wire.Request, deadline: float | None) -> dict[str, Any]:
         """:meth:`request` for a call already under way (a long-poll's next poll)."""
-        _validated(rdzv_id, req)
+        check_request(rdzv_id, req)
         rid: tuple[Any, ...] | None = getattr(req, "rid", None) if req.writes else None
         if req.writes and rid is None:
             rid = self.next_rid()  # (registered as unanswered as it is issued)
@@ -221,7 +226,7 @@ class AsyncClient:
     async def _request(
         self, rdzv_id: str, req: wire.Request, rid: tuple[Any, ...] | None, deadline: float | None
     ) -> dict[str, Any]:
-        field = _HOLD_FIELD.get(type(req))
+        field = HOLD_FIELD.get(type(req))
 
         async def attempt(endpoint: Endpoint) -> Any:
             # The request's wire map, then what each attempt changes in it, in place (the map
@@ -233,9 +238,9 @@ class AsyncClient:
             if field is not None:
                 hold = float(getattr(req, field))
                 if deadline is not None:
-                    hold = max(0.0, min(hold, deadline - time.monotonic()))
+                    hold = max(0.0, min(hold, deadline - self._clock()))
                     fields[field] = hold
-            return _answer(await self._transport.call(endpoint, rdzv_id, req.op, fields, hold + self._request_timeout))
+            return answer_body(await self._transport.call(endpoint, rdzv_id, req.op, fields, hold + self._request_timeout))
 
         reply = await self._with_retries(f"{req.op} on job {rdzv_id}", attempt, deadline)
         if not isinstance(reply, dict):
@@ -248,8 +253,8 @@ class AsyncClient:
         async def attempt(endpoint: Endpoint) -> Any:
             timeout = hold + self._request_timeout
             if method == "GET":
-                return _answer(await self._transport.fetch(endpoint, path, timeout))
-            return _answer(await self._transport.fetch(endpoint, path, timeout, method=method, body=body))
+                return answer_body(await self._transport.fetch(endpoint, path, timeout))
+            return answer_body(await self._transport.fetch(endpoint, path, timeout, method=method, body=body))
 
         return await self._with_retries(what, attempt, None)
 
@@ -267,11 +272,11 @@ class AsyncClient:
             endpoint = self._endpoints[index]
             try:
                 return await attempt(endpoint)
-            except (TransportError, _Unavailable) as exc:
-                failure: Exception = exc.error if isinstance(exc, _Unavailable) else exc
-                code = exc.error.code if isinstance(exc, _Unavailable) else None
+            except (TransportError, Unavailable) as exc:
+                failure: Exception = exc.error if isinstance(exc, Unavailable) else exc
+                code = exc.error.code if isinstance(exc, Unavailable) else None
             tries += 1
-            now = time.monotonic()
+            now = self._clock()
             if give_up_at is None:
                 give_up_at = now + self._retry_budget
                 if deadline is not None:
@@ -329,7 +334,7 @@ class AsyncClient:
         if not isinstance(failure, NotLeaderError) or failure.leader is None:
             return None
         try:
-            named: Endpoint | None = _parse_endpoint(failure.leader)
+            named: Endpoint | None = parse_endpoint(failure.leader)
         except ValueError:
             named = None
         if named is not None:
@@ -365,22 +370,22 @@ class AsyncClient:
         )
 
     async def _pause_if_early(self, sent: float, hold: float, deadline: float) -> None:
-        now = time.monotonic()
+        now = self._clock()
         if now - sent < hold and now < deadline:
             await self._sleep(min(EARLY_ANSWER_PAUSE, deadline - now))
 
     async def _poll(self, rdzv_id: str, req: wire.Request, timeout: float, what: str) -> dict[str, Any]:
         """Re-send a long-poll ``req`` until its reply says ``found``; the deadline is ours."""
         self._check_open()
-        field = _HOLD_FIELD[type(req)]
-        deadline = time.monotonic() + timeout
+        field = HOLD_FIELD[type(req)]
+        deadline = self._clock() + timeout
         while True:
-            sent = time.monotonic()
+            sent = self._clock()
             hold = max(0.0, min(deadline - sent, self._max_hold))
             reply = await self._send(rdzv_id, dataclasses.replace(req, **{field: hold}), deadline)
-            if _reply_field(reply, "found", bool, req.op):
+            if reply_field(reply, "found", bool, req.op):
                 return reply
-            if time.monotonic() >= deadline:
+            if self._clock() >= deadline:
                 raise RdzvTimeoutError(f"{what} within {timeout:g} s")
             await self._pause_if_early(sent, hold, deadline)
 
@@ -388,7 +393,7 @@ class AsyncClient:
 
     async def set(self, rdzv_id: str, key: KeyLike, value: KeyLike, *, round: int | None = None) -> None:
         """Store ``value`` under ``key``."""
-        req = wire.SetRequest(rdzv_id, key=_as_bytes("key", key), value=_as_bytes("value", value), round=round)
+        req = wire.SetRequest(rdzv_id, key=as_bytes("key", key), value=as_bytes("value", value), round=round)
         await self.request(rdzv_id, req)
 
     async def get(self, rdzv_id: str, key: KeyLike, *, timeout: float, round: int | None = None) -> bytes:
@@ -396,19 +401,19 @@ class AsyncClient:
 
         Raises :class:`RdzvTimeoutError` when the key is still missing at the deadline.
         """
-        k = _as_bytes("key", key)
+        k = as_bytes("key", key)
         req = wire.GetRequest(key=k, round=round)
         reply = await self._poll(rdzv_id, req, timeout, f"key {k!r} of job {rdzv_id} was not set")
-        return _reply_field(reply, "value", bytes, "get")
+        return reply_field(reply, "value", bytes, "get")
 
     async def add(self, rdzv_id: str, key: KeyLike, amount: int, *, round: int | None = None) -> int:
         """Add ``amount`` to the integer at ``key`` (missing counts as 0); return the new value.
 
         Raises :class:`ConflictError` (``not_an_integer``) when the key holds something else.
         """
-        req = wire.AddRequest(rdzv_id, key=_as_bytes("key", key), amount=amount, round=round)
+        req = wire.AddRequest(rdzv_id, key=as_bytes("key", key), amount=amount, round=round)
         reply = await self.request(rdzv_id, req)
-        return _reply_field(reply, "value", int, "add")
+        return reply_field(reply, "value", int, "add")
 
     async def compare_set(
         self, rdzv_id: str, key: KeyLike, expected: KeyLike, desired: KeyLike, *, round: int | None = None
@@ -416,16 +421,16 @@ class AsyncClient:
         """Set ``key`` to ``desired`` if it holds ``expected``; return the value now stored."""
         req = wire.CompareSetRequest(
             rdzv_id,
-            key=_as_bytes("key", key),
-            expected=_as_bytes("expected", expected),
-            desired=_as_bytes("desired", desired),
+            key=as_bytes("key", key),
+            expected=as_bytes("expected", expected),
+            desired=as_bytes("desired", desired),
             round=round,
         )
-        return _reply_field(await self.request(rdzv_id, req), "value", bytes, "compare_set")
+        return reply_field(await self.request(rdzv_id, req), "value", bytes, "compare_set")
 
     async def append(self, rdzv_id: str, key: KeyLike, value: KeyLike, *, round: int | None = None) -> None:
         """Append ``value`` to the bytes at ``key`` (creating it)."""
-        req = wire.AppendRequest(rdzv_id, key=_as_bytes("key", key), value=_as_bytes("value", value), round=round)
+        req = wire.AppendRequest(rdzv_id, key=as_bytes("key", key), value=as_bytes("value", value), round=round)
         await self.request(rdzv_id, req)
 
     async def multi_get(
@@ -435,10 +440,10 @@ class AsyncClient:
 
         Raises :class:`RdzvTimeoutError` when some key is still missing at the deadline.
         """
-        ks = tuple(_as_bytes("key", k) for k in keys)
+        ks = tuple(as_bytes("key", k) for k in keys)
         req = wire.MultiGetRequest(keys=ks, round=round)
         reply = await self._poll(rdzv_id, req, timeout, f"some of {len(ks)} keys of job {rdzv_id} were not set")
-        return _reply_bytes_list(reply, "values", "multi_get", len(ks))
+        return reply_bytes_list(reply, "values", "multi_get", len(ks))
 
     async def multi_set(
         self, rdzv_id: str, keys: Sequence[KeyLike], values: Sequence[KeyLike], *, round: int | None = None
@@ -446,60 +451,49 @@ class AsyncClient:
         """Set every ``keys[i]`` to ``values[i]`` in one atomic step."""
         req = wire.MultiSetRequest(
             rdzv_id,
-            keys=tuple(_as_bytes("key", k) for k in keys),
-            values=tuple(_as_bytes("value", v) for v in values),
+            keys=tuple(as_bytes("key", k) for k in keys),
+            values=tuple(as_bytes("value", v) for v in values),
             round=round,
         )
         await self.request(rdzv_id, req)
 
     async def check(self, rdzv_id: str, keys: Sequence[KeyLike], *, round: int | None = None) -> bool:
         """Whether every one of ``keys`` exists (does not wait)."""
-        req = wire.CheckRequest(keys=tuple(_as_bytes("key", k) for k in keys), round=round)
-        return _reply_field(await self.request(rdzv_id, req), "result", bool, "check")
+        req = wire.CheckRequest(keys=tuple(as_bytes("key", k) for k in keys), round=round)
+        return reply_field(await self.request(rdzv_id, req), "result", bool, "check")
 
     async def wait(self, rdzv_id: str, keys: Sequence[KeyLike], *, timeout: float, round: int | None = None) -> None:
         """Return once every one of ``keys`` exists.
 
         Raises :class:`RdzvTimeoutError` when some key is still missing after ``timeout`` s.
         """
-        ks = tuple(_as_bytes("key", k) for k in keys)
+        ks = tuple(as_bytes("key", k) for k in keys)
         req = wire.WaitRequest(keys=ks, round=round)
         await self._poll(rdzv_id, req, timeout, f"waited for {len(ks)} keys of job {rdzv_id}: not all were set")
 
     async def delete_key(self, rdzv_id: str, key: KeyLike, *, round: int | None = None) -> bool:
         """Delete ``key``; return whether it existed."""
-        req = wire.DeleteKeyRequest(rdzv_id, key=_as_bytes("key", key), round=round)
-        return _reply_field(await self.request(rdzv_id, req), "deleted", bool, "delete_key")
+        req = wire.DeleteKeyRequest(rdzv_id, key=as_bytes("key", key), round=round)
+        return reply_field(await self.request(rdzv_id, req), "deleted", bool, "delete_key")
 
     async def num_keys(self, rdzv_id: str, *, round: int | None = None) -> int:
         """How many keys the job (or the job's ``round``) holds."""
-        return _reply_field(await self.request(rdzv_id, wire.NumKeysRequest(round=round)), "count", int, "num_keys")
+        return reply_field(await self.request(rdzv_id, wire.NumKeysRequest(round=round)), "count", int, "num_keys")
 
     async def list_keys(self, rdzv_id: str, prefix: KeyLike = b"", *, round: int | None = None) -> list[bytes]:
         """The keys that start with ``prefix``."""
-        req = wire.ListKeysRequest(prefix=_as_bytes("prefix", prefix), round=round)
-        return _reply_bytes_list(await self.request(rdzv_id, req), "keys", "list_keys")
+        req = wire.ListKeysRequest(prefix=as_bytes("prefix", prefix), round=round)
+        return reply_bytes_list(await self.request(rdzv_id, req), "keys", "list_keys")
 
     # ----------------------------------------------------------------- jobs and rendezvous
 
-    async def create_job(
-        self,
-        rdzv_id: str,
-        *,
-        min_nodes: int,
-        max_nodes: int,
-        last_call_timeout: float = DEFAULT_LAST_CALL_TIMEOUT,
-        join_timeout: float = DEFAULT_JOIN_TIMEOUT,
-        heartbeat_ttl: float = DEFAULT_HEARTBEAT_TTL,
-    ) -> None:
-        """Create the job with these settings; a no-op when it exists with the same ones.
+    async def create_job(self, rdzv_id: str, settings: wire.JobSettings) -> None:
+        """Create the job with ``settings`` (node counts, timeouts, the restart budget); a no-op
+        when it exists with the same ones.
 
         Raises :class:`ConflictError` (``settings_conflict``) when it exists with others.
         """
-        req = wire.CreateJobRequest(
-            rdzv_id, wire.JobSettings(min_nodes, max_nodes, last_call_timeout, join_timeout, heartbeat_ttl)
-        )
-        await self.request(rdzv_id, req)
+        await self.request(rdzv_id, wire.CreateJobRequest(rdzv_id, settings))
 
     async def join(
         self,
@@ -508,23 +502,19 @@ class AsyncClient:
         node_id: str,
         addr: str,
         nproc_per_node: int,
-        min_nodes: int,
-        max_nodes: int,
-        last_call_timeout: float = DEFAULT_LAST_CALL_TIMEOUT,
-        join_timeout: float = DEFAULT_JOIN_TIMEOUT,
-        heartbeat_ttl: float = DEFAULT_HEARTBEAT_TTL,
+        settings: wire.JobSettings,
         master_port: int = 0,
         timeout: float,
         host: str = "",
         topology: str = "",
-        max_restarts: int | None = None,
     ) -> wire.Assignment:
         """Join the job's next round and wait (up to ``timeout`` s) for it to form.
 
-        ``master_port``: the port this node's workers would serve their store on should it
-        become node rank 0; every node's assignment then carries node rank 0's. ``host``: the
-        node's host name when it is not ``addr`` (cordons match either); ``topology``: its
-        topology path (node ranks follow it); ``max_restarts``: the job-wide restart budget.
+        ``settings``: the job's, as this node proposes them (the first node's make the job;
+        every later node must repeat them). ``master_port``: the port this node's workers
+        would serve their store on should it become node rank 0; every node's assignment then
+        carries node rank 0's. ``host``: the node's host name when it is not ``addr`` (cordons
+        match either); ``topology``: its topology path (node ranks follow it).
 
         Raises :class:`HostCordonedError` (the node's host is cordoned),
         :class:`JoinTimeoutError` (the job's ``join_timeout`` passed on the server),
@@ -532,15 +522,15 @@ class AsyncClient:
         :class:`RdzvTimeoutError` (this call's own ``timeout`` passed).
         """
         self._check_open()
-        deadline = time.monotonic() + timeout
-        sent = time.monotonic()
+        deadline = self._clock() + timeout
+        sent = self._clock()
         hold = max(0.0, min(timeout, self._max_hold))
         req = wire.JoinRequest(
             rdzv_id,
             node_id=node_id,
             addr=addr,
             nproc_per_node=nproc_per_node,
-            settings=wire.JobSettings(min_nodes, max_nodes, last_call_timeout, join_timeout, heartbeat_ttl, max_restarts),
+            settings=settings,
             hold=hold,
             master_port=master_port,
             host=host,
@@ -552,12 +542,12 @@ class AsyncClient:
             try:
                 if reply is None:
                     reply = await self._send(rdzv_id, dataclasses.replace(req, hold=hold), deadline)
-                    round_ = _reply_field(reply, "round", int, "join")
+                    round_ = reply_field(reply, "round", int, "join")
                 else:
                     poll = wire.AwaitRoundRequest(node_id=node_id, round=round_, hold=hold)
                     reply = await self._send(rdzv_id, poll, deadline)
             except NotFoundError as exc:
-                if exc.code is not wire.ErrorCode.NODE_NOT_FOUND or time.monotonic() >= deadline:
+                if exc.code is not wire.ErrorCode.NODE_NOT_FOUND or self._clock() >= deadline:
                     raise
                 # The server dropped this node from the line (its poll came back later than the
                 # heartbeat TTL, e.g. on an overloaded host): it is alive, so take a place again.
@@ -570,12 +560,12 @@ class AsyncClient:
                     return wire.assignment_from_wire(assignment)
                 except wire.WireError as exc:
                     raise ServerError(f"the server sent an invalid assignment: {exc}") from exc
-            if time.monotonic() >= deadline:
+            if self._clock() >= deadline:
                 raise RdzvTimeoutError(
                     f"node {node_id} got no place in a round of job {rdzv_id} within {timeout:g} s"
                 )
             await self._pause_if_early(sent, hold, deadline)
-            sent = time.monotonic()
+            sent = self._clock()
             hold = max(0.0, min(deadline - sent, self._max_hold))
 
     async def watch(
@@ -589,10 +579,10 @@ class AsyncClient:
         req = wire.WatchRequest(node_id=node_id, round=round, known=known, hold=max(0.0, min(hold, self._max_hold)))
         reply = await self.request(rdzv_id, req)
         return WatchResult(
-            round=_reply_field(reply, "round", int, "watch"),
-            state=_reply_field(reply, "state", str, "watch"),
-            num_nodes_waiting=_reply_field(reply, "num_nodes_waiting", int, "watch"),
-            closed=_reply_field(reply, "closed", bool, "watch"),
+            round=reply_field(reply, "round", int, "watch"),
+            state=reply_field(reply, "state", str, "watch"),
+            num_nodes_waiting=reply_field(reply, "num_nodes_waiting", int, "watch"),
+            closed=reply_field(reply, "closed", bool, "watch"),
             cause=reply.get("cause") if isinstance(reply.get("cause"), str) else None,
         )
 
@@ -607,15 +597,14 @@ class AsyncClient:
 
     async def refuse(
         self, rdzv_id: str, *, node_id: str, addr: str, cause: str, detail: str = "", host: str = "",
-        min_nodes: int = 1, max_nodes: int = 1, max_restarts: int | None = None,
+        settings: wire.JobSettings = _DEFAULT_SETTINGS,
     ) -> None:
         """Tell the server this node is not fit to join (``cause``: ``health_check_failed``;
         ``detail``: the check's last output line, cut to what the server keeps): the job's
-        timeline records ``node_refused``. The node counts (``min_nodes``...) make the job if
-        this node is its first."""
-        settings = wire.JobSettings(min_nodes=min_nodes, max_nodes=max_nodes, max_restarts=max_restarts)
+        timeline records ``node_refused``. ``settings`` (the node's, as it would join with
+        them; default: the wire's) make the job if this node is its first."""
         req = wire.RefuseRequest(
-            rdzv_id, node_id=node_id, addr=addr, cause=cause, detail=_one_line(detail, wire.MAX_REASON_CHARS),
+            rdzv_id, node_id=node_id, addr=addr, cause=cause, detail=one_line(detail, wire.MAX_REASON_CHARS),
             settings=settings, host=host,
         )
         await self.request(rdzv_id, req)
@@ -625,38 +614,38 @@ class AsyncClient:
         ``host``, ``since`` and ``until`` (None: until lifted) on the server's clock (``now``),
         ``left_s``, ``reason``, ``by`` (``operator`` or ``flapping``)."""
         body = await self._get_json("/v1/cordons", "listing cordons")
-        cordons = _reply_field(body, "cordons", list, "cordons")
+        cordons = reply_field(body, "cordons", list, "cordons")
         if not all(isinstance(c, dict) for c in cordons):
             raise ServerError("the server's cordon list holds something that is not a map")
-        return {"cordons": cordons, "now": _reply_field(body, "now", float, "cordons")}
+        return {"cordons": cordons, "now": reply_field(body, "now", float, "cordons")}
 
     async def cordon(self, host: str, *, reason: str = "", duration: float | None = None) -> dict[str, Any]:
         """Cordon ``host`` (a node's host name or address): every job refuses its nodes, for
         ``duration`` seconds (None: until :meth:`uncordon`). Returns the cordon."""
-        _validated("fleet", wire.CordonRequest("", host=host, reason=reason, duration=duration))
+        check_request("fleet", wire.CordonRequest("", host=host, reason=reason, duration=duration))
         body = await self._get_json(
             "/v1/cordons", f"cordoning {host}", method="POST", body={"host": host, "reason": reason, "duration": duration}
         )
-        cordon: dict[str, Any] = _reply_field(body, "cordon", dict, "cordon")
+        cordon: dict[str, Any] = reply_field(body, "cordon", dict, "cordon")
         return cordon
 
     async def uncordon(self, host: str) -> bool:
         """Lift ``host``'s cordon; False when it had none."""
-        _validated("fleet", wire.UncordonRequest("", host=host))
+        check_request("fleet", wire.UncordonRequest("", host=host))
         body = await self._get_json(f"/v1/cordons/{urllib.parse.quote(host, safe='')}", f"uncordoning {host}", method="DELETE")
-        return _reply_field(body, "uncordoned", bool, "uncordon")
+        return reply_field(body, "uncordoned", bool, "uncordon")
 
     async def jobs(self) -> list[dict[str, Any]]:
         """Every job the server knows, each a map with ``rdzv_id``, ``state``, ``round``, ``num_nodes``…"""
         body = await self._get_json("/v1/jobs", "listing jobs")
-        jobs = _reply_field(body, "jobs", list, "jobs")
+        jobs = reply_field(body, "jobs", list, "jobs")
         if not all(isinstance(j, dict) for j in jobs):
             raise ServerError("the server's job list holds something that is not a map")
         return jobs
 
     async def job(self, rdzv_id: str) -> dict[str, Any]:
         """The membership document of one job (see DESIGN.md). Raises :class:`NotFoundError`."""
-        _validated(rdzv_id, None)
+        check_request(rdzv_id, None)
         body = await self._get_json(f"/v1/jobs/{rdzv_id}", f"reading job {rdzv_id}")
         if not isinstance(body, dict):
             raise ServerError(f"the server's membership document of job {rdzv_id} is not a map")
@@ -668,7 +657,7 @@ class AsyncClient:
         ``cause``, ``round``, ``node_id``, ``addr`` and details). With ``wait`` the server holds
         the request up to that long (capped by its --max-hold) while there is nothing newer.
         Raises :class:`NotFoundError`."""
-        _validated(rdzv_id, None)
+        check_request(rdzv_id, None)
         if since < 0 or wait < 0:
             raise ValueError("since and wait must be >= 0")
         path = f"/v1/jobs/{rdzv_id}/events?since={int(since)}&wait={float(wait):g}"

@@ -8,8 +8,9 @@ What it owns:
   (``rid``) that make a retried write apply exactly once;
 - the client side of long-polls: the *client* owns a blocking call's deadline and re-polls
   with the time that remains;
-- the choice of transport (:mod:`rdzv_client.transport`): HTTP for :class:`AsyncClient`,
-  the stream protocol over blocking sockets for :class:`Client`.
+- the choice of transport (the seam: :mod:`rdzv_client.transport`): HTTP for
+  :class:`AsyncClient`, the stream protocol over blocking sockets for :class:`Client`
+  (:mod:`rdzv_client.stream`).
 
 What it must not know: torch (the torch ``Store`` and the torchrun handler wrap this
 module), the server's internals. It shares only :mod:`rdzv_client.wire` with the server.

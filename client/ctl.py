@@ -295,7 +295,8 @@ def _text(value: bytes) -> str:
 # --------------------------------------------------------------------------- commands
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """rdzvctl's command line (its subcommands and options)."""
     parser = argparse.ArgumentParser(prog="rdzvctl", description="Inspect and drive a running rdzv-server.")
     parser.add_argument(
         "--endpoint",
@@ -576,7 +577,7 @@ def _hint(exc: RdzvError, endpoint: str, command: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; return the exit code (0 ok, 1 server error, 2 usage, 3 cannot connect)."""
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 on a usage error
     # Retry notices are for agents' logs; a terminal user gets the one-line error below.
     logging.getLogger("rdzv_client").setLevel(logging.ERROR)

@@ -35,9 +35,7 @@ KeyLike = Union[str, bytes]
 # A restarting server loads its snapshot and replays its log well within 30 s; past that,
 # something is wrong that waiting longer will not fix.
 DEFAULT_RETRY_BUDGET = 30.0
-# The server caps long-polls near 30 s; asking for longer only keeps a possibly dead
-# connection open longer before the client notices.
-DEFAULT_MAX_HOLD = 30.0
+DEFAULT_MAX_HOLD = wire.DEFAULT_MAX_HOLD  # the server's cap: asking for longer gains nothing
 # A node's heartbeat (a watch of no hold) goes out between this fraction and all of a third of
 # its TTL after the server last heard from it (the torchrun handler; the bench's simulated agents).
 BEAT_JITTER = 0.9
@@ -76,7 +74,7 @@ RETRY_STATUSES = frozenset({502, 503, 504})
 RETRY_CODES = frozenset({wire.ErrorCode.TOO_MANY_CONNECTIONS, wire.ErrorCode.BUFFERS_FULL})
 
 # The field of each long-poll request that says how long the server may hold it.
-_HOLD_FIELD: dict[type[wire.Request], str] = {
+HOLD_FIELD: dict[type[wire.Request], str] = {
     wire.GetRequest: "timeout",
     wire.MultiGetRequest: "timeout",
     wire.WaitRequest: "timeout",
@@ -95,7 +93,8 @@ def _parse_port(text: str, spec: str) -> int:
     return int(text)
 
 
-def _parse_endpoint(spec: str) -> Endpoint:
+def parse_endpoint(spec: str) -> Endpoint:
+    """One endpoint of :func:`parse_endpoints`'s list. Raises :class:`ValueError` naming it."""
     text = spec
     scheme = "http"
     if "://" in text:
@@ -135,10 +134,10 @@ def parse_endpoints(spec: str) -> tuple[Endpoint, ...]:
         raise ValueError("no rdzv-server endpoint given: expected HOST[:PORT][,HOST[:PORT]...]")
     if not all(parts):
         raise ValueError(f"endpoint list {spec!r} has an empty entry")
-    return tuple(_parse_endpoint(part) for part in parts)
+    return tuple(parse_endpoint(part) for part in parts)
 
 
-def _tls_endpoints(spec: str, tls: bool) -> tuple[Endpoint, ...]:
+def tls_endpoints(spec: str, tls: bool) -> tuple[Endpoint, ...]:
     """The endpoints of ``spec``, every one TLS (``https``) when ``tls``. Raises ValueError."""
     endpoints = parse_endpoints(spec)
     if not tls:
@@ -149,7 +148,7 @@ def _tls_endpoints(spec: str, tls: bool) -> tuple[Endpoint, ...]:
     return tuple(dataclasses.replace(e, scheme="https") for e in endpoints)
 
 
-def _tls_context(
+def tls_context(
     endpoints: Sequence[Endpoint],
     ca_file: str | os.PathLike[str] | None,
     cert_file: str | os.PathLike[str] | None,
@@ -199,7 +198,7 @@ class WatchResult:
     cause: str | None = None  # why the job closed (e.g. restart_budget_exhausted), from a server that says
 
 
-class _Unavailable(Exception):
+class Unavailable(Exception):
     """An answer that says "try again shortly" (502/503/504); only the retry loop sees it."""
 
     def __init__(self, error: RdzvError) -> None:
@@ -207,13 +206,13 @@ class _Unavailable(Exception):
         self.error = error
 
 
-def _one_line(text: str, limit: int) -> str:
+def one_line(text: str, limit: int) -> str:
     """``text`` as one printable line of at most ``limit`` characters (a check's output line)."""
     line = "".join(ch if ch.isprintable() else " " for ch in text.strip())
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
-def _as_bytes(name: str, value: KeyLike) -> bytes:
+def as_bytes(name: str, value: KeyLike) -> bytes:
     if isinstance(value, str):
         return value.encode()
     if isinstance(value, (bytes, bytearray, memoryview)):
@@ -221,21 +220,21 @@ def _as_bytes(name: str, value: KeyLike) -> bytes:
     raise TypeError(f"{name} must be str or bytes, not {type(value).__name__}")
 
 
-def _reply_field(reply: object, name: str, kind: type[T], op: str) -> T:
+def reply_field(reply: object, name: str, kind: type[T], op: str) -> T:
     value = reply.get(name) if isinstance(reply, dict) else None
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ServerError(f"the server's {op} reply has no valid {name!r} field: {reply!r:.200}")
     return value
 
 
-def _reply_bytes_list(reply: object, name: str, op: str, length: int | None = None) -> list[bytes]:
-    values = _reply_field(reply, name, list, op)
+def reply_bytes_list(reply: object, name: str, op: str, length: int | None = None) -> list[bytes]:
+    values = reply_field(reply, name, list, op)
     if not all(isinstance(v, bytes) for v in values) or (length is not None and len(values) != length):
         raise ServerError(f"the server's {op} reply has an invalid {name!r} list")
     return values
 
 
-class _Unanswered:
+class Unanswered:
     """The seqs of this client's writes still awaiting an answer (thread-safe: many
     threads share one sync client).
 
@@ -268,17 +267,17 @@ class _Unanswered:
             return min(min(self._seqs, default=seq), seq)
 
 
-def _answer(answer: Answer) -> Any:
+def answer_body(answer: Answer) -> Any:
     """The body of a 2xx answer; otherwise raise the error it stands for."""
     if 200 <= answer.status < 300:
         return answer.body
     error = error_from_body(answer.status, answer.body)
     if answer.status in RETRY_STATUSES or error.code in RETRY_CODES:
-        raise _Unavailable(error)
+        raise Unavailable(error)
     raise error
 
 
-def _validated(rdzv_id: str, req: wire.Request | None) -> None:
+def check_request(rdzv_id: str, req: wire.Request | None) -> None:
     """Reject what the server would reject, before spending a round trip on it."""
     try:
         wire.check_id("rdzv_id", rdzv_id)

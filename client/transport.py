@@ -6,14 +6,15 @@ What it owns:
   :class:`BlockingTransport`, the same three as plain blocking methods (``close`` for
   ``aclose``) for the threaded :class:`Client`, which is generated from AsyncClient;
 - :class:`AiohttpTransport` (a ``Transport``): everything over HTTP;
-- :class:`SocketTransport` (a ``BlockingTransport``): blocking sockets, shared by threads.
-  Operations travel as stream-protocol frames (see ``wire``, "stream protocol") over pooled
-  connections, one request in flight per connection; the JSON pages over HTTP/1.1.
+- what every transport shares, public for the transports of :mod:`rdzv_client.stream`
+  (the blocking ones, over the stream protocol) and the bench's: :class:`Endpoint`,
+  :class:`Answer`, :class:`TransportError`, :func:`http_answer`, the JSON page request
+  (:func:`json_headers`, :func:`json_request`), :class:`TransportTLS`, :func:`closed_hint`
+  and :func:`forks`.
 
-An ``https://`` endpoint means TLS, for both protocols: the stream protocol's frames travel
-inside TLS exactly as they do over plain TCP. Both transports use the one
-``ssl.SSLContext`` they are given (:func:`rdzv_client.tls.client_context`; by default one
-that trusts the system's store, made on first use).
+An ``https://`` endpoint means TLS, for every protocol. Every transport uses the one
+``ssl.SSLContext`` it is given (:func:`rdzv_client.tls.client_context`; by default one
+that trusts the system's store, made on first use: :class:`TransportTLS`).
 
 What it must not know: retries, deadlines, error codes (``client.py`` decides all of
 them from an :class:`Answer`).
@@ -32,31 +33,23 @@ Rules:
   HTTP, a hello frame pipelined right after the preface on each new stream connection.
   Redirects are never followed (``http.client`` does not; aiohttp is told not to): the token
   goes only to the endpoints the client was given, and a 3xx is answered as an error.
-- A stream error frame with tag 0 answers the connection rather than one request (the
-  server refused it: ``too_many_connections``, ``buffers_full``, ``request_timeout``); with
-  one request in flight per connection it is that request's answer, and the connection,
-  which the server closes, is discarded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import http.client
 import io
-import itertools
 import os
-import socket
 import ssl
-import struct
 import threading
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 import aiohttp
 
-from . import frame, wire
-from .error import ClientClosedError, RdzvConnectionError, ServerError
+from . import wire
+from .error import RdzvConnectionError, ServerError
 from .tls import client_context, is_tls_misconfiguration, tls_failure
 
 # A server that does not accept a connection in this long is not going to.
@@ -66,7 +59,7 @@ DEFAULT_REQUEST_TIMEOUT = 30.0
 # Every blocking call holds one connection; torch agents run a handful at once, so 128
 # leaves room for many threads sharing one client without queueing behind long-polls.
 DEFAULT_CONNECTION_LIMIT = 128
-# Store replies are small; 64 KiB reads take a typical reply in one go.
+# Store replies are small; 64 KiB reads take a typical reply in one go (aiohttp's read size).
 DEFAULT_READ_BUFSIZE = 64 * 1024
 # Bounds what a misbehaving peer can make us buffer; far above any sane multi_get reply.
 DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
@@ -169,7 +162,7 @@ _MSGPACK_HEADERS = {"Content-Type": wire.CONTENT_TYPE_MSGPACK, "Accept": wire.CO
 _JSON_HEADERS = {"Accept": wire.CONTENT_TYPE_JSON}
 
 
-def _json_request(headers: Mapping[str, str], body: Any) -> tuple[bytes | None, Mapping[str, str]]:
+def json_request(headers: Mapping[str, str], body: Any) -> tuple[bytes | None, Mapping[str, str]]:
     """A JSON page request's body and headers (no body: a GET's)."""
     if body is None:
         return None, headers
@@ -180,7 +173,12 @@ def _with_token(headers: Mapping[str, str], token: str | None) -> dict[str, str]
     return {**headers, "Authorization": f"Bearer {token}"} if token else dict(headers)
 
 
-class _TLS:
+def json_headers(token: str | None) -> dict[str, str]:
+    """The headers of a JSON page request, with the bearer token when there is one."""
+    return _with_token(_JSON_HEADERS, token)
+
+
+class TransportTLS:
     """The transport's TLS context: the one it was given, else the default, made on first use."""
 
     def __init__(self, context: ssl.SSLContext | None) -> None:
@@ -194,7 +192,7 @@ class _TLS:
             return self._context
 
 
-def _closed_hint(endpoint: Endpoint, exc: BaseException) -> str:
+def closed_hint(endpoint: Endpoint, exc: BaseException) -> str:
     """A hint for a connection closed before any answer: a TLS server closes a connection whose
     handshake fails without a word the client can read, so say what may be behind it."""
     if not isinstance(exc, (ConnectionError, EOFError, aiohttp.ServerDisconnectedError)):
@@ -238,8 +236,8 @@ class AiohttpTransport:
         tls: ssl.SSLContext | None = None,
     ) -> None:
         self._msgpack_headers = _with_token(_MSGPACK_HEADERS, token)
-        self._json_headers = _with_token(_JSON_HEADERS, token)
-        self._tls = _TLS(tls)
+        self._json_headers = json_headers(token)
+        self._tls = TransportTLS(tls)
         self._connection_limit = connection_limit
         self._read_bufsize = read_bufsize
         self._max_response_bytes = max_response_bytes
@@ -264,7 +262,7 @@ class AiohttpTransport:
     async def fetch(
         self, endpoint: Endpoint, path: str, timeout: float, *, method: str = "GET", body: Any = None
     ) -> Answer:
-        data, headers = _json_request(self._json_headers, body)
+        data, headers = json_request(self._json_headers, body)
         return await self._send(endpoint, method, path, data, headers, timeout)
 
     async def _send(
@@ -296,7 +294,7 @@ class AiohttpTransport:
                 return http_answer(resp.status, resp.content_type, data, self._max_response_bytes)
         except aiohttp.ServerDisconnectedError as exc:
             if retried:  # closed again at once: the server is going away, or refuses us (see _closed_hint)
-                raise TransportError(f"{str(exc) or type(exc).__name__}{_closed_hint(endpoint, exc)}") from exc
+                raise TransportError(f"{str(exc) or type(exc).__name__}{closed_hint(endpoint, exc)}") from exc
             # A pooled connection the server closed while idle (--idle-timeout) as we sent on it.
             return await self._send(endpoint, method, path, body, headers, timeout, retried=True)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -324,15 +322,13 @@ class AiohttpTransport:
             self._session = None
 
 
-# --------------------------------------------------------------------------- blocking sockets
 
 
-class _Stale(Exception):
-    """A pooled connection turned out to be closed (the server restarted while it sat idle)."""
+# --------------------------------------------------------------------------- forks
 
 
-# Forks this process has been through (its child's count is one more): a transport notices it
-# was forked by comparing counts, not by asking the kernel for its pid on every call.
+# Forks this process has been through (its child's count is one more): a transport or client
+# notices it was forked by comparing counts, not by asking the kernel for its pid on every call.
 _forks = 0
 
 
@@ -347,272 +343,3 @@ os.register_at_fork(after_in_child=_forked)
 def forks() -> int:
     """How many forks this process has been through (one more in each child than in its parent)."""
     return _forks
-
-
-def decode_reply(payload: bytes, unpack: wire.Unpack) -> tuple[int, int, Any]:
-    """A stream reply frame's ``(tag, status, body)``; raises :class:`ServerError` if it is not one."""
-    try:
-        message = unpack(payload)
-    except wire.WireError as exc:
-        raise ServerError(f"the server sent a frame this client cannot read: {exc}") from exc
-    if not (isinstance(message, list) and len(message) == 3 and type(message[0]) is int and type(message[1]) is int):
-        raise ServerError(f"the server sent a reply frame of the wrong shape: {message!r:.200}")
-    return message[0], message[1], message[2]
-
-
-def _timeval(seconds: float) -> bytes:
-    """``seconds`` as the ``struct timeval`` of SO_RCVTIMEO / SO_SNDTIMEO (all zero would mean never)."""
-    whole = int(seconds)
-    micros = int((seconds - whole) * 1e6)
-    return struct.pack("ll", whole, micros if whole or micros else 1)
-
-
-class SocketTransport:
-    """:class:`BlockingTransport` over blocking sockets, shared by any number of threads.
-
-    Operations travel over the stream protocol, inside TLS for ``https://`` endpoints (the
-    handshake is part of opening a pooled connection); the JSON pages over HTTP/1.1 (HTTPS).
-    """
-
-    def __init__(
-        self,
-        *,
-        connection_limit: int = DEFAULT_CONNECTION_LIMIT,
-        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
-        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-        token: str | None = None,
-        tls: ssl.SSLContext | None = None,
-    ) -> None:
-        self._token = token
-        self._tls = _TLS(tls)
-        self._json_headers = _with_token(_JSON_HEADERS, token)
-        self._max_idle = connection_limit
-        self._max_response_bytes = max_response_bytes
-        self._connect_timeout = connect_timeout
-        self._lock = threading.Lock()
-        self._idle: dict[Endpoint, list[socket.socket]] = {}
-        self._busy: set[socket.socket] = set()
-        self._tags = itertools.count(1)
-        self._closed = False
-        self._forks = _forks
-        # A plain TCP connection stays in blocking mode and times out in the kernel
-        # (SO_RCVTIMEO, SO_SNDTIMEO): one system call per send and per receive, where a
-        # Python socket timeout polls before each and switches modes per call. Each one's
-        # timeout as last set, so it is set again only when it changes. (TLS keeps settimeout.)
-        self._timeouts: dict[socket.socket, float] = {}
-        self._unpack = threading.local()  # each thread's wire.Unpack of replies
-
-    # -- the seam --------------------------------------------------------------------------
-
-    def call(self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], timeout: float) -> Answer:
-        tag = next(self._tags)
-        payload = wire.frame([tag, op, rdzv_id, fields])
-        try:
-            return self._exchange(endpoint, tag, payload, timeout, fresh=False)
-        except _Stale:
-            return self._exchange(endpoint, tag, payload, timeout, fresh=True)
-
-    def fetch(
-        self, endpoint: Endpoint, path: str, timeout: float, *, method: str = "GET", body: Any = None
-    ) -> Answer:
-        data, headers = _json_request(self._json_headers, body)
-        return self._http(endpoint, method, path, data, headers, timeout)
-
-    def close(self) -> None:
-        """Close every connection, idle or in use; calls in flight raise :class:`ClientClosedError`."""
-        with self._lock:
-            self._closed = True
-            socks = [s for idle in self._idle.values() for s in idle] + list(self._busy)
-            self._idle.clear()
-            self._timeouts.clear()
-        for sock in socks:
-            try:
-                # Wakes a thread blocked in recv on it. The plain socket's shutdown, also for a
-                # TLS one: SSLSocket.shutdown would unwrap it under the reading thread's feet.
-                socket.socket.shutdown(sock, socket.SHUT_RDWR)
-            except OSError:
-                pass
-            sock.close()
-
-    # -- stream exchange ---------------------------------------------------------------------
-
-    def _exchange(self, endpoint: Endpoint, tag: int, payload: bytes, timeout: float, *, fresh: bool) -> Answer:
-        sock, reused = self._checkout(endpoint, timeout, fresh)
-        ok = False
-        try:
-            if self._timeouts.get(sock) != timeout:
-                self._set_timeout(sock, timeout)
-            hello = 0 if reused or not self._token else next(self._tags)
-            if reused:
-                sock.sendall(payload)
-            elif hello:
-                greeting = wire.frame([hello, wire.HELLO_OP, "", {"token": self._token}])
-                sock.sendall(wire.STREAM_PREFACE + greeting + payload)
-            else:
-                sock.sendall(wire.STREAM_PREFACE + payload)
-            if hello:  # its answer may have the request's behind it (pipelined)
-                replies = frame.FrameDecoder(self._max_response_bytes)
-                message = self._decode(self._read_frame(sock, replies, allow_more=True))
-                if message[0] == hello and message[1] == 200:  # welcomed: the request's answer is next
-                    message = self._decode(self._read_frame(sock, replies))
-            else:
-                message = self._decode(self._read_reply(sock))
-            ok = message[0] == tag  # tag 0: the server refused the connection and closes it
-        except (OSError, EOFError) as exc:
-            self._raise_if_closed(exc)
-            if isinstance(exc, BlockingIOError):  # the kernel's timeout (_set_timeout): say it as Python would
-                raise TransportError(f"{endpoint}: timed out") from exc
-            if is_tls_misconfiguration(exc):  # e.g. TLS 1.3: a refused client certificate shows on the first read
-                raise RdzvConnectionError(tls_failure(endpoint, exc)) from exc
-            if reused and isinstance(exc, (ConnectionError, EOFError)):
-                raise _Stale() from exc  # retrying is safe: a write's rid makes it apply once
-            raise TransportError(f"{endpoint}: {exc or type(exc).__name__}{_closed_hint(endpoint, exc)}") from exc
-        finally:
-            self._checkin(endpoint, sock, ok)
-        if message[0] != tag and not (message[0] == 0 and message[1] >= 400):
-            raise ServerError(f"the server sent a reply frame that does not answer request {tag}: {message!r:.200}")
-        return Answer(message[1], message[2])
-
-    def _set_timeout(self, sock: socket.socket, timeout: float) -> None:
-        """Bound each send and receive on ``sock`` by ``timeout`` seconds: in the kernel for a
-        plain connection (a receive that times out raises BlockingIOError), else as Python does."""
-        if isinstance(sock, ssl.SSLSocket):
-            sock.settimeout(timeout)
-        else:
-            when = _timeval(timeout)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, when)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, when)
-        self._timeouts[sock] = timeout
-
-    def _decode(self, reply: bytes) -> tuple[int, int, Any]:
-        """A reply frame's ``(tag, status, body)`` through this thread's decoder (:func:`decode_reply`)."""
-        unpack = getattr(self._unpack, "unpack", None)
-        if unpack is None:
-            unpack = self._unpack.unpack = wire.Unpack(self._max_response_bytes, wire.MAX_REPLY_ITEMS)
-        return decode_reply(reply, unpack)
-
-    def _read_reply(self, sock: socket.socket) -> bytes:
-        """The one reply frame's payload off ``sock`` (nothing may follow it): in one read when
-        it came whole, as a small reply does; else through a :class:`frame.FrameDecoder`."""
-        chunk = sock.recv(DEFAULT_READ_BUFSIZE)
-        try:
-            whole = frame.frame_end(chunk, 0, self._max_response_bytes) == len(chunk)
-        except frame.FrameTooLarge as exc:
-            raise ServerError(f"the server's reply of {exc.length} bytes exceeds the client's limit") from exc
-        if whole:
-            return chunk[frame.HEADER_LEN :]
-        if not chunk:
-            raise EOFError("the server closed the connection mid-reply")
-        replies = frame.FrameDecoder(self._max_response_bytes)
-        replies.feed(chunk)
-        return self._read_frame(sock, replies)
-
-    def _read_frame(self, sock: socket.socket, replies: frame.FrameDecoder, *, allow_more: bool = False) -> bytes:
-        """The next frame's payload off ``sock``, through ``replies`` (this exchange's decoder).
-        Only the hello's answer may have bytes behind it (the request's answer, pipelined);
-        any other reply with bytes after it is a protocol error."""
-        while True:
-            try:
-                payload = replies.next_payload()
-            except frame.FrameTooLarge as exc:
-                raise ServerError(f"the server's reply of {exc.length} bytes exceeds the client's limit") from exc
-            if payload is not None:
-                break
-            # The header in one read if it can; then exactly the rest of the frame, no more.
-            want = DEFAULT_READ_BUFSIZE if replies.buffered < frame.HEADER_LEN else min(replies.missing(), 1 << 20)
-            chunk = sock.recv(want)
-            if not chunk:
-                raise EOFError("the server closed the connection mid-reply")
-            replies.feed(chunk)
-        if replies.buffered and not allow_more:
-            raise ServerError("the server sent bytes after its reply, with no request outstanding")
-        return payload
-
-    def _checkout(self, endpoint: Endpoint, timeout: float, fresh: bool) -> tuple[socket.socket, bool]:
-        with self._lock:
-            self._check_usable()
-            idle = self._idle.get(endpoint)
-            if idle and not fresh:
-                sock = idle.pop()
-                self._busy.add(sock)
-                return sock, True
-        try:
-            sock = socket.create_connection((endpoint.host, endpoint.port), timeout=min(timeout, self._connect_timeout))
-        except OSError as exc:
-            raise TransportError(f"{endpoint}: {exc}") from exc
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if endpoint.scheme == "https":
-            sock = self._handshake(endpoint, sock)
-        else:
-            sock.settimeout(None)  # blocking: the exchange's timeout is the kernel's (_set_timeout)
-        with self._lock:
-            if self._closed:
-                sock.close()
-                self._check_usable()
-            self._busy.add(sock)
-        return sock, False
-
-    def _handshake(self, endpoint: Endpoint, sock: socket.socket) -> socket.socket:
-        """``sock`` wrapped in TLS, handshake done (within the connect timeout already set)."""
-        try:
-            return self._tls.context().wrap_socket(sock, server_hostname=endpoint.host)
-        except OSError as exc:
-            sock.close()
-            if is_tls_misconfiguration(exc):
-                raise RdzvConnectionError(tls_failure(endpoint, exc)) from exc
-            raise TransportError(f"{endpoint}: TLS handshake: {exc or type(exc).__name__}") from exc
-
-    def _checkin(self, endpoint: Endpoint, sock: socket.socket, ok: bool) -> None:
-        with self._lock:
-            self._busy.discard(sock)
-            idle = self._idle.setdefault(endpoint, [])
-            if ok and not self._closed and len(idle) < self._max_idle:
-                idle.append(sock)
-                return
-            self._timeouts.pop(sock, None)
-        sock.close()
-
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise ClientClosedError("this rdzv client is closed")
-        if _forks != self._forks:  # a forked child must not share its parent's connections
-            self._forked()
-
-    def _forked(self) -> None:
-        """In a forked child: forget the parent's connections (never touched from here)."""
-        self._idle.clear()
-        self._busy.clear()
-        self._timeouts.clear()
-        self._forks = _forks
-
-    def _raise_if_closed(self, exc: BaseException) -> None:
-        if self._closed:
-            raise ClientClosedError("the rdzv client was closed while this call was in flight") from exc
-
-    # -- HTTP/1.1 (the JSON pages) ------------------------------------------------------------
-
-    def _http(
-        self, endpoint: Endpoint, method: str, path: str, body: bytes | None, headers: Mapping[str, str], timeout: float
-    ) -> Answer:
-        with self._lock:
-            self._check_usable()
-        conn: http.client.HTTPConnection
-        if endpoint.scheme == "https":
-            context = self._tls.context()
-            conn = http.client.HTTPSConnection(endpoint.host, endpoint.port, timeout=timeout, context=context)
-        else:
-            conn = http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=timeout)
-        try:
-            conn.request(method, path, body=body, headers=dict(headers))
-            resp = conn.getresponse()
-            data = resp.read(self._max_response_bytes + 1)
-        except (OSError, http.client.HTTPException) as exc:
-            if is_tls_misconfiguration(exc):
-                raise RdzvConnectionError(tls_failure(endpoint, exc)) from exc
-            raise TransportError(f"{endpoint}: {exc or type(exc).__name__}{_closed_hint(endpoint, exc)}") from exc
-        finally:
-            conn.close()
-        if len(data) > self._max_response_bytes:
-            raise ServerError(f"the server's reply exceeds the client's limit of {self._max_response_bytes} bytes")
-        content_type = (resp.getheader("Content-Type") or "").split(";")[0].strip()
-        return http_answer(resp.status, content_type, data, self._max_response_bytes)

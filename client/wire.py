@@ -81,6 +81,10 @@ CONTENT_TYPE_JSON = "application/json"
 
 # 29400 is torchrun's default rendezvous port, so `--rdzv-endpoint=HOST` alone works.
 DEFAULT_PORT = 29400
+# The longest a long-poll is held: the server answers by then (proxies and dead peers never
+# pin a request forever), and a client asks for no longer (a possibly dead connection is
+# noticed no later than this).
+DEFAULT_MAX_HOLD = 30.0
 
 MAX_CLIENT_ID_CHARS = 64
 # Integers sent for float fields (JSON has one number type) must convert to a finite float.

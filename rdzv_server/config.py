@@ -11,20 +11,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from rdzv_client.wire import MAX_CORDON_S, default_token_file
+from rdzv_client.wire import DEFAULT_MAX_HOLD, DEFAULT_PORT, MAX_CORDON_S, default_token_file
 
 from .core.cordon import MAX_DEATHS_PER_HOST
 from .core.machine import DEFAULT_SESSION_TTL, Limits
 from .storage import DEFAULT_MAX_QUEUED_BYTES, DEFAULT_MAX_QUEUED_RECORDS, DEFAULT_SNAPSHOT_EVERY, default_data_dir
 
-# 29400 is torchrun's default rendezvous port: `--rdzv-endpoint=HOST` alone reaches us.
-DEFAULT_PORT = 29400
 # torch stores hold small blobs (addresses, NCCL ids, pickled role infos); 16 MiB is generous.
 DEFAULT_MAX_VALUE_BYTES = 16 * 1024 * 1024
 # A body carries at most a few values (multi_set) plus framing.
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
-# Long-polls answer after this long at most, so proxies and dead peers never pin a request forever.
-DEFAULT_MAX_HOLD = 30.0
 # A live agent re-polls on its kept-alive connection at once, so a drop that lasts this long
 # means its process died; short enough that survivors hear of it within a second.
 DEFAULT_DISCONNECT_GRACE = 0.5

@@ -1,4 +1,5 @@
-"""Reading what the server sends on a raw socket, for tests that speak the stream protocol by hand."""
+"""Reading what the server sends on a raw socket, for tests that speak the stream protocol by hand
+(through the client package's one frame reader, :mod:`rdzv_client.frame`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import contextlib
 import socket
 from typing import Any
 
-from rdzv_client import frame
+from rdzv_client import frame, wire
 
 # A raw test socket waits this long for the server before it gives up.
 PATIENCE = 15.0
@@ -43,12 +44,8 @@ class FrameReader:
 
     def recv(self) -> list[Any]:
         """The next reply frame; ConnectionError once the server has closed (or reset) the socket."""
-        while (reply := self._frames.next_frame()) is None:
-            try:
-                chunk = self.sock.recv(1 << 16)
-            except ConnectionResetError:
-                chunk = b""
-            if not chunk:
-                raise ConnectionError("the server closed the stream")
-            self._frames.feed(chunk)
-        return reply  # type: ignore[no-any-return]
+        try:
+            payload = self._frames.receive(self.sock.recv)
+        except (ConnectionResetError, EOFError) as exc:
+            raise ConnectionError("the server closed the stream") from exc
+        return wire.unpack(payload, READ_LIMIT, max_items=wire.MAX_REPLY_ITEMS)  # type: ignore[no-any-return]

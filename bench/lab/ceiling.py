@@ -29,6 +29,7 @@ What it must not know: the other measurements; it starts its own servers on free
 from __future__ import annotations
 
 import asyncio
+import functools
 import multiprocessing as mp
 import os
 import socket
@@ -44,12 +45,13 @@ from ..process import server_cpu_ns
 CLIENTS = 8
 SECONDS = 2.0
 JOB = "ceiling"
-_HEADER = struct.Struct(">I")
-_ECHO_REQUEST = _HEADER.pack(40) + b"x" * 40
-_ECHO_REPLY = _HEADER.pack(12) + b"y" * 12
+_ECHO_REQUEST = struct.pack(">I", 40) + b"x" * 40
+_ECHO_REPLY = struct.pack(">I", 12) + b"y" * 12
+# What a bench client reads: far above any reply here (the server bounds itself).
+READ_LIMIT = 1 << 24
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
@@ -62,21 +64,11 @@ def _connect(port: int) -> socket.socket:
     return sock
 
 
-def _recv_frame(sock: socket.socket) -> bytes:
-    """The next frame's payload off ``sock``."""
-    head = _recv_exactly(sock, _HEADER.size)
-    (size,) = _HEADER.unpack(head)
-    return _recv_exactly(sock, size)
+def replies(sock: socket.socket) -> Callable[[], bytes]:
+    """The next frame's payload off ``sock``, one per call (the client package's frame reader)."""
+    from rdzv_client import frame
 
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("the server closed the connection")
-        data += chunk
-    return data
+    return functools.partial(frame.FrameDecoder(READ_LIMIT).receive, sock.recv)
 
 
 # -- servers (each in a process of its own; ``ready`` set once it listens) -----------------
@@ -89,16 +81,17 @@ class _Echo(asyncio.Protocol):
         transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
-        buffer, replies = self._buffer + data, 0
-        while len(buffer) >= _HEADER.size and len(buffer) >= _HEADER.size + _HEADER.unpack(buffer[:4])[0]:
-            buffer = buffer[_HEADER.size + _HEADER.unpack(buffer[:4])[0] :]
-            replies += 1
-        self._buffer = buffer
+        from rdzv_client import frame
+
+        buffer, pos, replies = self._buffer + data, 0, 0
+        while (end := frame.frame_end(buffer, pos, READ_LIMIT)) is not None:
+            pos, replies = end, replies + 1
+        self._buffer = buffer[pos:]
         if replies:
             self._transport.write(_ECHO_REPLY * replies)
 
 
-def _echo_server(port: int, ready: Any) -> None:
+def echo_server(port: int, ready: Any) -> None:
     import uvloop
 
     async def serve() -> None:
@@ -136,10 +129,11 @@ def _run(request: Callable[[int], object], start: Any, done: Any) -> None:
 
 def _echo_client(port: int, token: str, start: Any, done: Any) -> None:
     sock = _connect(port)
+    reply = replies(sock)
 
     def request(n: int) -> None:
         sock.sendall(_ECHO_REQUEST)
-        _recv_frame(sock)
+        reply()
 
     _run(request, start, done)
 
@@ -160,15 +154,16 @@ def _bare_client(port: int, token: str, start: Any, done: Any) -> None:
     from rdzv_client import wire
 
     sock = _connect(port)
+    reply = replies(sock)
     sock.sendall(wire.STREAM_PREFACE + wire.frame([1, wire.HELLO_OP, "", {"token": token}]))
-    assert msgpack.unpackb(_recv_frame(sock))[1] == 200, "the server refused the hello"
+    assert msgpack.unpackb(reply())[1] == 200, "the server refused the hello"
     key, session = f"k{os.getpid()}".encode(), f"bare{os.getpid()}"
 
     def request(n: int) -> None:
         # rid [client id, seq, floor]: one request at a time, so every earlier one is answered
         sock.sendall(wire.frame([n + 2, "add", JOB, {"key": key, "amount": 1, "rid": [session, n + 1, n + 1]}]))
-        reply = msgpack.unpackb(_recv_frame(sock))
-        assert reply[1] == 200, reply
+        answer = msgpack.unpackb(reply())
+        assert answer[1] == 200, answer
 
     _run(request, start, done)
 
@@ -195,7 +190,7 @@ def _store_client(port: int, token: str, start: Any, done: Any) -> None:
 # -- runs ------------------------------------------------------------------------------------
 
 
-def _cpu_s(pid: int) -> float:
+def cpu_s(pid: int) -> float:
     """CPU seconds process ``pid`` has spent so far, every thread."""
     ns = server_cpu_ns(pid)
     if ns is None:
@@ -217,20 +212,20 @@ def _throughput(client: Callable[..., None], port: int, token: str, server_pid: 
     for proc in procs:
         proc.start()
     time.sleep(4.0)  # every client imported what it needs and connected
-    served = _cpu_s(server_pid)
+    served = cpu_s(server_pid)
     start.set()
     results = [done.get(timeout=120) for _ in procs]
-    served = _cpu_s(server_pid) - served  # (the clients are done: what it spent is on their requests)
+    served = cpu_s(server_pid) - served  # (the clients are done: what it spent is on their requests)
     for proc in procs:
         proc.join(30)
     total = sum(count for count, _ in results)
     return Figure(total / SECONDS, sum(cpu for _, cpu in results) / total * 1e6, served / total * 1e6)
 
 
-def _in_process(server: Callable[[int, Any], None]) -> tuple[mp.process.BaseProcess, int, int]:
+def in_process(server: Callable[[int, Any], None]) -> tuple[mp.process.BaseProcess, int, int]:
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    port = _free_port()
+    port = free_port()
     proc = ctx.Process(target=server, args=(port, ready), daemon=True)
     proc.start()
     if not ready.wait(60):
@@ -240,10 +235,10 @@ def _in_process(server: Callable[[int, Any], None]) -> tuple[mp.process.BaseProc
 
 
 def _rdzv_server() -> tuple[subprocess.Popen[bytes], int, str]:
-    from rdzv_client import Client
+    from rdzv_client import Client, JobSettings
     from rdzv_client.credential import find_token
 
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "rdzv_server", "--memory", "--host", "127.0.0.1", "--port", str(port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -254,7 +249,7 @@ def _rdzv_server() -> tuple[subprocess.Popen[bytes], int, str]:
         try:
             token = find_token(None, None) or ""
             with Client(f"127.0.0.1:{port}", token=token, retry_budget=1.0) as client:
-                client.create_job(JOB, min_nodes=1, max_nodes=1)
+                client.create_job(JOB, JobSettings(min_nodes=1, max_nodes=1))
             return proc, port, token
         except Exception:
             if time.monotonic() > deadline or proc.poll() is not None:
@@ -266,10 +261,10 @@ def _rdzv_server() -> tuple[subprocess.Popen[bytes], int, str]:
 def main() -> int:
     rows: list[tuple[str, int, Figure, float]] = []
     for run in (1, 2):
-        echo, echo_port, echo_pid = _in_process(_echo_server)
+        echo, echo_port, echo_pid = in_process(echo_server)
         figures = {"echo (bare uvloop server, bare clients)": _throughput(_echo_client, echo_port, "", echo_pid)}
         echo.kill()
-        tcp, tcp_port, tcp_pid = _in_process(_tcpstore_server)
+        tcp, tcp_port, tcp_pid = in_process(_tcpstore_server)
         figures["TCPStore add"] = reference = _throughput(_tcpstore_client, tcp_port, "", tcp_pid)
         tcp.kill()
         server, port, token = _rdzv_server()

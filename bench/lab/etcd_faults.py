@@ -177,7 +177,7 @@ async def _etcd_faults(
 ) -> tuple[list[MemberLoss], list[QuorumLoss], int, int]:
     """Every fault under one continuous writer (and one bare etcd put loop); return the member
     losses, the quorum losses, the counter and the acknowledged adds."""
-    from rdzv_client import AsyncClient
+    from rdzv_client import AsyncClient, JobSettings
     from rdzv_server.storage.etcd_client import EtcdClient
 
     budget = plan.timeout
@@ -190,7 +190,7 @@ async def _etcd_faults(
     quorum: list[QuorumLoss] = []
     etcd_client = EtcdClient(etcd.client_urls)
     async with AsyncClient(backend.endpoint, retry_budget=budget) as client:
-        await asyncio.wait_for(client.create_job(job, min_nodes=1, max_nodes=1), budget)
+        await asyncio.wait_for(client.create_job(job, JobSettings(min_nodes=1, max_nodes=1)), budget)
 
         async def put() -> None:
             key = f"/rdzv-bench-put-{uuid.uuid4().hex[:8]}".encode()

@@ -135,13 +135,13 @@ def server_argv(port: int, data_dir: Path, snapshot_every: int) -> list[str]:
 
 async def fill(endpoint: str, keys: int, *, last_batch: bool) -> None:
     """All batches but the last (``last_batch=False``), or just the last one."""
-    from rdzv_client import AsyncClient
+    from rdzv_client import AsyncClient, JobSettings
 
     firsts = list(range(0, keys, BATCH))
     firsts = firsts[-1:] if last_batch else firsts[:-1]
     async with AsyncClient(endpoint) as client:
         if not last_batch:
-            await client.create_job(JOB, min_nodes=1, max_nodes=1)
+            await client.create_job(JOB, JobSettings(min_nodes=1, max_nodes=1))
         slots = asyncio.Semaphore(BATCHES_IN_FLIGHT)
 
         async def batch(first: int) -> None:

@@ -19,8 +19,9 @@ into a virtual environment of its own under ``--work`` (default: a folder in the
 directory, kept for the next run; pip's cache makes the first install quick). This tree's
 server runs from the interpreter running this module.
 
-What it must not know: the rest of the bench; the client's code (the frames are written
-here, as the stream protocol has had them since before issue 15).
+What it must not know: the rest of the bench; the client's policy and transports (the frames
+are written here, as the stream protocol has had them since before issue 15, and read by
+:mod:`rdzv_client.frame`'s reader, the one in the tree).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Any
 
 import msgpack
 
-from .ceiling import _cpu_s, _echo_server, _free_port, _in_process, _recv_frame
+from .ceiling import cpu_s, echo_server, free_port, in_process, replies
 
 ADDS = 8000
 ECHO = "echo (the floor)"
@@ -55,8 +56,6 @@ def _frame(obj: Any) -> bytes:
     return struct.pack(">I", len(body)) + body
 
 
-def _reply(sock: socket.socket) -> Any:
-    return msgpack.unpackb(_recv_frame(sock))
 
 
 def _connect(port: int, proc: subprocess.Popen[bytes]) -> socket.socket:
@@ -76,7 +75,7 @@ def _connect(port: int, proc: subprocess.Popen[bytes]) -> socket.socket:
 def server_cpu_per_add(python: str) -> float:
     """Start ``python -m rdzv_server --memory``, drive it as the module says; µs of its CPU per add."""
     home = tempfile.mkdtemp(prefix="rdzv-versus-")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [python, "-m", "rdzv_server", "--memory", "--host", "127.0.0.1", "--port", str(port)],
         env={**os.environ, "XDG_CONFIG_HOME": home}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -84,12 +83,13 @@ def server_cpu_per_add(python: str) -> float:
     )
     try:
         with _connect(port, proc) as sock:
+            reply = replies(sock)
             token = (Path(home) / "rdzv-server" / "token").read_text().strip()
             sock.sendall(_PREFACE + _frame([1, "hello", "", {"token": token}]))
-            if _reply(sock)[1] != 200:
+            if msgpack.unpackb(reply())[1] != 200:
                 raise RuntimeError("the server refused the hello")
             sock.sendall(_frame([2, "create", JOB, {"min_nodes": 1, "max_nodes": 1}]))
-            _reply(sock)
+            msgpack.unpackb(reply())
             seq = 0
 
             def adds(n: int) -> None:
@@ -98,16 +98,16 @@ def server_cpu_per_add(python: str) -> float:
                     seq += 1
                     rid = ["versus0123456789", seq, seq]  # one at a time: every earlier one answered
                     sock.sendall(_frame([seq + 2, "add", JOB, {"key": b"k", "amount": 1, "round": None, "rid": rid}]))
-                    reply = _reply(sock)
-                    if reply[1] != 200:
-                        raise RuntimeError(f"the server answered an add with {reply!r:.200}")
+                    answer = msgpack.unpackb(reply())
+                    if answer[1] != 200:
+                        raise RuntimeError(f"the server answered an add with {answer!r:.200}")
 
             adds(ADDS // 4)  # warm
             stretches = []
             for _ in range(REPEATS):
-                before = _cpu_s(proc.pid)
+                before = cpu_s(proc.pid)
                 adds(ADDS)
-                stretches.append((_cpu_s(proc.pid) - before) / ADDS * 1e6)
+                stretches.append((cpu_s(proc.pid) - before) / ADDS * 1e6)
             return min(stretches)
     finally:
         proc.kill()
@@ -135,18 +135,19 @@ def _venv(rev: str, work: Path) -> str:
 def echo_cpu_per_request() -> float:
     """The floor: µs of CPU per request of a bare uvloop server that answers every frame with
     a fixed one (``bench.lab.ceiling``'s), driven by the same loop and the same ``add`` frames."""
-    proc, port, pid = _in_process(_echo_server)
+    proc, port, pid = in_process(echo_server)
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            reply = replies(sock)
             stretches = []
             for _ in range(REPEATS):
-                before = _cpu_s(pid)
+                before = cpu_s(pid)
                 for seq in range(1, ADDS + 1):
                     rid = ["versus0123456789", seq, seq]
                     sock.sendall(_frame([seq + 2, "add", JOB, {"key": b"k", "amount": 1, "round": None, "rid": rid}]))
-                    _recv_frame(sock)
-                stretches.append((_cpu_s(pid) - before) / ADDS * 1e6)
+                    reply()
+                stretches.append((cpu_s(pid) - before) / ADDS * 1e6)
             return min(stretches)
     finally:
         proc.kill()

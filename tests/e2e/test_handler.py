@@ -37,9 +37,10 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStoreInfo,
 )
 
-from rdzv_client import Client
+from rdzv_client import Client, JobSettings
 from rdzv_client.error import NotFoundError
-from rdzv_client.torchrun import WORKER_IDENTICAL_ENV, RdzvServerHandler, RdzvStore, _exchange_master_address
+from rdzv_client.conf import NodeConf
+from rdzv_client.torchrun import WORKER_IDENTICAL_ENV, RdzvServerHandler, RdzvStore, exchange_master_address
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -93,7 +94,7 @@ class Nodes:
         params = RendezvousParameters(
             "rdzv-server", self.endpoint, job, nnodes, nnodes, local_addr="127.0.0.1", **{**CONF, **conf}
         )
-        self.handlers.append(RdzvServerHandler(params, 1, client=self.client))
+        self.handlers.append(RdzvServerHandler(NodeConf.read(params), 1, client=self.client))
         return self.handlers[-1]
 
     def close(self) -> None:
@@ -127,7 +128,7 @@ def test_a_member_whose_job_closes_stops_watching_while_its_workers_run_on(serve
     member = nodes.handler(job, 1)
     assert member.next_rendezvous().rank == 0
     nodes.client.close_job(job)
-    wait_until(lambda: member._closed, 30, "the watch to see the job closed")
+    wait_until(lambda: member.node.closed, 30, "the watch to see the job closed")
     before = watches_served(server)
     threading.Event().wait(1.0)  # a second in which nothing should be asked
     assert watches_served(server) - before <= 1
@@ -168,8 +169,8 @@ def test_torchs_worker_rank_shortcut_follows_the_round_unless_the_user_set_it(
             return False
 
     wait_until(joined, 30, "the handler to join")
-    settings = {"min_nodes": 2, "max_nodes": 2, "last_call_timeout": 1, "join_timeout": 60, "heartbeat_ttl": 2}
-    nodes.client.join(job, node_id="two-workers", addr="127.0.0.1", nproc_per_node=2, timeout=30, **settings)
+    settings = JobSettings(min_nodes=2, max_nodes=2, last_call_timeout=1, join_timeout=60, heartbeat_ttl=2)
+    nodes.client.join(job, node_id="two-workers", addr="127.0.0.1", nproc_per_node=2, timeout=30, settings=settings)
     assert mixed.result().world_size == 2
     assert WORKER_IDENTICAL_ENV not in os.environ
 
@@ -256,8 +257,9 @@ def joining(client: Client, job: str) -> list[Any]:
 
 def join_second_node(client: Client, job: str) -> None:
     client.join(
-        job, node_id="second", addr="127.0.0.1", nproc_per_node=1, min_nodes=2, max_nodes=2,
-        last_call_timeout=1.0, join_timeout=60.0, heartbeat_ttl=2.0, timeout=30.0,
+        job, node_id="second", addr="127.0.0.1", nproc_per_node=1,
+        settings=JobSettings(min_nodes=2, max_nodes=2, last_call_timeout=1.0, join_timeout=60.0, heartbeat_ttl=2.0),
+        timeout=30.0,
     )
 
 
@@ -317,8 +319,9 @@ def test_without_an_offered_port_the_master_address_goes_through_the_rounds_stor
     job = f"noport-{uuid.uuid4().hex[:8]}"
     joined: list[Any] = []
     older = threading.Thread(target=lambda: joined.append(nodes.client.join(
-        job, node_id="older-node", addr="127.0.0.1", nproc_per_node=1, min_nodes=2, max_nodes=2,
-        last_call_timeout=1.0, join_timeout=60.0, heartbeat_ttl=2.0, timeout=30.0,
+        job, node_id="older-node", addr="127.0.0.1", nproc_per_node=1,
+        settings=JobSettings(min_nodes=2, max_nodes=2, last_call_timeout=1.0, join_timeout=60.0, heartbeat_ttl=2.0),
+        timeout=30.0,
     )), daemon=True)
     older.start()
     wait_until(lambda: joining(nodes.client, job), 30, "the older node's join")
@@ -334,9 +337,9 @@ def test_without_an_offered_port_the_master_address_goes_through_the_rounds_stor
     assert (info.bootstrap_store_info.master_addr, info.bootstrap_store_info.master_port) == ("127.0.0.1", 29555)
 
     publishing = RdzvStore(nodes.client, job, round=joined[0].round + 1000)
-    assert _exchange_master_address(0, publishing, "127.0.0.1", 29556) == RendezvousStoreInfo("127.0.0.1", 29556)
+    assert exchange_master_address(0, publishing, "127.0.0.1", 29556) == RendezvousStoreInfo("127.0.0.1", 29556)
     assert publishing.get("MASTER_ADDR") == b"127.0.0.1" and publishing.get("MASTER_PORT") == b"29556"
-    assert _exchange_master_address(1, publishing, "elsewhere", 1) == RendezvousStoreInfo("127.0.0.1", 29556)
+    assert exchange_master_address(1, publishing, "elsewhere", 1) == RendezvousStoreInfo("127.0.0.1", 29556)
 
 
 class FailingOnce:
@@ -362,7 +365,7 @@ def test_an_unexpected_failure_of_one_heartbeat_does_not_end_the_nodes_heartbeat
     job = f"beats-on-{uuid.uuid4().hex[:8]}"
     params = RendezvousParameters("rdzv-server", nodes.endpoint, job, 1, 1, local_addr="127.0.0.1", **CONF)
     client = FailingOnce(nodes.client)
-    handler = RdzvServerHandler(params, 1, client=client)  # type: ignore[arg-type]  # duck-typed
+    handler = RdzvServerHandler(NodeConf.read(params), 1, client=client)  # type: ignore[arg-type]  # duck-typed
     nodes.handlers.append(handler)
     assert handler.next_rendezvous().rank == 0
     assert client.failed.wait(30)

@@ -24,7 +24,7 @@ from typing import Any
 
 import psutil
 import pytest
-from rdzv_client import Client
+from rdzv_client import Client, JobSettings
 from torch_feature import NO_WORKER_RANK_SHORTCUT, WORKER_RANK_SHORTCUT
 
 # The fixtures' classes (conftest.py); annotations only.
@@ -298,8 +298,9 @@ def test_a_node_that_dies_as_its_round_forms_holds_up_no_one(server: Any, cluste
     cluster.wait_job(server, job, lambda d: len(d["joining"]) == 1, 60, "the steady node to join")
     with Client(server.endpoint) as ghost:
         place = ghost.join(
-            job, node_id="ghost", addr="127.0.0.2", nproc_per_node=1, min_nodes=1, max_nodes=2,
-            last_call_timeout=3, join_timeout=60, heartbeat_ttl=2, master_port=1, timeout=30,
+            job, node_id="ghost", addr="127.0.0.2", nproc_per_node=1,
+            settings=JobSettings(min_nodes=1, max_nodes=2, last_call_timeout=3, join_timeout=60, heartbeat_ttl=2),
+            master_port=1, timeout=30,
         )
     assert (place.num_nodes, place.uniform_nproc) == (2, True), place
 

@@ -20,6 +20,7 @@ from rdzv_client import (
     Client,
     ConflictError,
     JobClosedError,
+    JobSettings,
     NotFoundError,
     RdzvConnectionError,
     RdzvError,
@@ -48,7 +49,7 @@ async def aclient(server: Any) -> AsyncIterator[AsyncClient]:
 @pytest.fixture
 def job(client: Client) -> str:
     rdzv_id = new_job()
-    client.create_job(rdzv_id, min_nodes=1, max_nodes=4)
+    client.create_job(rdzv_id, JobSettings(min_nodes=1, max_nodes=4))
     return rdzv_id
 
 
@@ -91,7 +92,7 @@ def test_every_store_operation_through_the_sync_client(client: Client, job: str)
 
 async def test_every_store_operation_through_the_async_client(aclient: AsyncClient) -> None:
     job = new_job()
-    await aclient.create_job(job, min_nodes=1, max_nodes=2)
+    await aclient.create_job(job, JobSettings(min_nodes=1, max_nodes=2))
     before = await aclient.num_keys(job)
     await aclient.set(job, "a", "1")
     assert await aclient.get(job, "a", timeout=1) == b"1"
@@ -119,7 +120,7 @@ def test_keys_of_a_round_are_apart_from_the_job_keys(client: Client, job: str) -
 
 def test_jobs_do_not_see_each_other_keys(client: Client, job: str) -> None:
     other = new_job()
-    client.create_job(other, min_nodes=1, max_nodes=1)
+    client.create_job(other, JobSettings(min_nodes=1, max_nodes=1))
     client.set(job, "shared-name", "mine")
     assert client.check(other, ["shared-name"]) is False
 
@@ -142,7 +143,7 @@ def test_a_blocking_get_is_woken_by_a_set_from_another_client(server: Any, clien
 
 async def test_async_wait_and_multi_get_are_woken_by_sets(server: Any, aclient: AsyncClient) -> None:
     job = new_job()
-    await aclient.create_job(job, min_nodes=1, max_nodes=1)
+    await aclient.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
     waiting = asyncio.ensure_future(aclient.wait(job, ["p", "q"], timeout=20))
     fetching = asyncio.ensure_future(aclient.multi_get(job, ["p", "q"], timeout=20))
     await asyncio.to_thread(wait_for_parked, server, 2)
@@ -211,9 +212,10 @@ def test_server_errors_map_onto_the_client_tree(client: Client, job: str) -> Non
     with pytest.raises(ConflictError) as conflict:
         client.add(job, "text", 1)
     assert conflict.value.code is wire.ErrorCode.NOT_AN_INTEGER
-    client.join(job, node_id="n0", addr="h", nproc_per_node=1, min_nodes=1, max_nodes=4, last_call_timeout=0, timeout=10)
+    client.join(job, node_id="n0", addr="h", nproc_per_node=1,
+        settings=JobSettings(min_nodes=1, max_nodes=4, last_call_timeout=0), timeout=10)
     with pytest.raises(ConflictError) as settings:  # a job with live nodes keeps its settings
-        client.create_job(job, min_nodes=2, max_nodes=3)
+        client.create_job(job, JobSettings(min_nodes=2, max_nodes=3))
     assert settings.value.code is wire.ErrorCode.SETTINGS_CONFLICT
     with pytest.raises(NotFoundError):
         client.job(new_job())
@@ -237,7 +239,7 @@ def test_health_and_readiness(client: Client) -> None:
 def test_failover_skips_a_dead_endpoint(server: Any) -> None:
     with Client(f"127.0.0.1:{free_port()},{server.endpoint}", retry_budget=10.0) as c:
         job = new_job()
-        c.create_job(job, min_nodes=1, max_nodes=1)
+        c.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
         c.set(job, "k", "v")
         assert c.get(job, "k", timeout=1) == b"v"
 
@@ -248,7 +250,7 @@ def test_failover_skips_a_dead_endpoint(server: Any) -> None:
 def test_calls_retry_through_a_server_restart_and_acknowledged_writes_survive(durable_server: Any) -> None:
     with Client(durable_server.endpoint, retry_budget=30.0) as c:
         job = new_job()
-        c.create_job(job, min_nodes=1, max_nodes=1)
+        c.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
         c.set(job, "before", "the kill")
         assert c.add(job, "n", 1) == 1
         results: list[object] = []
@@ -274,7 +276,7 @@ def test_calls_retry_through_a_server_restart_and_acknowledged_writes_survive(du
 def test_a_write_retried_after_a_restart_with_its_rid_applies_once(durable_server: Any) -> None:
     with Client(durable_server.endpoint, retry_budget=30.0) as c:
         job = new_job()
-        c.create_job(job, min_nodes=1, max_nodes=1)
+        c.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
         req = wire.AddRequest(job, key=b"n", amount=3, rid=c.next_rid())
         assert c.request(job, req) == {"value": 3}
         durable_server.close()  # SIGKILL; start() brings it back on the same port and data dir
@@ -313,7 +315,8 @@ async def test_two_nodes_join_and_get_ranks(aclient: AsyncClient) -> None:
 
     async def join(node: str, nproc: int) -> wire.Assignment:
         return await aclient.join(
-            job, node_id=node, addr=f"{node}.local", nproc_per_node=nproc, min_nodes=2, max_nodes=2, timeout=20
+            job, node_id=node, addr=f"{node}.local", nproc_per_node=nproc,
+            settings=JobSettings(min_nodes=2, max_nodes=2), timeout=20
         )
 
     a, b = await asyncio.gather(join("node-a", 2), join("node-b", 3))
@@ -336,17 +339,20 @@ def test_a_join_that_cannot_complete_raises_its_own_timeout(client: Client) -> N
     job = new_job()
     start = time.monotonic()
     with pytest.raises(RdzvTimeoutError):
-        client.join(job, node_id="lonely", addr="h", nproc_per_node=1, min_nodes=2, max_nodes=2, timeout=1.0)
+        client.join(job, node_id="lonely", addr="h", nproc_per_node=1,
+            settings=JobSettings(min_nodes=2, max_nodes=2), timeout=1.0)
     assert 0.9 <= time.monotonic() - start < 3.0
 
 
 def test_a_closed_job_with_live_nodes_refuses_joins(client: Client) -> None:
     job = new_job()
-    client.join(job, node_id="n0", addr="h", nproc_per_node=1, min_nodes=1, max_nodes=1, timeout=10)
+    client.join(job, node_id="n0", addr="h", nproc_per_node=1,
+        settings=JobSettings(min_nodes=1, max_nodes=1), timeout=10)
     client.close_job(job)  # n0 is still alive: its run is over, and no one may join it
     assert client.watch(job, "n0", round=0).closed is True
     with pytest.raises(JobClosedError):
-        client.join(job, node_id="n1", addr="h", nproc_per_node=1, min_nodes=1, max_nodes=1, timeout=5)
+        client.join(job, node_id="n1", addr="h", nproc_per_node=1,
+            settings=JobSettings(min_nodes=1, max_nodes=1), timeout=5)
 
 
 @pytest.fixture

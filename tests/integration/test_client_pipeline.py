@@ -1,11 +1,10 @@
-"""One pipelined stream connection per client (rdzv_client.pipeline): requests of many
-threads (or tasks) share it, a parked long-poll does not hold up the calls behind it, and a
+"""One pipelined stream connection per client (rdzv_client.stream): requests of many
+threads share it, a parked long-poll does not hold up the calls behind it, and a
 connection the server dropped is replaced at once. Also how the blocking transport
 (SocketTransport) reads a reply: whole, in pieces, or refused."""
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import os
 import socket
@@ -18,11 +17,10 @@ import msgpack
 import pytest
 from server_process import ServerProcess
 
-from rdzv_client import AsyncClient, Client, frame, pipeline, wire
-from rdzv_client.credential import find_token
-from rdzv_client.pipeline import AsyncStreamTransport, PipelinedSocketTransport
+from rdzv_client import Client, JobSettings, frame, stream, wire
 from rdzv_client.error import ServerError
-from rdzv_client.transport import Answer, Endpoint, SocketTransport, TransportError
+from rdzv_client.stream import PipelinedSocketTransport, SocketTransport
+from rdzv_client.transport import Answer, Endpoint, TransportError
 
 
 def stream_connections(server: ServerProcess) -> float:
@@ -43,7 +41,7 @@ def pipelined(server: ServerProcess) -> tuple[Client, PipelinedSocketTransport]:
 def test_threads_share_one_connection_and_a_parked_get_does_not_block_the_set_behind_it(server: ServerProcess) -> None:
     client, transport = pipelined(server)
     with client:
-        client.create_job("pipe", min_nodes=1, max_nodes=1)
+        client.create_job("pipe", JobSettings(min_nodes=1, max_nodes=1))
         got: list[Any] = []
         waiter = threading.Thread(target=lambda: got.append(client.get("pipe", "k", timeout=30)))
         waiter.start()
@@ -61,27 +59,11 @@ def test_threads_share_one_connection_and_a_parked_get_does_not_block_the_set_be
 def test_a_connection_the_server_dropped_is_replaced_at_once(server: ServerProcess) -> None:
     client, transport = pipelined(server)
     with client:
-        client.create_job("again", min_nodes=1, max_nodes=1)
+        client.create_job("again", JobSettings(min_nodes=1, max_nodes=1))
         server.restart()  # a memory server: it comes back empty, on the same port
-        client.create_job("again", min_nodes=1, max_nodes=1)  # on a fresh connection, no error
+        client.create_job("again", JobSettings(min_nodes=1, max_nodes=1))  # on a fresh connection, no error
         assert client.num_keys("again") == 0
         assert transport.connections == 1
-
-
-def test_asyncio_tasks_share_one_connection(server: ServerProcess) -> None:
-    async def main() -> tuple[list[int], int]:
-        transport = AsyncStreamTransport(token=find_token(None, None))
-        async with AsyncClient(server.endpoint, transport=transport) as client:
-            await client.create_job("tasks", min_nodes=1, max_nodes=1)
-            parked = asyncio.ensure_future(client.get("tasks", "k", timeout=30))
-            counts = await asyncio.gather(*(client.add("tasks", f"c{i % 4}", 1) for i in range(100)))
-            await client.set("tasks", "k", "v")
-            assert await parked == b"v"
-            return sorted(counts), transport.connections
-
-    counts, connections = asyncio.run(main())
-    assert counts == sorted(n for _ in range(4) for n in range(1, 26))
-    assert connections == 1
 
 
 def test_a_stale_connection_whose_replacement_ends_as_it_opens_is_a_transport_error(
@@ -93,7 +75,7 @@ def test_a_stale_connection_whose_replacement_ends_as_it_opens_is_a_transport_er
 
     The interleaving that did it is forced: a connection's reader thread sees the server's
     close before the request is registered on that connection (on a loaded host, it did)."""
-    expect = pipeline._Link.expect
+    expect = stream._Link.expect
 
     def after_the_reader(link: Any, tag: int) -> Any:
         if link.received == 0:  # a connection that never answered: let its reader run first
@@ -103,7 +85,7 @@ def test_a_stale_connection_whose_replacement_ends_as_it_opens_is_a_transport_er
                 threading.Event().wait(0.005)
         return expect(link, tag)
 
-    monkeypatch.setattr(pipeline._Link, "expect", after_the_reader)
+    monkeypatch.setattr(stream._Link, "expect", after_the_reader)
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
 
@@ -116,11 +98,7 @@ def test_a_stale_connection_whose_replacement_ends_as_it_opens_is_a_transport_er
             replies = frame.FrameDecoder(1 << 20)
             answered = 0
             while answered < 2:
-                payload = replies.next_payload()
-                if payload is None:
-                    replies.feed(conn.recv(65536))
-                    continue
-                tag = msgpack.unpackb(payload)[0]
+                tag = msgpack.unpackb(replies.receive(conn.recv))[0]
                 if answered == 0:
                     conn.sendall(wire.frame([tag, 200, {}]))
                 answered += 1
@@ -195,7 +173,7 @@ def test_threads_waiting_for_a_connection_that_cannot_open_share_its_failure(mon
 def test_a_forked_child_opens_its_own_connection_and_the_parents_keeps_working(server: ServerProcess) -> None:
     client, transport = pipelined(server)
     with client:
-        client.create_job("forked", min_nodes=1, max_nodes=1)
+        client.create_job("forked", JobSettings(min_nodes=1, max_nodes=1))
         assert client.add("forked", "n", 1) == 1  # the parent's connection is open
         pid = os.fork()
         if pid == 0:  # the child: its own connection (the parent's reader thread is not here)
@@ -235,11 +213,10 @@ def scripted_stream_server(script: Script) -> tuple[int, socket.socket]:
                 seen += conn.recv(len(wire.STREAM_PREFACE) - len(seen))
             decoder.feed(seen[len(wire.STREAM_PREFACE) :])
             for reply in script:
-                while (payload := decoder.next_payload()) is None:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return
-                    decoder.feed(chunk)
+                try:
+                    payload = decoder.receive(conn.recv)
+                except EOFError:
+                    return
                 for piece in reply(msgpack.unpackb(payload)[0]):
                     conn.sendall(piece)
                     time.sleep(0.05)

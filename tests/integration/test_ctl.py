@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from waiting import wait_for_parked
 
-from rdzv_client import Client
+from rdzv_client import Client, JobSettings
 
 
 def rdzvctl(*args: str, endpoint: str | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -39,7 +39,8 @@ def client(server: Any) -> Iterator[Client]:
 @pytest.fixture
 def joined_job(client: Client) -> str:
     job = f"ctl-{uuid.uuid4().hex[:10]}"
-    client.join(job, node_id="node-a", addr="10.1.2.3", nproc_per_node=2, min_nodes=1, max_nodes=1, timeout=10)
+    client.join(job, node_id="node-a", addr="10.1.2.3", nproc_per_node=2,
+        settings=JobSettings(min_nodes=1, max_nodes=1), timeout=10)
     return job
 
 
@@ -151,9 +152,10 @@ def test_events_follow_prints_new_events_and_ends_when_the_job_is_gone(server_fa
     srv = server_factory(args=("--job-ttl", "2"))
     job = f"ctl-{uuid.uuid4().hex[:10]}"
     with Client(srv.endpoint) as c:
-        c.create_job(job, min_nodes=1, max_nodes=1)
+        c.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
         # A job with a node is not idle: it outlives the follow's start, however slow.
-        c.join(job, node_id="node-a", addr="10.9.9.9", nproc_per_node=1, min_nodes=1, max_nodes=1, timeout=10)
+        c.join(job, node_id="node-a", addr="10.9.9.9", nproc_per_node=1,
+            settings=JobSettings(min_nodes=1, max_nodes=1), timeout=10)
         follow = subprocess.Popen(
             [sys.executable, "-m", "rdzv_client.ctl", "--endpoint", srv.endpoint, "events", job, "--follow"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -168,7 +170,7 @@ def test_events_follow_prints_new_events_and_ends_when_the_job_is_gone(server_fa
 
 def test_show_says_what_an_open_round_is_waiting_for(server: Any, client: Client) -> None:
     job = f"ctl-{uuid.uuid4().hex[:10]}"
-    client.create_job(job, min_nodes=2, max_nodes=2)
+    client.create_job(job, JobSettings(min_nodes=2, max_nodes=2))
     lines = rdzvctl("show", job, endpoint=server.endpoint).stdout.splitlines()
     assert lines[1] == "pending: waiting for min_nodes: 0 of 2 joined"
     assert lines[2:4] == ["", "no nodes in the current round"]
@@ -206,12 +208,13 @@ def read_first_frame(watch: subprocess.Popen[str]) -> list[str]:
 
 def test_watch_redraws_when_a_node_joins(server: Any, client: Client) -> None:
     job = f"ctl-{uuid.uuid4().hex[:10]}"
-    client.create_job(job, min_nodes=1, max_nodes=1)
+    client.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
     # A long --interval: the second frame can only come from the event, not the clock.
     watch = start_watch(server.endpoint, job, "--frames", "2", "--interval", "25")
     first = read_first_frame(watch)
     started = time.monotonic()
-    client.join(job, node_id="node-w", addr="10.7.7.7", nproc_per_node=2, min_nodes=1, max_nodes=1, timeout=10)
+    client.join(job, node_id="node-w", addr="10.7.7.7", nproc_per_node=2,
+        settings=JobSettings(min_nodes=1, max_nodes=1), timeout=10)
     rest, err = watch.communicate(timeout=30)
     assert watch.returncode == 0, err
     assert time.monotonic() - started < 20  # drawn on the change
@@ -230,10 +233,11 @@ def test_watch_ends_with_exit_0_when_the_job_is_collected(server_factory: Any) -
     srv = server_factory(args=("--job-ttl", "2"))
     job = f"ctl-{uuid.uuid4().hex[:10]}"
     with Client(srv.endpoint) as c:
-        c.create_job(job, min_nodes=1, max_nodes=1)
+        c.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
         watch = start_watch(srv.endpoint, job, "--interval", "1")
         read_first_frame(watch)
-        c.join(job, node_id="node-a", addr="10.9.9.9", nproc_per_node=1, min_nodes=1, max_nodes=1, timeout=10)
+        c.join(job, node_id="node-a", addr="10.9.9.9", nproc_per_node=1,
+            settings=JobSettings(min_nodes=1, max_nodes=1), timeout=10)
         c.leave(job, "node-a")  # the job is idle again: collected 2 s later
     out, err = watch.communicate(timeout=30)
     assert watch.returncode == 0, err
@@ -243,7 +247,7 @@ def test_watch_ends_with_exit_0_when_the_job_is_collected(server_factory: Any) -
 
 def test_watch_ends_on_ctrl_c_with_exit_0_and_no_traceback(server: Any, client: Client) -> None:
     job = f"ctl-{uuid.uuid4().hex[:10]}"
-    client.create_job(job, min_nodes=1, max_nodes=1)
+    client.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
     watch = start_watch(server.endpoint, job, "--interval", "25")
     read_first_frame(watch)
     wait_for_parked(server, 1)  # parked in the events long-poll
@@ -259,7 +263,7 @@ def test_watch_ends_on_ctrl_c_with_exit_0_and_no_traceback(server: Any, client: 
 
 def test_watch_on_a_terminal_clears_the_screen_for_each_frame(server: Any, client: Client) -> None:
     job = f"ctl-{uuid.uuid4().hex[:10]}"
-    client.create_job(job, min_nodes=1, max_nodes=1)
+    client.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
     main, replica = pty.openpty()
     try:
         watch = start_watch(server.endpoint, job, "--frames", "1", stdout=replica)

@@ -52,7 +52,7 @@ import pytest
 from raw_stream import FrameReader
 from server_process import ServerProcess
 
-from rdzv_client import AsyncClient, Client, ConflictError, wire
+from rdzv_client import AsyncClient, Client, ConflictError, JobSettings, wire
 
 CHROMIUM = Path("/usr/bin/chromium")
 pytestmark = pytest.mark.skipif(
@@ -372,7 +372,7 @@ def form_job(srv: ServerProcess, nodes: dict[str, str]) -> tuple[str, dict[str, 
         def join(node_id: str, addr: str) -> None:
             try:
                 assignment = client.join(
-                    job, node_id=node_id, addr=addr, nproc_per_node=4, min_nodes=len(nodes), max_nodes=len(nodes),
+                    job, node_id=node_id, addr=addr, nproc_per_node=4, settings=JobSettings(min_nodes=len(nodes), max_nodes=len(nodes)),
                     timeout=JOIN_TIMEOUT,
                 )  # fmt: skip
                 ranks[node_id] = assignment.node_rank
@@ -445,7 +445,8 @@ def test_what_happens_while_the_page_is_open_appears_without_redrawing_it(
     def spare() -> None:
         try:
             with Client(server.endpoint, token=server.token) as client:
-                client.join(job, node_id="late-spare", addr="10.0.3.9", nproc_per_node=4, min_nodes=2, max_nodes=2,
+                client.join(job, node_id="late-spare", addr="10.0.3.9", nproc_per_node=4,
+                            settings=JobSettings(min_nodes=2, max_nodes=2),
                             timeout=JOIN_TIMEOUT)  # fmt: skip
         except BaseException as exc:  # noqa: BLE001 (a spare's join ends when it leaves)
             errors.append(exc)
@@ -488,7 +489,8 @@ def test_while_a_round_is_open_the_page_says_why(server: ServerProcess, browser:
     def first_of_three() -> None:
         try:
             with Client(server.endpoint, token=server.token) as client:
-                client.join(job, node_id="first", addr="10.0.4.1", nproc_per_node=1, min_nodes=3, max_nodes=3,
+                client.join(job, node_id="first", addr="10.0.4.1", nproc_per_node=1,
+                            settings=JobSettings(min_nodes=3, max_nodes=3),
                             timeout=JOIN_TIMEOUT)  # fmt: skip
         except BaseException as exc:  # noqa: BLE001 (ends when the job is closed)
             errors.append(exc)
@@ -641,14 +643,15 @@ def test_the_lanes_draw_each_node_across_rounds_standby_refused_dead_and_member(
 
     def join_spare() -> None:
         with Client(server.endpoint, token=server.token) as client:
-            spare.append(client.join(job, node_id="lane-s", addr="10.0.6.9", nproc_per_node=4, min_nodes=2,
-                                     max_nodes=2, timeout=JOIN_TIMEOUT))  # fmt: skip
+            spare.append(client.join(job, node_id="lane-s", addr="10.0.6.9", nproc_per_node=4,
+                settings=JobSettings(min_nodes=2, max_nodes=2), timeout=JOIN_TIMEOUT))  # fmt: skip
 
     joiner = threading.Thread(target=join_spare, daemon=True)
     joiner.start()  # max_nodes are in: a spare, until round 1 takes it
     with Client(server.endpoint, token=server.token) as client:
         with pytest.raises(ConflictError):  # other --nnodes: refused, and the timeline says so
-            client.join(job, node_id="lane-x", addr="10.0.6.7", nproc_per_node=4, min_nodes=1, max_nodes=3,
+            client.join(job, node_id="lane-x", addr="10.0.6.7", nproc_per_node=4,
+                        settings=JobSettings(min_nodes=1, max_nodes=3),
                         timeout=JOIN_TIMEOUT)  # fmt: skip
         deadline = time.monotonic() + JOIN_TIMEOUT
         while not client.job(job)["standby"]:  # bounded: until the spare is in line
@@ -659,7 +662,8 @@ def test_the_lanes_draw_each_node_across_rounds_standby_refused_dead_and_member(
             "[...document.querySelectorAll('#lanes tr.lane td')].some(td => td.dataset.state === 'dead')",
             "lane-b's death in its lane, without a reload",
         )
-        client.join(job, node_id="lane-a", addr="10.0.6.1", nproc_per_node=4, min_nodes=2, max_nodes=2,
+        client.join(job, node_id="lane-a", addr="10.0.6.1", nproc_per_node=4,
+                    settings=JobSettings(min_nodes=2, max_nodes=2),
                     timeout=JOIN_TIMEOUT)  # fmt: skip  # the survivor re-joins; the spare fills round 1
     joiner.join(JOIN_TIMEOUT + 10)
     assert spare and spare[0].round == 1

@@ -63,7 +63,7 @@ def replicas(etcd3: EtcdCluster, tmp_path: Path) -> Iterator[ReplicaCluster]:
 
 def new_job(client: Client) -> str:
     job = f"faults-{uuid.uuid4().hex[:8]}"
-    client.create_job(job, min_nodes=1, max_nodes=1)
+    client.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
     return job
 
 

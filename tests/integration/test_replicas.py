@@ -39,7 +39,7 @@ from etcd_cluster import EtcdCluster, require_etcd, running_etcd
 from replica_cluster import LEASE_TTL_S, ReplicaCluster, readyz
 from server_process import ServerProcess, TLSFiles
 
-from rdzv_client import Client
+from rdzv_client import Client, JobSettings
 from rdzv_client.error import RdzvError
 from rdzv_server.config import DEFAULT_ETCD_LEASE_TTL
 
@@ -63,7 +63,7 @@ def replicas(etcd3: EtcdCluster, tmp_path: Path) -> Iterator[ReplicaCluster]:
 
 def new_job(client: Client) -> str:
     job = f"ha-{uuid.uuid4().hex[:8]}"
-    client.create_job(job, min_nodes=1, max_nodes=1)
+    client.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
     return job
 
 

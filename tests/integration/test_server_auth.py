@@ -45,7 +45,7 @@ import pytest
 from raw_stream import FrameReader
 from server_process import ServerProcess
 
-from rdzv_client import AsyncClient, Client, UnauthorizedError, wire
+from rdzv_client import AsyncClient, Client, JobSettings, UnauthorizedError, wire
 from rdzv_client.wire import default_token_file
 
 # Every answer, and every close the server owes us, comes well within this.
@@ -275,7 +275,7 @@ def test_an_unauthenticated_close_is_401_and_changes_nothing_and_an_authenticate
     assert token_file.exists()  # made on start
     job = new_job()
     with Client(srv.endpoint) as client:  # finds the token in the default file
-        client.create_job(job, min_nodes=1, max_nodes=2)
+        client.create_job(job, JobSettings(min_nodes=1, max_nodes=2))
         failures = auth_failures(srv)
 
         answer = post(srv, job, "close", {})
@@ -312,7 +312,7 @@ def test_a_missing_or_wrong_token_is_401_over_http_counted_by_reason_and_changes
     headers = {} if presented is None else {"Authorization": presented}
     job, other = new_job(), new_job()
     with Client(server.endpoint) as client:
-        client.create_job(job, min_nodes=1, max_nodes=2)
+        client.create_job(job, JobSettings(min_nodes=1, max_nodes=2))
         client.set(job, "canary", "intact")
         before = auth_failures(server)
         join = {"node_id": "n", "addr": "h", "nproc_per_node": 1, "min_nodes": 1, "max_nodes": 2}
@@ -359,7 +359,7 @@ def test_the_bearer_scheme_is_case_insensitive_and_a_token_in_the_query_is_not_a
 def test_no_spelling_of_an_api_path_gets_past_auth(server: ServerProcess, path: str) -> None:
     job = new_job()
     with Client(server.endpoint) as client:
-        client.create_job(job, min_nodes=1, max_nodes=1)
+        client.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
         read = request(server, "GET", path)
         assert read.status in (401, 404), read
         assert job.encode() not in read.body
@@ -392,7 +392,7 @@ def test_a_missing_or_wrong_token_on_the_stream_is_a_tag_0_401_then_the_connecti
 ) -> None:
     job = new_job()
     with Client(server.endpoint) as client:
-        client.create_job(job, min_nodes=1, max_nodes=1)
+        client.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
         client.set(job, "canary", "intact")
         before = auth_failures(server)
         s = streams(server)
@@ -447,7 +447,7 @@ def test_no_token_reaches_the_log_a_reply_or_the_metrics(read_server: ServerProc
     wrong = a_token()
     job = new_job()
     with Client(read_server.endpoint) as client:
-        client.create_job(job, min_nodes=1, max_nodes=1)
+        client.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
         client.set(job, "k", "v")
     replies = [
         request(read_server, "GET", "/v1/jobs", Authorization=bearer(read_server.token)),
@@ -484,9 +484,7 @@ def member_job(read_server: ServerProcess) -> str:
             node_id="member",
             addr="m.local",
             nproc_per_node=1,
-            min_nodes=1,
-            max_nodes=2,
-            last_call_timeout=0.0,
+            settings=JobSettings(min_nodes=1, max_nodes=2, last_call_timeout=0.0),
             timeout=PATIENCE,
         )
         client.multi_set(job, ["k/1", "k/2"], ["one", "two"])
@@ -556,9 +554,10 @@ def test_a_read_only_token_gets_403_forbidden_for_every_write_over_the_stream_an
             lambda: reader.append(job, "k/1", "+"),
             lambda: reader.multi_set(job, ["k/1"], ["changed"]),
             lambda: reader.delete_key(job, "k/2"),
-            lambda: reader.create_job(new_job(), min_nodes=1, max_nodes=1),
+            lambda: reader.create_job(new_job(), JobSettings(min_nodes=1, max_nodes=1)),
             lambda: reader.join(
-                job, node_id="intruder", addr="i", nproc_per_node=1, min_nodes=1, max_nodes=2, timeout=2.0
+                job, node_id="intruder", addr="i", nproc_per_node=1,
+                settings=JobSettings(min_nodes=1, max_nodes=2), timeout=2.0
             ),
             lambda: reader.watch(job, "member", round=0),
             lambda: reader.leave(job, "member"),
@@ -764,7 +763,7 @@ def test_clients_find_their_token_in_the_documented_order(
 def test_the_dashboard_trades_the_token_for_a_cookie_that_reads_and_never_writes(server: ServerProcess) -> None:
     job = new_job()
     with Client(server.endpoint) as client:
-        client.create_job(job, min_nodes=1, max_nodes=2)
+        client.create_job(job, JobSettings(min_nodes=1, max_nodes=2))
         wrong = a_token()
         refused = request(server, "GET", f"/?token={wrong}")
         assert (refused.status, refused.json()["error"]) == (401, "unauthorized")
@@ -810,7 +809,7 @@ def test_rdzvctl_works_unchanged_against_a_server_whose_token_is_in_the_default_
     missing = rdzvctl(server.endpoint, "kv", "set", job, "k", "v")  # authenticated, so the server's own no
     assert missing.returncode == 1 and missing.stderr.splitlines()[0].endswith("(job_not_found)"), missing.stderr
     with Client(server.endpoint) as client:
-        client.create_job(job, min_nodes=1, max_nodes=1)
+        client.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
     for args in (("kv", "set", job, "k", "v"), ("jobs",), ("show", job)):
         out = rdzvctl(server.endpoint, *args)
         assert out.returncode == 0, out.stderr

@@ -76,7 +76,7 @@ def recovered_records(srv: ServerProcess) -> int:
 
 def test_every_acknowledged_write_survives_a_sigkill(durable_server: ServerProcess, client: Client) -> None:
     job = new_job()
-    client.create_job(job, min_nodes=1, max_nodes=1)
+    client.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
     for i in range(100):
         client.set(job, f"key/{i}", f"value-{i}")
         assert client.add(job, "counter", 1) == i + 1
@@ -117,9 +117,7 @@ def test_membership_survives_a_restart_and_every_node_gets_a_ttl_of_grace(
                 node_id=node,
                 addr=f"{node}.local",
                 nproc_per_node=nproc,
-                min_nodes=2,
-                max_nodes=2,
-                heartbeat_ttl=ttl,
+                settings=JobSettings(min_nodes=2, max_nodes=2, heartbeat_ttl=ttl),
                 timeout=20,
             )
             for node, nproc in (("a", 2), ("b", 3))
@@ -164,7 +162,7 @@ def test_a_torn_last_record_is_truncated_and_everything_before_it_recovers(
     durable_server: ServerProcess, client: Client, damage: str
 ) -> None:
     job = new_job()
-    client.create_job(job, min_nodes=1, max_nodes=1)
+    client.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
     for i in range(30):
         client.set(job, f"k{i}", f"v{i}")
     durable_server.kill()
@@ -211,7 +209,7 @@ def test_damage_mid_log_refuses_to_start_until_truncate_corrupt_log_keeps_every_
     durable_server: ServerProcess, client: Client
 ) -> None:
     job = new_job()
-    client.create_job(job, min_nodes=1, max_nodes=1)
+    client.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
     for i in range(30):
         client.set(job, f"k{i}", f"v{i}")  # acknowledged: fsynced
     durable_server.kill()
@@ -258,7 +256,7 @@ def test_sigkill_under_concurrent_writes_loses_no_acknowledged_write_across_snap
     assert srv.data_dir is not None
     job = new_job()
     with Client(srv.endpoint, retry_budget=10.0) as c:
-        c.create_job(job, min_nodes=1, max_nodes=1)
+        c.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
     writers = 4
     acked = [-1] * writers  # the highest i each writer had acknowledged
     stop = threading.Event()
@@ -301,7 +299,7 @@ def test_sigkill_under_concurrent_writes_loses_no_acknowledged_write_across_snap
 
 def test_sigterm_exits_zero_and_keeps_the_data(durable_server: ServerProcess, client: Client) -> None:
     job = new_job()
-    client.create_job(job, min_nodes=1, max_nodes=1)
+    client.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
     client.set(job, "before", "sigterm")
     assert client.add(job, "n", 7) == 7
     assert durable_server.terminate() == 0
@@ -313,7 +311,7 @@ def test_sigterm_exits_zero_and_keeps_the_data(durable_server: ServerProcess, cl
 
 def test_a_write_resent_with_its_rid_after_a_crash_applies_once(durable_server: ServerProcess, client: Client) -> None:
     job = new_job()
-    client.create_job(job, min_nodes=1, max_nodes=1)
+    client.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
     resent = wire.AddRequest(job, key=b"counter", amount=1, rid=client.next_rid())
     assert client.request(job, resent) == {"value": 1}
     crash_and_restart(durable_server)
@@ -329,7 +327,7 @@ def test_recovery_starts_from_a_snapshot(server_factory: Any) -> None:
     srv: ServerProcess = server_factory(durable=True, args=("--snapshot-every", "50"))
     job = new_job()
     with Client(srv.endpoint, retry_budget=10.0) as c:
-        c.create_job(job, min_nodes=1, max_nodes=1)
+        c.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
         for i in range(100):
             c.set(job, f"s/{i}", str(i))
             c.add(job, "counter", 1)
@@ -403,7 +401,7 @@ def test_what_clients_read_before_a_crash_is_what_recovery_rebuilds(
 ) -> None:
     # Linearizable and durable: no client may observe a write that a crash takes back.
     job = new_job()
-    client.create_job(job, min_nodes=1, max_nodes=1)
+    client.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
     status, _ = _post_json(durable_server, job, "set", fields)
     scope = fields.get("round")
 

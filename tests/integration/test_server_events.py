@@ -21,7 +21,7 @@ from raw_stream import FrameReader
 from server_process import ServerProcess
 from waiting import wait_for_parked
 
-from rdzv_client import AsyncClient, Client, wire
+from rdzv_client import AsyncClient, Client, JobSettings, wire
 
 
 def metrics(srv: ServerProcess) -> dict[str, float]:
@@ -52,8 +52,8 @@ async def test_a_crashed_agent_shows_in_the_metrics_with_its_cause_and_how_fast_
         def join(node: str) -> asyncio.Task[wire.Assignment]:
             return asyncio.ensure_future(
                 client.join(
-                    job, node_id=node, addr=f"{node}.host", nproc_per_node=2, min_nodes=2, max_nodes=2,
-                    heartbeat_ttl=60.0, timeout=20,
+                    job, node_id=node, addr=f"{node}.host", nproc_per_node=2,
+                    settings=JobSettings(min_nodes=2, max_nodes=2, heartbeat_ttl=60.0), timeout=20,
                 )
             )
 
@@ -101,7 +101,7 @@ def get_json(srv: ServerProcess, path: str, *, token: bool = True) -> tuple[int,
 def test_the_events_api_pages_and_long_polls_a_jobs_timeline(server: ServerProcess) -> None:
     job = f"events-{uuid.uuid4().hex[:8]}"
     with Client(server.endpoint) as client:
-        client.create_job(job, min_nodes=2, max_nodes=2)
+        client.create_job(job, JobSettings(min_nodes=2, max_nodes=2))
         status, page = get_json(server, f"/v1/jobs/{job}/events")
         assert status == 200 and [e["kind"] for e in page["events"]] == ["job_created"]
         assert page["events"][0]["cause"] == "create" and page["next_seq"] == 2
@@ -111,7 +111,8 @@ def test_the_events_api_pages_and_long_polls_a_jobs_timeline(server: ServerProce
         def join_later() -> None:
             wait_for_parked(server, 1)  # the events long-poll below
             with Client(server.endpoint) as other, contextlib.suppress(Exception):
-                other.join(job, node_id="late", addr="late.host", nproc_per_node=1, min_nodes=2, max_nodes=2,
+                other.join(job, node_id="late", addr="late.host", nproc_per_node=1,
+                           settings=JobSettings(min_nodes=2, max_nodes=2),
                            timeout=1)
 
         joiner = threading.Thread(target=join_later)
@@ -128,9 +129,11 @@ def test_the_events_api_pages_and_long_polls_a_jobs_timeline(server: ServerProce
 def test_a_refused_join_and_a_restart_are_on_the_jobs_timeline(durable_server: ServerProcess) -> None:
     job = f"events-{uuid.uuid4().hex[:8]}"
     with Client(durable_server.endpoint) as client:
-        client.join(job, node_id="a", addr="a.host", nproc_per_node=1, min_nodes=1, max_nodes=1, timeout=5)
+        client.join(job, node_id="a", addr="a.host", nproc_per_node=1,
+            settings=JobSettings(min_nodes=1, max_nodes=1), timeout=5)
         with contextlib.suppress(Exception):
-            client.join(job, node_id="odd", addr="odd.host", nproc_per_node=1, min_nodes=1, max_nodes=8, timeout=5)
+            client.join(job, node_id="odd", addr="odd.host", nproc_per_node=1,
+                settings=JobSettings(min_nodes=1, max_nodes=8), timeout=5)
         client.close_job(job, cause="operator")
     durable_server.restart()
     with Client(durable_server.endpoint) as client:

@@ -21,7 +21,7 @@ from etcd_cluster import require_etcd, running_etcd
 from replica_cluster import ReplicaCluster
 from server_process import ServerProcess
 
-from rdzv_client import Client
+from rdzv_client import Client, JobSettings
 from rdzv_client.error import BadRequestError, HostCordonedError, JobClosedError
 
 
@@ -50,8 +50,8 @@ def job_id() -> str:
 
 
 def join(client: Client, job: str, node: str, addr: str, **kw: Any) -> Any:
-    return client.join(job, node_id=node, addr=addr, nproc_per_node=1, min_nodes=1, max_nodes=2,
-                       last_call_timeout=0.0, timeout=10, **kw)
+    return client.join(job, node_id=node, addr=addr, nproc_per_node=1,
+        settings=JobSettings(min_nodes=1, max_nodes=2, last_call_timeout=0.0), timeout=10, **kw)
 
 
 def test_a_cordoned_host_is_refused_naming_the_cordon_and_admitted_once_uncordoned(server: ServerProcess) -> None:
@@ -150,7 +150,7 @@ def test_a_failed_health_check_is_recorded_as_node_refused(server: ServerProcess
     with Client(server.endpoint) as client:
         for _ in range(3):  # an agent restarting in a loop is recorded once
             client.refuse(job, node_id="n1", addr="10.0.0.5", cause="health_check_failed",
-                          detail="GPU 3: uncorrectable ECC\nerrors", min_nodes=2, max_nodes=2)
+                          detail="GPU 3: uncorrectable ECC\nerrors", settings=JobSettings(min_nodes=2, max_nodes=2))
         events = client.events(job)["events"]
         assert [(e["kind"], e["cause"]) for e in events] == [("job_created", "join"), ("node_refused", "health_check_failed")]
         assert events[1]["reason"] == "GPU 3: uncorrectable ECC errors"
@@ -177,8 +177,9 @@ def test_the_restart_budget_shows_in_the_document_rdzvctl_and_metrics_and_closes
     job = job_id()
     with Client(server.endpoint) as client:
         def rejoin() -> Any:
-            return client.join(job, node_id="a", addr="node7", nproc_per_node=1, min_nodes=1, max_nodes=1,
-                               timeout=10, max_restarts=1, topology="zone1/rack2")
+            return client.join(job, node_id="a", addr="node7", nproc_per_node=1,
+                               settings=JobSettings(min_nodes=1, max_nodes=1, max_restarts=1),
+                               timeout=10, topology="zone1/rack2")
 
         rejoin()
         before = metrics(server)

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from server_process import ServerProcess
 
-from rdzv_client import Client
+from rdzv_client import Client, JobSettings
 
 JOIN_TIMEOUT = 30.0
 
@@ -46,8 +46,8 @@ def job_with_a_spare(srv: ServerProcess) -> tuple[str, threading.Thread]:
         threads = [
             threading.Thread(
                 target=client.join, args=(job,),
-                kwargs={"node_id": f"n{i}", "addr": f"10.1.0.{i}", "nproc_per_node": 2, "min_nodes": 3,
-                        "max_nodes": 3, "timeout": JOIN_TIMEOUT},
+                kwargs={"node_id": f"n{i}", "addr": f"10.1.0.{i}", "nproc_per_node": 2,
+                        "settings": JobSettings(min_nodes=3, max_nodes=3), "timeout": JOIN_TIMEOUT},
             )
             for i in range(3)
         ]  # fmt: skip
@@ -59,7 +59,8 @@ def job_with_a_spare(srv: ServerProcess) -> tuple[str, threading.Thread]:
     def spare() -> None:
         with Client(srv.endpoint, token=srv.token) as client:
             try:
-                client.join(job, node_id="n9", addr="10.1.0.9", nproc_per_node=2, min_nodes=3, max_nodes=3,
+                client.join(job, node_id="n9", addr="10.1.0.9", nproc_per_node=2,
+                            settings=JobSettings(min_nodes=3, max_nodes=3),
                             timeout=JOIN_TIMEOUT)  # fmt: skip
             except Exception:  # noqa: BLE001, S110 (the job closes under it at the end of the test)
                 pass

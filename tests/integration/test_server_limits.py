@@ -31,7 +31,7 @@ import pytest
 from raw_stream import FrameReader, read_until_eof, stream_frames
 from server_process import ServerProcess
 
-from rdzv_client import AsyncClient, Client, RdzvConnectionError, wire
+from rdzv_client import AsyncClient, Client, JobSettings, RdzvConnectionError, wire
 
 PREFACE = wire.STREAM_PREFACE
 MiB = 1024 * 1024
@@ -384,7 +384,7 @@ def test_the_sync_client_reconnects_when_the_server_closed_its_idle_connection(
     job = new_job()
     idle_before = metrics(short_server).get('rdzv_connections_shed_total{reason="idle_timeout"}', 0)
     with caplog.at_level(logging.DEBUG, logger="rdzv_client"), Client(short_server.endpoint, retry_budget=5.0) as c:
-        c.create_job(job, min_nodes=1, max_nodes=1)
+        c.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
         for i in range(3):
             c.set(job, "k", str(i))
             time.sleep(SHORT + 0.6)  # the server closes the pooled connection meanwhile
@@ -399,7 +399,7 @@ async def test_the_async_client_reconnects_when_the_server_closed_its_idle_conne
     job = new_job()
     with caplog.at_level(logging.DEBUG, logger="rdzv_client"):
         async with AsyncClient(short_server.endpoint, retry_budget=5.0) as c:
-            await c.create_job(job, min_nodes=1, max_nodes=1)
+            await c.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
             for i in range(3):
                 await c.set(job, "k", str(i))
                 await asyncio.sleep(SHORT + 0.6)
@@ -421,7 +421,7 @@ def test_at_the_connection_limit_idle_connections_are_shed_and_clients_are_serve
     assert http_get(srv, "/healthz") == (200, b'{"status":"ok"}')
     job = new_job()
     with Client(srv.endpoint, retry_budget=5.0) as c:
-        c.create_job(job, min_nodes=1, max_nodes=1)
+        c.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
         c.set(job, "k", "v")
         assert c.get(job, "k", timeout=1) == b"v"
     m = metrics(srv)

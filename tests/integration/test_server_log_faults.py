@@ -26,7 +26,7 @@ import pytest
 from raw_stream import FrameReader
 from server_process import ServerProcess
 
-from rdzv_client import Client, wire
+from rdzv_client import Client, JobSettings, wire
 from rdzv_client.error import ConflictError
 
 
@@ -52,7 +52,7 @@ def segments(data_dir: Path) -> list[Path]:
 def test_a_failed_local_append_is_a_503_log_failed_and_the_server_stops(durable_server: ServerProcess) -> None:
     job = f"faults-{uuid.uuid4().hex[:8]}"
     with Client(durable_server.endpoint) as client:
-        client.create_job(job, min_nodes=1, max_nodes=1)
+        client.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
         # Make the segment larger than the server's own log file will grow during this test:
         # the size limit set below applies to every file the server writes, its stderr too.
         client.set(job, "padding", b"p" * 256 * 1024)
@@ -82,7 +82,7 @@ def test_writes_past_the_log_queue_bound_are_refused_503_before_they_apply(
     srv: ServerProcess = server_factory(durable=True, args=("--max-log-queue", "1"))
     job = f"faults-{uuid.uuid4().hex[:8]}"
     with Client(srv.endpoint) as client:
-        client.create_job(job, min_nodes=1, max_nodes=1)
+        client.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
     count = 20
     frames = b"".join(
         stream_frame([tag, "set", job, {"key": f"k{tag}".encode(), "value": b"v", "rid": ["pipelined", tag]}])
@@ -114,11 +114,13 @@ def test_writes_past_the_log_queue_bound_are_refused_503_before_they_apply(
 def test_a_node_refused_again_and_again_is_on_the_timeline_once(server: ServerProcess) -> None:
     job = f"faults-{uuid.uuid4().hex[:8]}"
     with Client(server.endpoint) as client:
-        client.join(job, node_id="a", addr="a.host", nproc_per_node=1, min_nodes=1, max_nodes=1, timeout=5)
+        client.join(job, node_id="a", addr="a.host", nproc_per_node=1,
+            settings=JobSettings(min_nodes=1, max_nodes=1), timeout=5)
         before = client.events(job)["next_seq"]
         for _ in range(5):  # an agent with the wrong --nnodes, restarting in a loop
             with pytest.raises(ConflictError):
-                client.join(job, node_id="odd", addr="odd.host", nproc_per_node=1, min_nodes=1, max_nodes=8, timeout=5)
+                client.join(job, node_id="odd", addr="odd.host", nproc_per_node=1,
+                    settings=JobSettings(min_nodes=1, max_nodes=8), timeout=5)
         # The same request again, with the same request id (a client retrying it).
         odd = {"node_id": "odd", "addr": "odd.host", "nproc_per_node": 1, "min_nodes": 1, "max_nodes": 8}
         for _ in range(3):
@@ -130,7 +132,8 @@ def test_a_node_refused_again_and_again_is_on_the_timeline_once(server: ServerPr
         assert refusals[0]["node_id"] == "odd" and "max_nodes=8" in refusals[0]["reason"]
         # Another node's refusal, or the same node's after other events, is news again.
         with contextlib.suppress(ConflictError):
-            client.join(job, node_id="odd2", addr="odd2.host", nproc_per_node=1, min_nodes=1, max_nodes=8, timeout=5)
+            client.join(job, node_id="odd2", addr="odd2.host", nproc_per_node=1,
+                settings=JobSettings(min_nodes=1, max_nodes=8), timeout=5)
         client.close_job(job, cause="operator")
         events = client.events(job, since=before - 1)["events"]
         assert [e["node_id"] for e in events if e["kind"] == "join_refused"] == ["odd", "odd2"]

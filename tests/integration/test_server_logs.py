@@ -16,7 +16,7 @@ from server_process import ServerProcess
 from test_server_events import open_watch
 from waiting import wait_for_parked, wait_until
 
-from rdzv_client import Client, NotFoundError
+from rdzv_client import Client, JobSettings, NotFoundError
 
 
 def json_lines(srv: ServerProcess) -> list[dict[str, Any]]:
@@ -36,8 +36,8 @@ def test_json_logs_name_the_job_node_and_cause_of_a_dropped_watch(tmp_path: Path
         job = f"logs-{uuid.uuid4().hex[:8]}"
         with Client(srv.endpoint) as client:
             assignment = client.join(
-                job, node_id="crashing", addr="crashing.host", nproc_per_node=1, min_nodes=1, max_nodes=1,
-                heartbeat_ttl=60.0, timeout=20,
+                job, node_id="crashing", addr="crashing.host", nproc_per_node=1,
+                settings=JobSettings(min_nodes=1, max_nodes=1, heartbeat_ttl=60.0), timeout=20,
             )
             watch = open_watch(srv, job, "crashing", assignment.round)
             wait_for_parked(srv, 1)  # the watch is parked: the node is on that connection

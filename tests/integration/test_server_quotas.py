@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from server_process import ServerProcess
 
-from rdzv_client import Client, LimitError, NotFoundError, wire
+from rdzv_client import Client, JobSettings, LimitError, NotFoundError, wire
 
 
 def post(srv: ServerProcess, job: str, op: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -35,7 +35,7 @@ def post(srv: ServerProcess, job: str, op: str, body: dict[str, Any]) -> tuple[i
 
 def store_job(client: Client) -> str:
     job = f"quota-{uuid.uuid4().hex[:8]}"
-    client.create_job(job, min_nodes=1, max_nodes=1)
+    client.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
     return job
 
 

@@ -24,6 +24,7 @@ from rdzv_client import (
     AsyncClient,
     ConflictError,
     JobClosedError,
+    JobSettings,
     JoinTimeoutError,
     NotFoundError,
     WatchResult,
@@ -75,7 +76,8 @@ def joiner(aclient: AsyncClient, rdzv_id: str, **settings: Any) -> Callable[...,
 
     async def join(node_id: str, nproc: int = 1, timeout: float = 20.0) -> wire.Assignment:
         return await aclient.join(
-            rdzv_id, node_id=node_id, addr=f"{node_id}.local", nproc_per_node=nproc, timeout=timeout, **settings
+            rdzv_id, node_id=node_id, addr=f"{node_id}.local", nproc_per_node=nproc, timeout=timeout,
+            settings=JobSettings(**settings),
         )
 
     return join
@@ -161,7 +163,8 @@ async def test_every_node_learns_node_rank_0s_addr_and_offered_port(aclient: Asy
     ports = {"n-a": 31001, "n-b": 31002, "n-c": 31003}
     results = await asyncio.gather(
         *(
-            aclient.join(job, node_id=n, addr=f"{n}.local", nproc_per_node=1, min_nodes=3, max_nodes=3,
+            aclient.join(job, node_id=n, addr=f"{n}.local", nproc_per_node=1,
+                         settings=JobSettings(min_nodes=3, max_nodes=3),
                          master_port=p, timeout=20)
             for n, p in ports.items()
         )
@@ -518,7 +521,7 @@ async def test_a_node_waiting_past_join_timeout_gets_join_timeout(aclient: Async
 async def test_get_jobs_lists_every_job(aclient: AsyncClient) -> None:
     formed, created = new_job(), new_job()
     await joiner(aclient, formed, min_nodes=1, max_nodes=1)("only")
-    await aclient.create_job(created, min_nodes=2, max_nodes=5)
+    await aclient.create_job(created, JobSettings(min_nodes=2, max_nodes=5))
     jobs = {j["rdzv_id"]: j for j in await aclient.jobs()}
     assert jobs[formed]["state"] == "complete" and jobs[formed]["num_nodes"] == 1
     assert jobs[created]["state"] == "open" and jobs[created]["num_nodes"] == 0

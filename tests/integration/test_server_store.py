@@ -14,7 +14,7 @@ import pytest
 from server_process import ServerProcess
 from waiting import parked_long_polls, wait_for_parked
 
-from rdzv_client import BadRequestError, Client, ConflictError, RdzvTimeoutError, wire
+from rdzv_client import BadRequestError, Client, ConflictError, JobSettings, RdzvTimeoutError, wire
 
 # Generous bound for "woken by a write, not by the timeout": far below every timeout used.
 WOKEN_WITHIN = 3.0
@@ -42,7 +42,7 @@ def client(server: ServerProcess) -> Iterator[Client]:
 @pytest.fixture
 def job(client: Client) -> str:
     rdzv_id = new_job()
-    client.create_job(rdzv_id, min_nodes=1, max_nodes=2)
+    client.create_job(rdzv_id, JobSettings(min_nodes=1, max_nodes=2))
     return rdzv_id
 
 
@@ -208,7 +208,8 @@ def test_round_key_spaces_are_isolated_from_each_other_and_from_the_job(client: 
 def test_two_jobs_never_see_each_others_keys_or_nodes(client: Client) -> None:
     first, second = new_job(), new_job()
     for rdzv_id, node in ((first, "node-first"), (second, "node-second")):
-        client.join(rdzv_id, node_id=node, addr=f"{node}.local", nproc_per_node=1, min_nodes=1, max_nodes=1, timeout=10)
+        client.join(rdzv_id, node_id=node, addr=f"{node}.local", nproc_per_node=1,
+            settings=JobSettings(min_nodes=1, max_nodes=1), timeout=10)
     client.set(first, "same-name", "first's")
     client.set(second, "same-name", "second's")
     client.set(first, "only-first", "1")
@@ -286,7 +287,7 @@ def test_a_long_poll_longer_than_the_servers_hold_cap_waits_for_the_callers_time
     capped = server_factory(args=("--max-hold", "0.5"))
     with Client(capped.endpoint, retry_budget=10.0) as c:
         rdzv_id = new_job()
-        c.create_job(rdzv_id, min_nodes=1, max_nodes=1)
+        c.create_job(rdzv_id, JobSettings(min_nodes=1, max_nodes=1))
         start = time.monotonic()
         with pytest.raises(RdzvTimeoutError):
             c.get(rdzv_id, "never", timeout=1.2)  # over two server holds

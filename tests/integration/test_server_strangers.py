@@ -37,7 +37,7 @@ from raw_stream import read_until_eof, stream_frames
 from server_process import ServerProcess
 from waiting import wait_until
 
-from rdzv_client import AsyncClient, Client, wire
+from rdzv_client import AsyncClient, Client, JobSettings, wire
 from rdzv_server.api.header import DATA_POLICY, SECURITY_HEADERS
 
 MiB = 1024 * 1024
@@ -232,7 +232,7 @@ def test_an_answer_to_a_connection_refused_at_the_door_carries_the_security_head
     srv = server_factory(args=("--max-connections", "2"))
     job = new_job()
     with Client(srv.endpoint) as client:
-        client.create_job(job, min_nodes=1, max_nodes=1)
+        client.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
     for _ in range(2):  # two parked long-polls: nothing may be shed
         sock = socket.create_connection(("127.0.0.1", srv.port), timeout=PATIENCE)
         opened.append(sock)
@@ -286,7 +286,7 @@ def test_300_strangers_stalled_in_their_heads_leave_an_authenticated_8_mb_set_it
     value = b"v" * (8 * MiB)
     shed_before = metrics(srv).get('rdzv_connections_shed_total{reason="buffers_full"}', 0)
     with Client(srv.endpoint, retry_budget=0.0) as client:  # no retry may hide a refusal
-        client.create_job(job, min_nodes=1, max_nodes=1)
+        client.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
     stall_strangers(srv, opened)
     m = metrics(srv)
     assert 0 < m["rdzv_pre_auth_buffered_bytes"] <= m["rdzv_pre_auth_buffered_bytes_limit"] == 2 * MiB
@@ -365,7 +365,7 @@ def test_a_token_holders_connection_outlives_the_auth_timeout(deadline_server: S
     srv = deadline_server
     job = new_job()
     with Client(srv.endpoint, retry_budget=0.0) as client:
-        client.create_job(job, min_nodes=1, max_nodes=1)
+        client.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
         shed_before = metrics(srv).get('rdzv_connections_shed_total{reason="auth_timeout"}', 0)
         idle_before = metrics(srv).get('rdzv_connections_shed_total{reason="idle_timeout"}', 0)
         time.sleep(3 * SHORT)  # its pooled, authenticated connection stays open meanwhile

@@ -33,7 +33,7 @@ import pytest
 from raw_stream import FrameReader, read_until_eof, stream_frames
 from server_process import ServerProcess, TLSFiles
 
-from rdzv_client import AsyncClient, Client, RdzvConnectionError, wire
+from rdzv_client import AsyncClient, Client, JobSettings, RdzvConnectionError, wire
 
 # --read-timeout and --idle-timeout of the deadline server, s.
 SHORT = 1.0
@@ -141,7 +141,7 @@ def test_the_sync_client_speaks_the_stream_protocol_over_tls(tls_server: ServerP
     assert tls_server.scheme == "https"  # the ready line says so
     job = new_job()
     with Client(tls_server.url, ca_file=tls_files.ca) as client:
-        client.create_job(job, min_nodes=1, max_nodes=1)
+        client.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
         client.set(job, "k", "v")
         assert client.get(job, "k", timeout=1) == b"v"
         assert client.add(job, "n", 2) == 2
@@ -157,7 +157,7 @@ async def test_the_async_client_speaks_http_over_tls(tls_server: ServerProcess, 
     job = new_job()
     # tls=True makes a HOST:PORT endpoint a TLS one.
     async with AsyncClient(tls_server.endpoint, tls=True, ca_file=str(tls_files.ca)) as client:
-        await client.create_job(job, min_nodes=1, max_nodes=1)
+        await client.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
         await client.set(job, "k", b"v")
         assert await client.get(job, "k", timeout=1) == b"v"
         assert (await client.job(job))["rdzv_id"] == job
@@ -169,7 +169,7 @@ def test_many_threads_share_the_sync_clients_tls_pool(tls_server: ServerProcess,
     errors: list[BaseException] = []
     seen: list[bytes] = []
     with Client(tls_server.url, ca_file=tls_files.ca) as client:
-        client.create_job(job, min_nodes=1, max_nodes=1)
+        client.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
         client.multi_set(job, [f"k{i}" for i in range(8)], [f"v{i}" for i in range(8)])
 
         def work(i: int) -> None:  # reads: each thread checks out a pooled TLS connection per call
@@ -217,7 +217,7 @@ def test_a_certificate_for_another_name_is_refused(tmp_path: Path) -> None:
     for srv in _start(tmp_path, tls=files):
         client = Client(srv.url, ca_file=files.ca, retry_budget=PATIENCE)
         with client, pytest.raises(RdzvConnectionError) as error:
-            client.create_job(new_job(), min_nodes=1, max_nodes=1)
+            client.create_job(new_job(), JobSettings(min_nodes=1, max_nodes=1))
         assert "TLS handshake failed" in str(error.value) and "127.0.0.1" in str(error.value), error.value
 
 
@@ -226,7 +226,7 @@ def test_a_tls_client_on_a_plain_port_fails_at_once_naming_tls(server: ServerPro
     with tls, pytest.raises(RdzvConnectionError, match="does not speak TLS"):
         tls.set(new_job(), "k", "v")
     with Client(server.endpoint) as client:  # the plain port is unharmed
-        client.create_job(new_job(), min_nodes=1, max_nodes=1)
+        client.create_job(new_job(), JobSettings(min_nodes=1, max_nodes=1))
     assert_quiet(server)
 
 
@@ -260,7 +260,7 @@ def test_mutual_tls_serves_a_client_with_a_certificate(mtls_server: ServerProces
     job = new_job()
     certificate = {"ca_file": tls_files.ca, "cert_file": tls_files.client_cert, "key_file": tls_files.client_key}
     with Client(mtls_server.url, **certificate) as client:
-        client.create_job(job, min_nodes=1, max_nodes=1)
+        client.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
         client.set(job, "k", "v")
         assert client.jobs()
 
@@ -285,7 +285,7 @@ def test_plain_clients_on_the_tls_port_are_closed_and_the_server_keeps_serving(
     with plain, pytest.raises(RdzvConnectionError, match="https://"):
         plain.set(new_job(), "k", "v")
     with Client(tls_server.url, ca_file=tls_files.ca) as client:
-        client.create_job(new_job(), min_nodes=1, max_nodes=1)
+        client.create_job(new_job(), JobSettings(min_nodes=1, max_nodes=1))
     assert_quiet(tls_server)
 
 
@@ -303,7 +303,7 @@ def test_idle_tls_connections_are_closed_and_the_clients_reconnect(
     job = new_job()
     context = client_ssl(tls_files)
     with Client(deadline_server.url, ca_file=tls_files.ca) as client:
-        client.create_job(job, min_nodes=1, max_nodes=1)
+        client.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
         client.set(job, "k", "1")
         for _ in range(int(PATIENCE / 0.1)):  # the server sheds the idle pooled connection
             if open_connections(deadline_server, context, "stream") == 0:
@@ -500,6 +500,6 @@ def test_the_torchrun_handlers_client_options_come_from_rdzv_conf(
         "token_file": str(token_file),
     }
     with Client(mtls_server.endpoint, **options) as client:
-        client.create_job(params.run_id, min_nodes=1, max_nodes=1)
+        client.create_job(params.run_id, JobSettings(min_nodes=1, max_nodes=1))
     bare = RendezvousParameters(backend="rdzv-server", endpoint="h:1", run_id="j", min_nodes=1, max_nodes=1, tls="0")
     assert client_options(bare) == {}

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 from server_process import ServerProcess
 
-from rdzv_client import wire
+from rdzv_client import JobSettings, wire
 from rdzv_server.api.app import authority
 from rdzv_server.api.header import DATA_POLICY, PAGE_POLICY
 
@@ -217,7 +217,7 @@ def test_the_real_client_works_with_allowed_hosts_when_it_uses_a_listed_name(gua
 
     with Client(guarded.endpoint, token=guarded.token) as client:
         job = new_job()
-        client.create_job(job, min_nodes=1, max_nodes=1)
+        client.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
         client.set(job, b"k", b"v")
         assert job in {j["rdzv_id"] for j in client.jobs()}
 

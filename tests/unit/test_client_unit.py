@@ -18,7 +18,7 @@ from typing import Any, TypeAlias
 import pytest
 
 import rdzv_client
-from rdzv_client import ctl, wire
+from rdzv_client import JobSettings, ctl, wire
 from rdzv_client.client import (
     DEFAULT_HEARTBEAT_TTL,
     DEFAULT_JOIN_TIMEOUT,
@@ -44,7 +44,8 @@ from rdzv_client.error import (
     UnauthorizedError,
     error_from_body,
 )
-from rdzv_client.transport import Answer, SocketTransport, TransportError, http_answer
+from rdzv_client.stream import SocketTransport
+from rdzv_client.transport import Answer, TransportError, http_answer
 
 # --------------------------------------------------------------------------- endpoints
 
@@ -171,8 +172,13 @@ def test_public_names_are_exactly_these() -> None:
             "AsyncClient",
             "BadRequestError",
             "Client",
+            "ClientClosedError",
             "ConflictError",
+            "CredentialError",
+            "HostCordonedError",
             "JobClosedError",
+            "JobClosedInLineError",
+            "JobSettings",
             "JoinTimeoutError",
             "LimitError",
             "NotFoundError",
@@ -181,6 +187,7 @@ def test_public_names_are_exactly_these() -> None:
             "RdzvError",
             "RdzvTimeoutError",
             "ServerError",
+            "TLSConfigError",
             "UnauthorizedError",
             "WatchResult",
         ]
@@ -189,8 +196,26 @@ def test_public_names_are_exactly_these() -> None:
         assert getattr(rdzv_client, name) is not None
 
 
+def test_every_error_a_caller_can_get_is_exported() -> None:
+    """A user catches what the client raises by its public name: every class of the error
+    tree, and the ValueErrors for an unusable token or TLS file."""
+    from rdzv_client import credential, error, tls
+
+    raised = {
+        cls
+        for module in (error, credential, tls)
+        for cls in vars(module).values()
+        if isinstance(cls, type) and issubclass(cls, Exception) and cls.__module__ == module.__name__
+    }
+    exported = {getattr(rdzv_client, name) for name in rdzv_client.__all__}
+    assert {cls.__name__ for cls in raised - exported} == set()
+
+
 def test_importing_the_client_does_not_import_torch() -> None:
-    code = "import rdzv_client, rdzv_client.ctl, sys; assert 'torch' not in sys.modules, 'torch imported'"
+    code = (
+        "import rdzv_client, rdzv_client.ctl, rdzv_client.node, rdzv_client.conf, sys;"
+        " assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -199,11 +224,27 @@ def test_client_default_settings_equal_the_wire_defaults() -> None:
     assert defaults.last_call_timeout == DEFAULT_LAST_CALL_TIMEOUT
     assert defaults.join_timeout == DEFAULT_JOIN_TIMEOUT
     assert defaults.heartbeat_ttl == DEFAULT_HEARTBEAT_TTL
-    for method in (AsyncClient.join, AsyncClient.create_job, Client.join, Client.create_job):
-        params = inspect.signature(method).parameters
-        assert [params[name].default for name in ("last_call_timeout", "join_timeout", "heartbeat_ttl")] == [
-            defaults.last_call_timeout, defaults.join_timeout, defaults.heartbeat_ttl
-        ]
+
+
+def test_create_join_and_refuse_take_the_same_job_settings_and_nothing_of_them_apart() -> None:
+    fields = {f.name for f in dataclasses.fields(wire.JobSettings)}
+    for cls in (AsyncClient, Client):
+        for method in (cls.create_job, cls.join, cls.refuse):
+            params = inspect.signature(method).parameters
+            assert params["settings"].annotation in ("wire.JobSettings", wire.JobSettings), method
+            assert not fields & set(params), method
+
+
+async def test_create_job_sends_every_setting_the_restart_budget_included() -> None:
+    t = ScriptedTransport(ok())
+    settings = wire.JobSettings(min_nodes=2, max_nodes=3, last_call_timeout=1.0, join_timeout=60.0, heartbeat_ttl=9.0,
+                                max_restarts=4)  # fmt: skip
+    await client_over(t).create_job("job", settings)
+    (_, body, _), = t.sent
+    assert body is not None and {k: body[k] for k in body if k != "rid"} == {
+        "min_nodes": 2, "max_nodes": 3, "last_call_timeout": 1.0, "join_timeout": 60.0, "heartbeat_ttl": 9.0,
+        "max_restarts": 4,
+    }  # fmt: skip
 
 
 # --------------------------------------------------------------------------- retry policy
@@ -337,15 +378,53 @@ async def test_failover_moves_to_the_next_endpoint_and_stays_there() -> None:
     ]
 
 
+class FakeClock:
+    """The client's clock and pause, moved by hand: a pause moves the clock, nothing sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.pauses: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.pauses.append(seconds)
+        self.now += seconds
+
+
 async def test_retries_stop_at_the_budget_with_a_connection_error() -> None:
+    """The retry budget counts from the first failure on the client's clock: the backoff's
+    pauses fill it exactly, and the next failure past it ends the call."""
     t = ScriptedTransport(*[TransportError("refused")] * 10_000)
-    c = client_over(t, "a:1,b:2", budget=0.5)
-    start = time.monotonic()
+    clock = FakeClock()
+    c = AsyncClient("a:1,b:2", retry_budget=0.5, transport=t, rng=random.Random(1), sleep=clock.sleep, clock=clock)
     with pytest.raises(RdzvConnectionError) as info:
         await c.num_keys("job")
-    assert 0.45 < time.monotonic() - start < 1.5
+    assert clock.now - 1000.0 == pytest.approx(0.5)
+    assert len(t.sent) == len(clock.pauses) + 1 > 2 and all(p >= 0 for p in clock.pauses)
     assert "a:1" in str(info.value) and "b:2" in str(info.value) and "running" in str(info.value)
     assert isinstance(info.value.__cause__, TransportError)
+
+
+async def test_a_long_polls_deadline_is_the_clients_and_each_re_poll_holds_what_remains() -> None:
+    """A get with ``timeout`` re-polls while the server answers "not yet" (after holding it
+    as long as asked), asking each time for ``max_hold`` at most and never for more than is
+    left of its own deadline, and ends at that deadline."""
+    clock = FakeClock()
+
+    class HeldTransport(ScriptedTransport):
+        async def call(self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], timeout: float) -> Answer:
+            clock.now += fields["timeout"]  # the server holds it as long as asked
+            return await super().call(endpoint, rdzv_id, op, fields, timeout)
+
+    t = HeldTransport(*[ok(found=False, value=None)] * 10)
+    c = AsyncClient("a:1", transport=t, max_hold=4.0, sleep=clock.sleep, clock=clock)
+    with pytest.raises(RdzvTimeoutError):
+        await c.get("job", "k", timeout=9.0)
+    holds = [body["timeout"] for _, body, _ in t.sent if body is not None]
+    assert holds == [4.0, 4.0, 1.0]
+    assert clock.now - 1000.0 == 9.0 and clock.pauses == []
 
 
 async def test_a_server_that_stays_not_ready_ends_as_a_connection_error_with_its_code() -> None:
@@ -432,7 +511,7 @@ async def test_join_polls_await_round_until_an_assignment_arrives() -> None:
     }
     t = ScriptedTransport(ok(round=3, assignment=None), ok(round=3, assignment=assignment))
     got = await client_over(t).join(
-        "job", node_id="n1", addr="h1", nproc_per_node=2, min_nodes=2, max_nodes=2, timeout=10
+        "job", node_id="n1", addr="h1", nproc_per_node=2, settings=JobSettings(min_nodes=2, max_nodes=2), timeout=10
     )
     assert got == wire.Assignment(**assignment)
     assert t.sent[1][0].endswith("/await_round")
@@ -442,7 +521,8 @@ async def test_join_polls_await_round_until_an_assignment_arrives() -> None:
 async def test_join_timeout_from_the_server_ends_join() -> None:
     t = ScriptedTransport(ok(round=0, assignment=None), failed(wire.ErrorCode.JOIN_TIMEOUT))
     with pytest.raises(JoinTimeoutError):
-        await client_over(t).join("job", node_id="n", addr="h", nproc_per_node=1, min_nodes=2, max_nodes=2, timeout=9)
+        await client_over(t).join("job", node_id="n", addr="h", nproc_per_node=1,
+            settings=JobSettings(min_nodes=2, max_nodes=2), timeout=9)
 
 
 # --------------------------------------------------------------------------- sync client guards

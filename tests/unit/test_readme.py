@@ -51,7 +51,7 @@ def test_the_high_availability_command_lines_parse_and_agree() -> None:
     import shlex
 
     from rdzv_client.client import parse_endpoints
-    from rdzv_client.ctl import _parser as ctl_parser
+    from rdzv_client.ctl import build_parser as ctl_parser
     from rdzv_server.cli import parse
 
     server, torchrun, rdzvctl = _high_availability_lines()
