@@ -10,6 +10,8 @@ takes and no longer. Nothing here asserts how fast anything is.
 - :func:`parked_long_polls` / :func:`wait_for_parked`: the server's ``rdzv_waiters`` gauge
   (``GET /metrics``), and a wait until it reaches a count.
 - :func:`wait_for_log`: until a server's log holds a text.
+- :func:`metrics` / :func:`served`: a server's ``/metrics`` samples, and how many requests of
+  one operation it has answered (e.g. a long-poll's re-polls).
 """
 
 from __future__ import annotations
@@ -74,6 +76,24 @@ def metric(srv: ServerProcess, name: str) -> float:
     lines = [line for line in _metrics_text(srv).splitlines() if line.startswith(name + " ")]
     assert len(lines) == 1, f"{name} is not one unlabelled sample in /metrics: {lines}"
     return float(lines[0].split()[1])
+
+
+def metrics(srv: ServerProcess) -> dict[str, float]:
+    """Every sample in ``srv``'s ``/metrics``, by its name with its labels
+    (``'rdzv_requests_total{code="ok",op="get"}'``)."""
+    return {
+        name: float(value)
+        for name, _, value in (line.rpartition(" ") for line in _metrics_text(srv).splitlines())
+        if name and not name.startswith("#")
+    }
+
+
+def served(srv: ServerProcess, op: str) -> int:
+    """How many ``op`` requests ``srv`` has answered, whatever their result."""
+    label = f'op="{op}"'
+    return int(sum(
+        value for name, value in metrics(srv).items() if name.startswith("rdzv_requests_total{") and label in name
+    ))
 
 
 def parked_long_polls(srv: ServerProcess) -> int:
