@@ -7,6 +7,8 @@ takes and no longer. Nothing here asserts how fast anything is.
 
 - :func:`wait_until` / :func:`wait_until_async`: until a predicate returns a true value
   (which is returned).
+- :func:`call_within`: a blocking call's result (or its error), failing if it has not
+  returned within ``timeout`` (for "ended by X, not by a longer timeout").
 - :func:`parked_long_polls` / :func:`wait_for_parked`: the server's ``rdzv_waiters`` gauge
   (``GET /metrics``), and a wait until it reaches a count.
 - :func:`wait_for_log`: until a server's log holds a text.
@@ -17,7 +19,9 @@ takes and no longer. Nothing here asserts how fast anything is.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ssl
+import threading
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable
@@ -61,6 +65,24 @@ async def wait_until_async(
         if time.monotonic() >= deadline:
             raise AssertionError(f"not within {timeout} s: {what or predicate!r} (last: {value!r})")
         await asyncio.sleep(interval)
+
+
+def call_within(call: Callable[[], T], *, timeout: float = PATIENCE, what: str = "") -> T:
+    """``call()``'s result, or the exception it raised, run in a daemon thread; AssertionError
+    naming ``what`` when it has not returned within ``timeout`` s (the thread is left behind)."""
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(call())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            done.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True).start()
+    try:
+        return done.result(timeout)
+    except concurrent.futures.TimeoutError:
+        raise AssertionError(f"not returned within {timeout} s: {what or call!r}") from None
 
 
 def _metrics_text(srv: ServerProcess) -> str:
