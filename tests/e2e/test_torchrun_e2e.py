@@ -473,7 +473,7 @@ def test_a_spare_node_waits_past_join_timeout_and_exits_cleanly_when_the_job_end
     assert {r["node"] for r in records} == {n.name for n in members}
     assert not spare.started(), "the spare never ran workers"
     log = spare.log_text()
-    assert "Rendezvous gracefully exited" in log, log[-3000:]  # torch's agent took the graceful path
+    assert "Rendezvous gracefully exited" in log, log[-3000:]  # torch's agent followed the graceful path
     assert "RendezvousTimeoutError" not in log and "Traceback" not in log, log[-3000:]
     after = cluster.job(server, job)
     assert after is not None and after["state"] == "closed" and not after["standby"], after
