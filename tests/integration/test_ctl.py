@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from server_process import ServerProcess
 from waiting import PATIENCE, wait_for_parked
 
 from rdzv_client import Client, JobSettings
@@ -29,6 +30,16 @@ def rdzvctl(
         argv + list(args), check=False, capture_output=True, text=True, timeout=timeout,
         env={**os.environ, **(env or {})},
     )
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One memory-only server for the module (a start costs ~0.5 s); every test uses its own
+    job. The tests' nodes share a host, and their jobs end: no quarantine of it between tests."""
+    srv = ServerProcess(tmp_path_factory.mktemp("ctl-server"), durable=False, args=("--quarantine-after", "0"))
+    srv.start()
+    yield srv
+    srv.close()
 
 
 @pytest.fixture
