@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
+from server_process import ServerProcess
 from waiting import call_within, parked_long_polls, served, wait_for_parked
 
 from rdzv_client import (
@@ -32,6 +33,17 @@ from rdzv_client import (
 
 def new_job() -> str:
     return f"job-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One memory-only server for the module (a start costs ~0.5 s); every test uses its own
+    job. The tests' nodes share hosts, and their jobs end: no
+    quarantine of a host between tests."""
+    srv = ServerProcess(tmp_path_factory.mktemp("client-server"), durable=False, args=("--quarantine-after", "0"))
+    srv.start()
+    yield srv
+    srv.close()
 
 
 @pytest.fixture
