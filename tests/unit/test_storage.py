@@ -22,7 +22,7 @@ from typing import Any
 
 import psutil
 import pytest
-from waiting import wait_until_async
+from waiting import wait_until, wait_until_async
 
 from rdzv_server import storage
 from rdzv_server.storage import (
@@ -698,10 +698,7 @@ def test_a_builder_whose_server_died_exits_and_installs_nothing(tmp_path: Path) 
         assert proc.stdout is not None
         assert proc.stdout.readline() == "building\n"
         server = psutil.Process(proc.pid)
-        deadline = time.monotonic() + 10
-        while not (builders := server.children()) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert builders, "no builder process was started"
+        builders = wait_until(server.children, timeout=10, what="a builder process started")
         proc.kill()  # SIGKILL: the server never stops its builder
         proc.wait()
     _, alive = psutil.wait_procs(builders, timeout=10)
