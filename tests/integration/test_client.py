@@ -7,14 +7,13 @@ import asyncio
 import os
 import socket
 import threading
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 from server_process import ServerProcess
-from waiting import call_within, parked_long_polls, served, wait_for_parked
+from waiting import call_within, parked_long_polls, served, wait_for_parked, wait_until
 
 from rdzv_client import (
     AsyncClient,
@@ -254,7 +253,9 @@ def test_failover_skips_a_dead_endpoint(server: Any) -> None:
 # --------------------------------------------------------------------------- restarts
 
 
-def test_calls_retry_through_a_server_restart_and_acknowledged_writes_survive(durable_server: Any) -> None:
+def test_calls_retry_through_a_server_restart_and_acknowledged_writes_survive(
+    durable_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     with Client(durable_server.endpoint, retry_budget=30.0) as c:
         job = new_job()
         c.create_job(job, JobSettings(min_nodes=1, max_nodes=1))
@@ -271,7 +272,10 @@ def test_calls_retry_through_a_server_restart_and_acknowledged_writes_survive(du
         wait_for_parked(durable_server, 1)
         durable_server.close()  # SIGKILL (and release the fixture's pipe to it)
         write = call(lambda: c.add(job, "n", 1))  # sent while nothing listens: retried
-        time.sleep(0.3)
+        wait_until(
+            lambda: any(r.getMessage().startswith(f"Request for add on job {job} ") for r in caplog.records),
+            what="the add refused while nothing listens, and retried",
+        )
         durable_server.start()  # same port, same data dir
         write.join(timeout=30)
         c.set(job, "after", "restart")
