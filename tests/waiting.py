@@ -79,10 +79,10 @@ def call_within(call: Callable[[], T], *, timeout: float = PATIENCE, what: str =
             done.set_exception(exc)
 
     threading.Thread(target=run, daemon=True).start()
-    try:
-        return done.result(timeout)
-    except concurrent.futures.TimeoutError:
-        raise AssertionError(f"not returned within {timeout} s: {what or call!r}") from None
+    concurrent.futures.wait([done], timeout)
+    if not done.done():  # (not result(timeout): the call's own TimeoutError would read as ours)
+        raise AssertionError(f"not returned within {timeout} s: {what or call!r}")
+    return done.result()
 
 
 def _metrics_text(srv: ServerProcess) -> str:
