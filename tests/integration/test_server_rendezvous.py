@@ -152,7 +152,7 @@ async def test_a_round_completes_at_min_nodes_after_the_last_call(aclient: Async
     got = await asyncio.gather(join("a"), join("b"))
     # The server's own times: the last call ran its whole length from the min_nodes-th join.
     formed, second = await event(aclient, job, "round_formed"), await event(aclient, job, "node_joined", "b")
-    assert formed["cause"] == "last_call" and formed["time"] - second["time"] >= 0.5
+    assert formed["cause"] == "last_call" and 0.5 <= formed["time"] - second["time"] < 0.5 + PROMPTLY
     assert sorted(a.node_rank for a in got) == [0, 1]
     assert all(a.num_nodes == 2 for a in got)
     doc = await aclient.job(job)
@@ -320,7 +320,7 @@ async def test_a_member_that_stops_heartbeating_is_dead_after_the_ttl(aclient: A
     assert seen.num_nodes_waiting == 1
     # Not before its TTL, on the server's own clock: its join was the last it heard of the node.
     joined, died = await event(aclient, job, "node_joined", "silent"), await event(aclient, job, "node_departed", "silent")
-    assert died["cause"] == "heartbeat_expired" and died["time"] - joined["time"] >= ttl
+    assert died["cause"] == "heartbeat_expired" and ttl <= died["time"] - joined["time"] < ttl + PROMPTLY
     nodes = {n["node_id"]: n for n in (await aclient.job(job))["nodes"]}
     assert nodes["silent"]["alive"] is False
     assert nodes["survivor"]["alive"] is True
@@ -510,7 +510,7 @@ async def test_a_node_waiting_past_join_timeout_gets_join_timeout(aclient: Async
         await joiner(aclient, job, min_nodes=2, max_nodes=2, join_timeout=0.5)("alone", timeout=20)
     assert info.value.code is wire.ErrorCode.JOIN_TIMEOUT
     joined, left = await event(aclient, job, "node_joined", "alone"), await event(aclient, job, "node_departed", "alone")
-    assert left["cause"] == "join_timeout" and left["time"] - joined["time"] >= 0.5  # the server's clock
+    assert left["cause"] == "join_timeout" and 0.5 <= left["time"] - joined["time"] < 0.5 + PROMPTLY  # server's clock
     doc = await aclient.job(job)
     assert doc["joining"] == [] and doc["nodes"] == []
 
