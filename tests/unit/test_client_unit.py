@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any, TypeAlias
 
 import pytest
-from waiting import PATIENCE, call_within, wait_until
+from waiting import call_within, wait_until
 
 import rdzv_client
 from rdzv_client import JobSettings, ctl, wire
@@ -465,14 +465,16 @@ async def test_a_non_wire_error_page_keeps_its_status_and_text() -> None:
 
 
 class HoldingTransport:
-    """A server that never has the key: holds each long-poll for its timeout, then says not found."""
+    """A server that never has the key: holds each long-poll for its timeout (on the client's
+    fake clock: nothing sleeps), then says not found."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: FakeClock) -> None:
         self.holds: list[float] = []
+        self.clock = clock
 
     async def call(self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], timeout: float) -> Answer:
         self.holds.append(fields["timeout"])
-        await asyncio.sleep(fields["timeout"])
+        self.clock.now += fields["timeout"]
         return ok(found=False, value=None)
 
     async def fetch(self, endpoint: Endpoint, path: str, timeout: float) -> Answer:
@@ -483,13 +485,13 @@ class HoldingTransport:
 
 
 async def test_the_client_owns_the_long_poll_deadline() -> None:
-    t = HoldingTransport()
-    c = AsyncClient("a", max_hold=0.2, transport=t)
+    clock = FakeClock()
+    t = HoldingTransport(clock)
+    c = AsyncClient("a", max_hold=0.2, transport=t, sleep=clock.sleep, clock=clock)
     with pytest.raises(RdzvTimeoutError):
-        await asyncio.wait_for(c.get("job", "k", timeout=0.5), PATIENCE)
-    assert sum(t.holds) <= 0.5 + 1e-3  # the holds it asked for fit in its own timeout
-    assert len(t.holds) >= 3 and max(t.holds) <= 0.2  # re-polled, each hold capped
-    assert t.holds[-1] < 0.2  # the last poll asks only for what remains
+        await c.get("job", "k", timeout=0.5)
+    assert t.holds == pytest.approx([0.2, 0.2, 0.1])  # re-polled, each hold capped; the last asks what remains
+    assert clock.now - 1000.0 == pytest.approx(0.5)  # it gave up at its own deadline, not before or after
 
 
 async def test_get_returns_the_value_once_found() -> None:
