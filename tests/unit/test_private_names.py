@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from unit.test_core_imports import import_target
+
 ROOT = Path(__file__).resolve().parents[2]
 #: Package name -> its source folder (``rdzv_client``'s is ``client/``, pyproject's package-dir).
 PACKAGES = {"rdzv_server": ROOT / "rdzv_server", "rdzv_client": ROOT / "client", "bench": ROOT / "bench"}
@@ -40,12 +42,7 @@ def reaches(name: str, source: str, where: str, known: set[str], *, package: boo
     imported: dict[str, str] = {}  # local name -> the project module it is bound to
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package_name.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = import_target(node, package_name)
             for alias in node.names:
                 if f"{target}.{alias.name}" in known:
                     imported[alias.asname or alias.name] = f"{target}.{alias.name}"
