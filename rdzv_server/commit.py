@@ -20,7 +20,8 @@ Rules:
   term ends, the one server stops for good.
 
 What it must not know: HTTP, the wire format, etcd, which role the service plays (it asks
-the role), timers and liveness (the service's other rooms).
+the role), the service's other rooms: it is the lowest of them, and tells the timer and the
+lifecycle only through the hooks the service wires (:meth:`Pipeline.wire`).
 """
 
 from __future__ import annotations

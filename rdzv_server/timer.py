@@ -8,7 +8,7 @@ applies what core decides follows from it (:func:`.core.decision.quarantine` aft
 Rules:
 - The timer only detects: :meth:`.core.machine.StateMachine.due` says what is due at ``now``;
   it is applied and logged like any other command.
-- Elapsed time is the service's clock (:meth:`.service.Service.now`): the timer sleeps until
+- Elapsed time is the service's clock (:meth:`.shared.ServiceState.now`): the timer sleeps until
   the earliest deadline by that clock, and :meth:`Timer.wake` makes it look again (after a
   fake clock moved).
 - A command the service refused (the log's queue full, say) is tried again
