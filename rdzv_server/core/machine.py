@@ -328,7 +328,8 @@ class StateMachine:
             entry,
             lambda job: {
                 "round": job.join(
-                    cmd.node_id, cmd.addr, cmd.nproc_per_node, settings, now, cmd.master_port, cmd.host, cmd.topology
+                    cmd.node_id, cmd.addr, cmd.nproc_per_node, settings, now, cmd.master_port, cmd.host, cmd.topology,
+                    cmd.step,
                 )
             },
         )
