@@ -190,6 +190,7 @@ def test_public_names_are_exactly_these() -> None:
             "TLSConfigError",
             "UnauthorizedError",
             "WatchResult",
+            "progress",
         ]
     )
     for name in rdzv_client.__all__:
