@@ -456,10 +456,11 @@ class Job:
             return True
         s = self.settings
         formed = self.progress.rounds[self.round]
+        steps = {"step": formed.step, "best_step": formed.base} if self.progress.best is not None else {}
         self.timeline.add(now, Kind.FAST_FAILURE, verdict.cause, self.round, node_id, self.nodes[node_id].addr,
                           fast_failures=verdict.fast_failures, max_fast_failures=s.max_fast_failures,
                           round_s=round(now - formed.formed_at, 3), min_round_seconds=s.min_round_seconds,
-                          step=formed.step, best_step=formed.base)
+                          **steps)  # the steps only where progress is reported
         if not verdict.storm:
             return True
         self._close(now, Cause.RESTART_STORM, node_id=node_id, fast_failures=verdict.fast_failures,
