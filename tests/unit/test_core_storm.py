@@ -10,7 +10,7 @@ import pytest
 from rdzv_client.record import JobSettings, WireError
 from rdzv_server.api.document import job_document
 from rdzv_server.core import command as c
-from rdzv_server.core.error import JobClosed
+from rdzv_server.core.error import JobClosed, SettingsConflict
 from rdzv_server.core.machine import StateMachine
 from rdzv_server.core.progress import RoundLog
 
@@ -138,3 +138,19 @@ def test_the_settings_are_validated_and_old_settings_bytes_stay_the_same() -> No
     join = c.Join(JOB, "a", "a.host", 1, JobSettings())
     assert "min_round_seconds" not in join.to_record() and "step" not in join.to_record()
     assert c.Join(JOB, "a", "a.host", 1, JobSettings(max_fast_failures=5), step=7).to_record()["step"] == 7
+
+
+def test_other_crash_loop_settings_are_a_conflict_and_a_fresh_run_counts_afresh() -> None:
+    log = Log(**STORM)
+    other = JobSettings(min_nodes=2, max_nodes=2, last_call_timeout=5.0, min_round_seconds=10.0, max_fast_failures=4)
+    with pytest.raises(SettingsConflict, match="max_fast_failures=4"):
+        log.apply(c.Join(JOB, "c", "c.host", 1, other), 0.5)
+    for t in (1.0, 2.0):
+        log.fail(t)
+    log.join("a", 3.0)  # closed: restart_storm
+    for node in ("a", "b"):
+        log.apply(c.Leave(JOB, node), 4.0)
+    log.fail(5.0)  # a fresh run under the same id (its first round forms at 5.0)
+    job = log.sm.job(JOB)
+    assert (job.state.value, job.runs, job.progress.fast_failures) == ("complete", 1, 0)
+    assert [r.round for r in job.progress.rounds.values()] == [job.round]
