@@ -36,10 +36,11 @@ from typing import Any
 
 from rdzv_client.record import Cause, JobSettings
 
-#: Rounds whose record a job keeps (a document lists them); a long elastic job forms many.
-MAX_ROUNDS_KEPT = 1000
-#: Soft step samples a job keeps for its page (one per change of the job's step).
-MAX_SAMPLES = 2000
+#: Rounds whose record a job keeps: its document lists them all, and is read every few seconds
+#: by an open job page (200 rounds are ~16 KB of JSON; the page draws the newest 48 lanes).
+MAX_ROUNDS_KEPT = 200
+#: Soft step samples a job keeps for its page (one per change of the job's step, ~30 bytes each).
+MAX_SAMPLES = 500
 
 
 @dataclass

@@ -12,7 +12,7 @@ from rdzv_server.api.document import job_document
 from rdzv_server.core import command as c
 from rdzv_server.core.error import JobClosed, SettingsConflict
 from rdzv_server.core.machine import StateMachine
-from rdzv_server.core.progress import RoundLog
+from rdzv_server.core.progress import MAX_ROUNDS_KEPT, RoundLog
 
 JOB = "job"
 STORM = {"min_round_seconds": 10.0, "max_fast_failures": 3}
@@ -154,3 +154,15 @@ def test_other_crash_loop_settings_are_a_conflict_and_a_fresh_run_counts_afresh(
     job = log.sm.job(JOB)
     assert (job.state.value, job.runs, job.progress.fast_failures) == ("complete", 1, 0)
     assert [r.round for r in job.progress.rounds.values()] == [job.round]
+
+
+def test_a_job_keeps_its_newest_rounds_and_older_rounds_goodput_as_a_sum() -> None:
+    log = RoundLog()
+    for r in range(MAX_ROUNDS_KEPT + 10):
+        log.formed(r, 10.0 * r)
+        log.report(r + 1)  # every round got one step further: all progress
+        log.ended(10.0 * r + 10.0)
+    assert len(log.rounds) == MAX_ROUNDS_KEPT and next(iter(log.rounds)) == 10
+    assert log.goodput(10.0 * (MAX_ROUNDS_KEPT + 10)) == pytest.approx(1.0)
+    restored = RoundLog.from_snapshot(log.to_snapshot())
+    assert restored.goodput(10.0 * (MAX_ROUNDS_KEPT + 10)) == pytest.approx(1.0)
