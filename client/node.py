@@ -8,9 +8,9 @@ What it owns:
   torch's agent reads every 0.1 s and which therefore costs nothing. The beat thread is the
   heartbeat: a watch of no hold, answered at once, whenever no answer beat the node for a
   third of the TTL; it carries the workers' current step (``rdzv_client.progress``: the
-  highest in the node's progress directory) as soft state for the job's steps over time. Both live as long as the node and idle between rounds: starting a
-  thread waits for it to run, and that wait would land on the critical path of every
-  formation.
+  highest in the node's progress directory) as soft state for the job's steps over time.
+  Both live as long as the node and idle between rounds: starting a thread waits for it to
+  run, and that wait would land on the critical path of every formation.
 - :class:`PortReservation`: the master port the node offers with its join, held until the
   round forms.
 - :func:`node_client` and :func:`shared_client`: the node's :class:`Client`, whose watch,
