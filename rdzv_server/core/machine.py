@@ -328,7 +328,8 @@ class StateMachine:
             entry,
             lambda job: {
                 "round": job.join(
-                    cmd.node_id, cmd.addr, cmd.nproc_per_node, settings, now, cmd.master_port, cmd.host, cmd.topology
+                    cmd.node_id, cmd.addr, cmd.nproc_per_node, settings, now, cmd.master_port, cmd.host, cmd.topology,
+                    cmd.step,
                 )
             },
         )
@@ -634,10 +635,13 @@ class StateMachine:
     def assignment(self, rdzv_id: str, node_id: str, min_round: int) -> Assignment | None:
         return self._entry(rdzv_id).job.assignment(node_id, min_round)
 
-    def heartbeat(self, rdzv_id: str, node_id: str, now: float) -> Job:
-        """Soft-state beat of ``node_id`` (never logged); returns its job. Raises JobNotFound."""
+    def heartbeat(self, rdzv_id: str, node_id: str, now: float, progress: tuple[int, int] | None = None) -> Job:
+        """Soft-state beat of ``node_id`` (never logged); returns its job. ``progress``: the
+        (round, step) its beat reports (rendezvous rule 8's soft steps). Raises JobNotFound."""
         job = self._entry(rdzv_id).job
         job.heartbeat(node_id, now)
+        if progress is not None and node_id in job.heartbeats:  # a live node of the job
+            job.progress.seen(progress[0], progress[1], now)
         return job
 
     def already_refused(self, cmd: c.Refused) -> bool:

@@ -77,6 +77,13 @@ Rules:
    already equals the budget closes the job with cause ``restart_budget_exhausted``; every
    node then gets :class:`JobClosed` naming it. A fresh run of a closed job starts with the
    whole budget again.
+8. The crash-loop rule (``core/progress.py``; ``min_round_seconds``, ``max_fast_failures``),
+   beside rule 7 and independent of its budget: a round that ends by a failure (rule 7's
+   re-join, not a death) is judged; a fast failure is a ``fast_failure`` event, and
+   ``max_fast_failures`` of them in a row close the job with cause ``restart_storm``; every
+   node then gets :class:`JobClosed` naming it. A re-join carries the highest step its node's
+   workers reported in the round it leaves (``step``); a round without progress is fast
+   however long it ran. A fresh run starts counting again.
 
 Invariants (checked by the property tests): in a formed round node ranks are exactly
 0..n-1 and global ranks are disjoint, contiguous per node and cover 0..world_size-1;
@@ -109,6 +116,7 @@ from .error import (
     SettingsConflict,
 )
 from .event import Cause, Kind, Timeline
+from .progress import ProgressView, RoundLog
 from .rank import Candidate, Tier, place
 
 
@@ -231,6 +239,7 @@ class JobView:
     now: float
     restarts: int = 0  # failures counted against the restart budget (rule 7)
     closed_cause: str = ""  # why the job closed ("" while it is not)
+    progress: ProgressView | None = None  # rounds, steps and goodput (rule 8)
 
 
 @dataclass(frozen=True)
@@ -275,6 +284,8 @@ class Job:
     restarts: int = 0
     restart_round: int = -1
     closed_cause: str = ""
+    # The crash-loop rule and the job's progress (rule 8): each formed round's times and steps.
+    progress: RoundLog = field(default_factory=RoundLog)
     # Derived indexes, rebuilt on restore, so that no join costs O(nodes):
     counts: Counter[tuple[Role, Liveness]] = field(default_factory=Counter)
     # Pending nodes whose join_timeout runs, in joined_at order (join_timed_out is O(timed out)):
@@ -299,16 +310,20 @@ class Job:
 
     def join(
         self, node_id: str, addr: str, nproc_per_node: int, settings: JobSettings, now: float, master_port: int = 0,
-        host: str = "", topology: str = "",
+        host: str = "", topology: str = "", step: int | None = None,
     ) -> int:
         """A node asks for a place in the next round. Returns the round it is in line for.
 
         ``master_port`` is the port the node's workers would serve their store on should it
         become node rank 0: the assignment hands node rank 0's addr and port to every node,
         so no node has to publish them through the store after the round forms. ``host`` and
-        ``topology`` are the node's host name and topology path (rank placement, cordons)."""
+        ``topology`` are the node's host name and topology path (rank placement, cordons).
+        ``step``: the highest step its workers reported in the round it leaves (rule 8)."""
         if not (self.state is JobState.CLOSED and not self.idle()):
             self.adopt_settings(settings, f"node {node_id}")  # a closed, live job refuses it anyway
+        node = self.nodes.get(node_id)
+        if step is not None and self.state is not JobState.CLOSED and node is not None and node.role is Role.MEMBER:
+            self.progress.report(step)  # before the join: rule 8 judges the round it ends with it
         round_: int = self._dispatch(Event.JOIN, now, node_id, (addr, nproc_per_node, master_port, host, topology))
         return round_
 
@@ -357,6 +372,8 @@ class Job:
             # node waiting, no member dead): its workers failed.
             if not self._spend_restart(now, Cause.WORKERS_FAILED, node_id):
                 return self.round + 1  # the budget is spent: the job closed (its poll says so)
+            if not self._judge_round(now, node_id):
+                return self.round + 1  # a crash loop: the job closed (rule 8)
         if node is not None or not self._alive_members():
             # Rule 3: opened before the node is added, so that its join is in the new round.
             self._open_next_round(now)
@@ -378,6 +395,7 @@ class Job:
             self._forget(old)
         self.members, self.world, self.uniform_nproc, self.closed_at = [], 0, False, None
         self.restarts, self.restart_round, self.closed_cause = 0, -1, ""  # a fresh run has its whole budget
+        self.progress = RoundLog()  # ... and counts its own fast failures (rule 8)
         self.runs += 1
         self._open_next_round(now)
         return self._join_open(now, node_id, offer)
@@ -404,6 +422,7 @@ class Job:
 
     def _close(self, now: float, cause: Cause, **detail: Any) -> None:
         self.timeline.add(now, Kind.JOB_CLOSED, cause, self.round, **detail)
+        self.progress.ended(now)
         self.state = JobState.CLOSED
         self.closed_at = now
         self.closed_cause = cause.value
@@ -426,6 +445,27 @@ class Job:
             self.timeline.add(now, Kind.RESTART_COUNTED, cause, self.round, node_id, self.nodes[node_id].addr,
                               restarts=self.restarts, max_restarts=budget)
         return True
+
+    def _judge_round(self, now: float, node_id: str) -> bool:
+        """Rule 8: judge the formed round that ended by ``node_id``'s failure.
+
+        Returns False when it was the ``max_fast_failures``-th fast failure in a row: the job
+        is then closed with cause ``restart_storm`` (from within a COMPLETE handler)."""
+        verdict = self.progress.judge(now, self.settings)
+        if verdict is None or verdict.cause is None:
+            return True
+        s = self.settings
+        formed = self.progress.rounds[self.round]
+        steps = {"step": formed.step, "best_step": formed.base} if self.progress.best is not None else {}
+        self.timeline.add(now, Kind.FAST_FAILURE, verdict.cause, self.round, node_id, self.nodes[node_id].addr,
+                          fast_failures=verdict.fast_failures, max_fast_failures=s.max_fast_failures,
+                          round_s=round(now - formed.formed_at, 3), min_round_seconds=s.min_round_seconds,
+                          **steps)  # the steps only where progress is reported
+        if not verdict.storm:
+            return True
+        self._close(now, Cause.RESTART_STORM, node_id=node_id, fast_failures=verdict.fast_failures,
+                    min_round_seconds=s.min_round_seconds, max_fast_failures=s.max_fast_failures)
+        return False
 
     # -- settle: the rules that follow from the state ---------------------------------------
 
@@ -591,6 +631,8 @@ class Job:
         self.heartbeats.move_to_end(node.node_id)
 
     def _open_next_round(self, now: float) -> None:
+        if self.state is JobState.COMPLETE:
+            self.progress.ended(now)  # the formed round gave way
         self.state = JobState.OPEN
         self.round += 1
         self.opened_at = now
@@ -648,6 +690,7 @@ class Job:
         self.world = sum(p.nproc_per_node for p in placements)
         self.uniform_nproc = len({p.nproc_per_node for p in placements}) == 1
         self.state = JobState.COMPLETE
+        self.progress.formed(self.round, now)
         self.timeline.add(
             now, Kind.ROUND_FORMED, reason, self.round, num_nodes=len(self.members), world_size=self.world,
             formation_s=round(now - self.opened_at, 6), standby=self._count(Role.STANDBY),
@@ -724,6 +767,13 @@ class Job:
 
     def _closed_why(self) -> str:
         """Why the job closed, for a refused node's error (empty for an ordinary close)."""
+        if self.closed_cause == Cause.RESTART_STORM.value:
+            s = self.settings
+            return (
+                f" (restart_storm: {self.progress.fast_failures} rounds in a row ended by a failure within "
+                f"min_round_seconds={s.min_round_seconds:g} of forming or without progress, max_fast_failures="
+                f"{s.max_fast_failures}; the server stopped the crash loop: fix the workers' failure, then run again)"
+            )
         if self.closed_cause != Cause.RESTART_BUDGET_EXHAUSTED.value:
             return ""
         return (
@@ -829,6 +879,7 @@ class Job:
             now=now,
             restarts=self.restarts,
             closed_cause=self.closed_cause,
+            progress=self.progress.view(now if self.closed_at is None else min(now, self.closed_at)),
         )
 
     def summary(self) -> JobSummary:
@@ -842,7 +893,8 @@ class Job:
         s = self.settings
         return {
             "rdzv_id": self.rdzv_id,
-            "settings": [s.min_nodes, s.max_nodes, s.last_call_timeout, s.join_timeout, s.heartbeat_ttl, s.max_restarts],
+            "settings": [s.min_nodes, s.max_nodes, s.last_call_timeout, s.join_timeout, s.heartbeat_ttl, s.max_restarts,
+                         s.min_round_seconds, s.max_fast_failures],
             "state": self.state.value,
             "round": self.round,
             "nodes": [
@@ -866,6 +918,7 @@ class Job:
             "restart_round": self.restart_round,
             "closed_cause": self.closed_cause,
             "timeline": self.timeline.to_snapshot(),
+            "progress": self.progress.to_snapshot(),
         }
 
     @classmethod
@@ -891,6 +944,8 @@ class Job:
         job.closed_cause = data.get("closed_cause", "")
         if "timeline" in data:
             job.timeline = Timeline.from_snapshot(data["timeline"])
+        if "progress" in data:  # (snapshots before rule 8: no round judged yet)
+            job.progress = RoundLog.from_snapshot(data["progress"])
         for node in sorted(job.nodes.values(), key=lambda n: (n.joined_at, n.arrival)):
             job.counts[(node.role, node.liveness)] += 1
             if node.role is Role.STANDBY and job.state is not JobState.OPEN:
@@ -917,7 +972,12 @@ def _describe(s: JobSettings) -> str:
         f"min_nodes={s.min_nodes} max_nodes={s.max_nodes} last_call_timeout={s.last_call_timeout} "
         f"join_timeout={s.join_timeout} heartbeat_ttl={s.heartbeat_ttl}"
         + ("" if s.max_restarts is None else f" max_restarts={s.max_restarts}")
+        + ("" if (s.min_round_seconds, s.max_fast_failures) == (_DEFAULT.min_round_seconds, _DEFAULT.max_fast_failures)
+           else f" min_round_seconds={s.min_round_seconds:g} max_fast_failures={s.max_fast_failures}")
     )
+
+
+_DEFAULT = JobSettings()
 
 
 _ALIVE = Liveness.ALIVE
