@@ -77,6 +77,19 @@ Rules:
    already equals the budget closes the job with cause ``restart_budget_exhausted``; every
    node then gets :class:`JobClosed` naming it. A fresh run of a closed job starts with the
    whole budget again.
+8. A mixed finish (torch's exit barrier; :mod:`.finish`). A member's ``add`` on the
+   barrier's count in the last formed round's key space (``EXIT_BARRIER_COUNT_KEY``) says
+   how many of that round's nodes finished (``exit_barrier``). While some but not all have,
+   a member of the round that re-joins, dies or leaves means the barrier can never
+   complete and no round can form again (a finished node never re-joins): in the same
+   apply the server releases the barrier (the machine sets ``EXIT_BARRIER_LAST_MEMBER_KEY``,
+   as torch's last member would, so the finished agents exit 0), records
+   ``exit_barrier_released``, and closes the job (unless it is closed already) with cause
+   ``workers_failed_after_finish`` (a member re-joined) or ``member_lost_after_finish`` (it
+   died or left); the re-joined node's poll gets :class:`JobClosed` naming it. Whichever
+   half comes second acts: the loss, or the count (an ``add`` after the loss releases at
+   once). Such a failure counts no restart (rule 7): the job ends. When every node
+   finishes, torch's own last ``add`` sets the key and nothing of this acts.
 
 Invariants (checked by the property tests): in a formed round node ranks are exactly
 0..n-1 and global ranks are disjoint, contiguous per node and cover 0..world_size-1;
@@ -109,6 +122,7 @@ from .error import (
     SettingsConflict,
 )
 from .event import Cause, Kind, Timeline
+from .finish import MIXED_FINISH_CAUSES, ExitBarrier
 from .rank import Candidate, Tier, place
 
 
@@ -136,6 +150,7 @@ class Event(enum.Enum):
     DEPART = "depart"
     LAST_CALL = "last_call"
     CLOSE = "close"
+    EXIT_BARRIER = "exit_barrier"  # a member reached torch's exit barrier (rule 8)
 
 
 class Departure(str, enum.Enum):
@@ -275,6 +290,11 @@ class Job:
     restarts: int = 0
     restart_round: int = -1
     closed_cause: str = ""
+    # torch's exit barrier of the last formed round that nodes reached (rule 8; None: none yet),
+    # and a count of the barriers rule 8 released, so the machine can tell one happened (it sets
+    # the barrier's key in the round's store).
+    exit_barrier: ExitBarrier | None = None
+    exit_barrier_releases: int = 0
     # Derived indexes, rebuilt on restore, so that no join costs O(nodes):
     counts: Counter[tuple[Role, Liveness]] = field(default_factory=Counter)
     # Pending nodes whose join_timeout runs, in joined_at order (join_timed_out is O(timed out)):
@@ -336,6 +356,13 @@ class Job:
         if self.state is JobState.CLOSED:
             return
         self._dispatch(Event.CLOSE, now, cause)
+
+    def reach_exit_barrier(self, round_: int, finished: int, now: float) -> bool:
+        """A node's ``add`` on torch's exit-barrier count in round ``round_``'s key space
+        returned ``finished`` (rule 8). Returns False if that is no barrier of the last formed
+        round (ignored: torch's own behaviour stands)."""
+        counted: bool = self._dispatch(Event.EXIT_BARRIER, now, round_, finished)
+        return counted
 
     # -- handlers ------------------------------------------------------------------------
 
@@ -412,7 +439,11 @@ class Job:
         """Rule 7: count the formed round's first failure against the job's restart budget.
 
         Returns False when the budget was already spent: the job is then closed with cause
-        ``restart_budget_exhausted`` (from within a COMPLETE handler; settle keeps it closed)."""
+        ``restart_budget_exhausted`` (from within a COMPLETE handler; settle keeps it closed).
+        A failure while nodes of the round wait in torch's exit barrier counts nothing: rule
+        8 ends the job in this very apply."""
+        if self._finishing():
+            return True
         if self.restart_round == self.round:
             return True  # this round's failure is counted already: one re-formation, one restart
         self.restart_round = self.round
@@ -426,6 +457,67 @@ class Job:
             self.timeline.add(now, Kind.RESTART_COUNTED, cause, self.round, node_id, self.nodes[node_id].addr,
                               restarts=self.restarts, max_restarts=budget)
         return True
+
+    # -- rule 8: a mixed finish (torch's exit barrier) ----------------------------------------
+
+    def _exit_barrier_reached(self, now: float, round_: int, finished: int) -> bool:
+        """Event.EXIT_BARRIER, in any state: note how many nodes of the last formed round
+        reached its exit barrier. Whether that ends anything is :meth:`_mixed_finish`'s (settle)."""
+        if round_ != self._last_formed_round():
+            return False
+        barrier = self.exit_barrier
+        if barrier is None or barrier.round != round_:
+            barrier = self.exit_barrier = ExitBarrier(round_, len(self.members))
+        barrier.finished = max(barrier.finished, finished)
+        return True
+
+    def _last_formed_round(self) -> int | None:
+        """The round ``members`` belong to (None: none formed in this run).
+
+        While a round forms it is the one before; otherwise the job's round, which a closed job
+        may not have formed (it closed while the round was open), but then no node was ever
+        handed that round, so no node's barrier names it."""
+        if not self.members:
+            return None
+        return self.round - 1 if self.state is JobState.OPEN else self.round
+
+    def _finishing(self) -> bool:
+        """Nodes of the running round wait in its exit barrier for the others (O(1))."""
+        barrier = self.exit_barrier
+        return (
+            barrier is not None and barrier.waits and barrier.round == self.round and self.state is JobState.COMPLETE
+        )
+
+    def _mixed_finish(self, now: float) -> bool:
+        """Rule 8: nodes of the last formed round wait in its exit barrier, and a member of that
+        round that has not reached it re-joined, died or left: the barrier can never complete.
+        Release it (the machine sets its key), record why, and close the job if it is open.
+
+        O(1) unless it acts (then O(members), once per job)."""
+        barrier = self.exit_barrier
+        if barrier is None or not barrier.waits or barrier.round != self._last_formed_round():
+            return False  # (a barrier of an earlier run or round is no one's any more)
+        if self.state is not JobState.OPEN and self._alive_members() == barrier.num_nodes:
+            return False  # no next round opened and every member is alive in this one: all may finish yet
+        lost = self._lost_member()
+        rejoined = lost is not None and lost.role is Role.CANDIDATE
+        cause = Cause.WORKERS_FAILED_AFTER_FINISH if rejoined else Cause.MEMBER_LOST_AFTER_FINISH
+        node_id, addr = (lost.node_id, lost.addr) if lost is not None else (None, None)
+        barrier.released, barrier.cause, barrier.lost = True, cause.value, node_id or ""
+        self.exit_barrier_releases += 1
+        detail = {"finished": barrier.finished, "num_nodes": barrier.num_nodes}
+        self.timeline.add(now, Kind.EXIT_BARRIER_RELEASED, cause, barrier.round, node_id, addr, **detail)
+        if self.state is not JobState.CLOSED:
+            self._close(now, cause, node_id=node_id, addr=addr, **detail)
+        return True
+
+    def _lost_member(self) -> Node | None:
+        """The member of the last formed round that left it: one that re-joined (its workers
+        failed) before one that died or left, each in node_rank order; None if none is known."""
+        members = [n for n in (self.nodes.get(m) for m in self.members) if n is not None]
+        back = [n for n in members if n.role is Role.CANDIDATE]
+        gone = [n for n in members if n.liveness is not Liveness.ALIVE]
+        return next(iter(back or gone), None)
 
     # -- settle: the rules that follow from the state ---------------------------------------
 
@@ -724,6 +816,8 @@ class Job:
 
     def _closed_why(self) -> str:
         """Why the job closed, for a refused node's error (empty for an ordinary close)."""
+        if self.closed_cause in MIXED_FINISH_CAUSES and self.exit_barrier is not None:
+            return self.exit_barrier.why()
         if self.closed_cause != Cause.RESTART_BUDGET_EXHAUSTED.value:
             return ""
         return (
@@ -866,6 +960,7 @@ class Job:
             "restart_round": self.restart_round,
             "closed_cause": self.closed_cause,
             "timeline": self.timeline.to_snapshot(),
+            "exit_barrier": None if self.exit_barrier is None else self.exit_barrier.to_snapshot(),
         }
 
     @classmethod
@@ -891,6 +986,7 @@ class Job:
         job.closed_cause = data.get("closed_cause", "")
         if "timeline" in data:
             job.timeline = Timeline.from_snapshot(data["timeline"])
+        job.exit_barrier = ExitBarrier.from_snapshot(data.get("exit_barrier"))
         for node in sorted(job.nodes.values(), key=lambda n: (n.joined_at, n.arrival)):
             job.counts[(node.role, node.liveness)] += 1
             if node.role is Role.STANDBY and job.state is not JobState.OPEN:
@@ -942,6 +1038,7 @@ MAX_SETTLE_PASSES = 8
 
 #: The rules :meth:`Job.settle` re-runs, in this order within a pass.
 _SETTLE_RULES: tuple[Callable[[Job, float], bool], ...] = (
+    Job._mixed_finish,  # first: a round that cannot finish ends the job before another round forms
     Job._complete_round,
     Job._last_call_clock,
     Job._open_for_those_in_line,
@@ -958,4 +1055,5 @@ _TRANSITIONS: dict[tuple[JobState, Event], Callable[..., Any]] = {
     (JobState.OPEN, Event.LAST_CALL): Job._last_call,
     (JobState.OPEN, Event.CLOSE): Job._close,
     (JobState.COMPLETE, Event.CLOSE): Job._close,
+    **{(state, Event.EXIT_BARRIER): Job._exit_barrier_reached for state in JobState},
 }
