@@ -33,7 +33,7 @@ MIXED_FINISH_CAUSES = (Cause.WORKERS_FAILED_AFTER_FINISH.value, Cause.MEMBER_LOS
 
 # How the member that made the round unable to finish went, by its cause, for an error text.
 _HOW = {
-    Cause.WORKERS_FAILED_AFTER_FINISH.value: "re-joined (its workers failed, so it restarted them)",
+    Cause.WORKERS_FAILED_AFTER_FINISH.value: "re-joined (its workers failed and its agent restarted them)",
     Cause.MEMBER_LOST_AFTER_FINISH.value: "died or left",
 }
 
