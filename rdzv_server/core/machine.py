@@ -28,7 +28,10 @@ Rules:
 - A membership command reaches its job as rendezvous events (``Job.join``, ``depart``,
   ``last_call``, ``close``); the job's dispatcher settles its rules after each event
   (``Job.settle``), so an expiry of several nodes settles after each departure, and the
-  wake-ups computed here see the settled state.
+  wake-ups computed here see the settled state. One store write is also a rendezvous
+  event: an ``add`` on torch's exit-barrier count in a round's key space
+  (``Job.reach_exit_barrier``, rule 8 of core/rendezvous.py); when the job then releases the
+  barrier, its key is set here, in the same apply (``KeyValueStore.put_decided``).
 - Reads (``get``, ``assignment`` ...) never change state.
 
 Each applied command reports the wake-up topics it touched (see :class:`Outcome`), so
