@@ -392,6 +392,9 @@ class Kind(str, enum.Enum):
     HOST_UNCORDONED = "host_uncordoned"  # ... and its cordon lifted
     RESTART_COUNTED = "restart_counted"  # a failure spent one restart of the job's budget
     FAST_FAILURE = "fast_failure"  # a round ended by a failure soon after forming, or without progress
+    # The server ended torch's exit barrier of a round for its finished nodes: the round lost a
+    # member that had not finished, so the barrier could never complete (a mixed finish)
+    EXIT_BARRIER_RELEASED = "exit_barrier_released"
 
 
 class Cause(str, enum.Enum):
@@ -438,10 +441,25 @@ class Cause(str, enum.Enum):
     SHORT_ROUND = "short_round"  # the round ended by a failure within min_round_seconds of forming
     NO_PROGRESS = "no_progress"  # the round ended by a failure and its step did not grow
     # (a job outliving --job-ttl is collected, timeline and all: that is the end of its story)
+    # job_closed, exit_barrier_released: a mixed finish (the server; docs/job-fate.md)
+    WORKERS_FAILED_AFTER_FINISH = "workers_failed_after_finish"  # a member re-joined after others had finished
+    MEMBER_LOST_AFTER_FINISH = "member_lost_after_finish"  # a member died or left after others had finished
 
 
 #: Who closes a job, as its timeline records it ("": not said).
 CLOSE_CAUSES = ("", Cause.AGENT.value, Cause.OPERATOR.value)
+
+# torch's exit barrier (``torch.distributed.elastic.utils.store.barrier``, called by the agent's
+# ``_exit_barrier`` once its workers succeeded) on the round's store: each agent adds 1 to
+# ``<prefix>/num_members``; the one that brings it to the number of nodes sets
+# ``<prefix>/last_member``, which every agent waits for. Both keys are in the round's key space
+# (the plug-in's store is scoped to its round). The server watches the count and, in a mixed
+# finish, sets the key itself (docs/job-fate.md); it imports no torch, so the names live here,
+# held equal to torch's by tests/unit/test_torch_exit_barrier.py.
+EXIT_BARRIER_PREFIX = "torchelastic/agent/terminal_state"  # torch's _TERMINAL_STATE_SYNC_ID
+EXIT_BARRIER_COUNT_KEY = (EXIT_BARRIER_PREFIX + "/num_members").encode()  # + torch's _NUM_MEMBERS
+EXIT_BARRIER_LAST_MEMBER_KEY = (EXIT_BARRIER_PREFIX + "/last_member").encode()  # + _LAST_MEMBER_CHECKIN
+EXIT_BARRIER_RELEASE_VALUE = b"<val_ignored>"  # what torch's last member sets (nobody reads it)
 
 
 @dataclass(frozen=True)

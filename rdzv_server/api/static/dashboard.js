@@ -30,7 +30,7 @@ const STATE_WORDS = {
 };
 // A round's notes (events about the job, not one node), in a word under the round.
 const NOTE_WORDS = { job_closed: 'closed', server_restarted: 'restart', host_cordoned: 'cordon', host_uncordoned: 'uncordon',
-  fast_failure: 'fast' };
+  fast_failure: 'fast', exit_barrier_released: 'released' };
 const STOP_STATUSES = new Set([401, 403, 404]);
 const NODE_HEADS = ['node rank', 'node id', 'host/addr', 'nproc', 'global ranks', 'status', 'heartbeat age'];
 const KINDS = new Set(['job_created', 'job_closed', 'node_joined', 'round_formed', 'standby_promoted', 'node_departed',
