@@ -2,8 +2,9 @@
 
 What it owns: the public surface of the client package: the sync and async clients, every
 error a caller can get from them (the :mod:`rdzv_client.error` tree, and the ValueErrors for
-an unusable token or TLS file), the job's settings and their result records. ``rdzvctl`` lives in :mod:`rdzv_client.ctl` and the
-wire contract in :mod:`rdzv_client.wire`.
+an unusable token or TLS file), the job's settings and their result records, and a worker's
+:func:`progress` report. ``rdzvctl`` lives in :mod:`rdzv_client.ctl` and the wire contract in
+:mod:`rdzv_client.wire`.
 
 What it must not know: torch. Importing this package never imports torch; the torch
 ``Store`` and the torchrun handler live in their own module, imported only by torch's
@@ -35,6 +36,9 @@ from .error import (
     ServerError,
     UnauthorizedError,
 )
+# A worker's progress report (torch-free, stdlib only). Imported eagerly: the function is the
+# package's ``progress`` attribute, never shadowed by its module's name.
+from .progress import progress
 from .record import Assignment, JobSettings
 
 if TYPE_CHECKING:
@@ -75,6 +79,7 @@ __all__ = [
     "TLSConfigError",
     "UnauthorizedError",
     "WatchResult",
+    "progress",
 ]
 
 

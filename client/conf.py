@@ -10,7 +10,8 @@ them with its join, its refusal, and nowhere else.
 The ``--rdzv-conf`` keys: ``join_timeout``, ``last_call_timeout`` (the job's, as
 :class:`JobSettings` has them by default), ``close_timeout`` (the client's retry budget),
 ``keep_alive_interval`` x ``keep_alive_max_attempt`` (the heartbeat TTL), ``store_timeout``,
-``node_id``, ``nproc_per_node``, ``max_restarts``, fleet control (``health_check``,
+``node_id``, ``nproc_per_node``, ``max_restarts``, the crash-loop rule (``min_round_seconds``,
+``max_fast_failures``), fleet control (``health_check``,
 ``health_check_timeout``, ``gpu_check``, ``topology_env``) and the client's credentials and
 TLS (``token_file``, ``tls``, ``ca_file``, ``cert_file``, ``key_file``).
 
@@ -64,7 +65,8 @@ class NodeConf:
 
     run_id: str
     endpoint: str
-    #: The job's settings as this node proposes them (node counts, timeouts, TTL, restart budget).
+    #: The job's settings as this node proposes them (node counts, timeouts, TTL, restart budget,
+    #: the crash-loop rule).
     settings: wire.JobSettings
     node_id: str
     addr: str  # what the other nodes reach this one at (--local-addr, else the FQDN)
@@ -100,6 +102,8 @@ class NodeConf:
             join_timeout=float(params.get("join_timeout", _DEFAULTS.join_timeout)),
             heartbeat_ttl=interval * attempts,
             max_restarts=None if budget in (None, "") else int(budget),
+            min_round_seconds=float(params.get("min_round_seconds", _DEFAULTS.min_round_seconds)),
+            max_fast_failures=int(params.get("max_fast_failures", _DEFAULTS.max_fast_failures)),
         )
         addr = params.local_addr or socket.getfqdn()
         hostname = socket.gethostname()

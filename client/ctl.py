@@ -121,6 +121,12 @@ def format_membership(doc: Mapping[str, Any]) -> str:
     if doc.get("max_restarts") is not None or doc.get("restarts"):  # the job-wide restart budget
         budget = doc.get("max_restarts")
         lines.append(f"restarts {doc.get('restarts', 0)} of {budget if budget is not None else 'unlimited'}")
+    if doc.get("max_fast_failures"):  # the crash-loop rule, when the job asked for it
+        lines.append(f"fast failures in a row {doc.get('fast_failures', 0)} of {doc['max_fast_failures']} "
+                     f"(min_round_seconds {doc.get('min_round_seconds')})")
+    if doc.get("goodput") is not None:  # with progress reports (rdzv_client.progress)
+        last = next((r.get("step") for r in reversed(doc.get("progress") or []) if r.get("step") is not None), None)
+        lines.append(f"goodput {100 * doc['goodput']:.1f} %  last step {_cell(last)}")
     if doc.get("pending_reason"):  # only while a round is open: what it still waits for
         lines.append(f"pending: {doc['pending_reason']}")
     lines.append("")

@@ -7,9 +7,10 @@ What it owns:
   connection drop when the process dies) and the source of ``num_nodes_waiting``, which
   torch's agent reads every 0.1 s and which therefore costs nothing. The beat thread is the
   heartbeat: a watch of no hold, answered at once, whenever no answer beat the node for a
-  third of the TTL. Both live as long as the node and idle between rounds: starting a
-  thread waits for it to run, and that wait would land on the critical path of every
-  formation.
+  third of the TTL; it carries the workers' current step (``rdzv_client.progress``: the
+  highest in the node's progress directory) as soft state for the job's steps over time.
+  Both live as long as the node and idle between rounds: starting a thread waits for it to
+  run, and that wait would land on the critical path of every formation.
 - :class:`PortReservation`: the master port the node offers with its join, held until the
   round forms.
 - :func:`node_client` and :func:`shared_client`: the node's :class:`Client`, whose watch,
@@ -45,9 +46,17 @@ from typing import Any
 from .client import Client
 from .error import RdzvError
 from .policy import BEAT_JITTER
+from .progress import node_step
 from .stream import PipelinedSocketTransport
 
 log = logging.getLogger("rdzv_client")
+
+#: The causes of a close that stop a job's workers at once (the server's decisions), and what
+#: the node's log says of each.
+SERVER_STOPS = {
+    "restart_budget_exhausted": "spent its restart budget (max_restarts)",
+    "restart_storm": "is in a crash loop (restart_storm: max_fast_failures fast failures in a row)",
+}
 
 
 class NodeLoop:
@@ -67,6 +76,7 @@ class NodeLoop:
         *,
         keep_alive_interval: float,
         heartbeat_ttl: float,
+        progress_dir: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._client = client
@@ -75,6 +85,7 @@ class NodeLoop:
         self._node_id = node_id
         self._keep_alive_interval = keep_alive_interval
         self._heartbeat_ttl = heartbeat_ttl
+        self._progress_dir = progress_dir  # the workers' steps (rdzv_client.progress), sent with the beats
         self.num_waiting = 0
         self.closed = False
         self._cv = threading.Condition()
@@ -146,11 +157,11 @@ class NodeLoop:
                 )  # fmt: skip
             known = seen.num_nodes_waiting
             if seen.closed:
-                if seen.cause == "restart_budget_exhausted":
+                stopped = SERVER_STOPS.get(seen.cause or "")
+                if stopped is not None:
                     # The server stopped the job: the agent must stop its workers and fail, not
                     # train on until they finish. A re-rendezvous now fails with the closed error.
-                    log.error("Node %s: job %s spent its restart budget (max_restarts); stopping.",
-                              self._node_id, self._run_id)  # fmt: skip
+                    log.error("Node %s: job %s %s; stopping.", self._node_id, self._run_id, stopped)
                     known = 1
                 self.num_waiting, self.closed = known, True
                 # A closed job forms no other round and needs no heartbeat, and its watch answers
@@ -201,7 +212,8 @@ class NodeLoop:
             first = False
             sent = self._clock()
             try:
-                self._client.watch(self._run_id, self._node_id, round=current[0], hold=0.0)
+                step = None if self._progress_dir is None else node_step(self._progress_dir)
+                self._client.watch(self._run_id, self._node_id, round=current[0], hold=0.0, step=step)
             except Exception as exc:  # RdzvError, or a bug: never let it end the heartbeats
                 log.warning(
                     "Node %s: heartbeat to job %s failed (%s).", self._node_id, self._run_id, exc,

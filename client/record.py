@@ -170,6 +170,15 @@ def inline(*, required: tuple[str, ...] = (), default_factory: Callable[[], Any]
 MAX_NODES = 1_000_000
 #: The largest job-wide restart budget (``max_restarts``): far beyond any real job's.
 MAX_RESTARTS = 1_000_000
+# A round shorter than two minutes that ends by a failure is a crash, not training: a job
+# that loads, runs and checkpoints fails later than that (README "A crash loop stops itself").
+DEFAULT_MIN_ROUND_SECONDS = 120.0
+# Off unless asked for (max_fast_failures=5 is the README's advice: five such rounds in a row
+# cost at most ~10 minutes): on by default it would stop jobs that today run until torch's
+# --max-restarts, which is the one limit their owners chose.
+DEFAULT_MAX_FAST_FAILURES = 0
+#: The longest min_round_seconds (a day): longer would call every round of a real job fast.
+MAX_MIN_ROUND_SECONDS = 86400.0
 #: A node's topology path (``zone1/rack12/switch3``) and host name: at most this long.
 MAX_TOPOLOGY_CHARS = 255
 #: A cordon's reason, and a refusal's detail (a health check's last line): at most this long.
@@ -189,10 +198,16 @@ class JobSettings:
     # The job-wide restart budget (--rdzv-conf max_restarts=N): failure-caused re-formations
     # the job may take before the server closes it (None: no budget, torch's behaviour).
     max_restarts: int | None = optional(None)
+    # The crash-loop rule (--rdzv-conf min_round_seconds=S,max_fast_failures=K): a round that
+    # ends by a failure within S seconds of forming (or, with progress reports, without
+    # progress) is a fast failure; K in a row close the job (0: never). README says why these.
+    min_round_seconds: float = optional(DEFAULT_MIN_ROUND_SECONDS)
+    max_fast_failures: int = optional(DEFAULT_MAX_FAST_FAILURES)
 
     def validate(self) -> None:
         """Raise :class:`WireError` unless 1 <= min_nodes <= max_nodes <= MAX_NODES, the
-        timeouts are >= 0, the TTL is > 0 and the restart budget (if any) is 0..MAX_RESTARTS."""
+        timeouts are >= 0, the TTL is > 0, the restart budget (if any) is 0..MAX_RESTARTS,
+        min_round_seconds is 0..MAX_MIN_ROUND_SECONDS and max_fast_failures 0..MAX_RESTARTS."""
         if self.min_nodes < 1 or self.max_nodes < self.min_nodes:
             raise WireError(
                 f"need 1 <= min_nodes <= max_nodes, got min_nodes={self.min_nodes} max_nodes={self.max_nodes}"
@@ -205,6 +220,10 @@ class JobSettings:
             raise WireError(f"heartbeat_ttl must be > 0, got {self.heartbeat_ttl}")
         if self.max_restarts is not None and not 0 <= self.max_restarts <= MAX_RESTARTS:
             raise WireError(f"max_restarts must be 0..{MAX_RESTARTS}, got {self.max_restarts}")
+        if not 0 <= self.min_round_seconds <= MAX_MIN_ROUND_SECONDS:
+            raise WireError(f"min_round_seconds must be 0..{MAX_MIN_ROUND_SECONDS:.0f}, got {self.min_round_seconds}")
+        if not 0 <= self.max_fast_failures <= MAX_RESTARTS:
+            raise WireError(f"max_fast_failures must be 0..{MAX_RESTARTS}, got {self.max_fast_failures}")
 
 
 @dataclass(frozen=True)
@@ -223,6 +242,13 @@ class Assignment:
     # node_rank * nproc_per_node onward and torch needs no worker-rank exchange (False from a
     # server that does not say).
     uniform_nproc: bool = False
+
+
+def step_ok(step: int | None) -> None:
+    """Raise :class:`WireError` unless ``step`` (a training step a worker reported) is ``None``
+    or fits in 0..2**63-1."""
+    if step is not None and not 0 <= step < 2**63:
+        raise WireError(f"step must be 0..2**63-1, got {step}")
 
 
 def check_id(kind: str, value: object) -> str:
@@ -365,6 +391,10 @@ class Kind(str, enum.Enum):
     HOST_CORDONED = "host_cordoned"  # a host of one of the job's nodes was cordoned
     HOST_UNCORDONED = "host_uncordoned"  # ... and its cordon lifted
     RESTART_COUNTED = "restart_counted"  # a failure spent one restart of the job's budget
+    FAST_FAILURE = "fast_failure"  # a round ended by a failure soon after forming, or without progress
+    # The server ended torch's exit barrier of a round for its finished nodes: the round lost a
+    # member that had not finished, so the barrier could never complete (a mixed finish)
+    EXIT_BARRIER_RELEASED = "exit_barrier_released"
 
 
 class Cause(str, enum.Enum):
@@ -406,11 +436,30 @@ class Cause(str, enum.Enum):
     OPERATOR = "operator"  # rdzvctl close
     CLOSED = "closed"  # a client that did not say who it is
     RESTART_BUDGET_EXHAUSTED = "restart_budget_exhausted"  # a failure beyond max_restarts (the server)
+    RESTART_STORM = "restart_storm"  # max_fast_failures fast failures in a row (the server: a crash loop)
+    # fast_failure
+    SHORT_ROUND = "short_round"  # the round ended by a failure within min_round_seconds of forming
+    NO_PROGRESS = "no_progress"  # the round ended by a failure and its step did not grow
     # (a job outliving --job-ttl is collected, timeline and all: that is the end of its story)
+    # job_closed, exit_barrier_released: a mixed finish (the server; docs/job-fate.md)
+    WORKERS_FAILED_AFTER_FINISH = "workers_failed_after_finish"  # a member re-joined after others had finished
+    MEMBER_LOST_AFTER_FINISH = "member_lost_after_finish"  # a member died or left after others had finished
 
 
 #: Who closes a job, as its timeline records it ("": not said).
 CLOSE_CAUSES = ("", Cause.AGENT.value, Cause.OPERATOR.value)
+
+# torch's exit barrier (``torch.distributed.elastic.utils.store.barrier``, called by the agent's
+# ``_exit_barrier`` once its workers succeeded) on the round's store: each agent adds 1 to
+# ``<prefix>/num_members``; the one that brings it to the number of nodes sets
+# ``<prefix>/last_member``, which every agent waits for. Both keys are in the round's key space
+# (the plug-in's store is scoped to its round). The server watches the count and, in a mixed
+# finish, sets the key itself (docs/job-fate.md); it imports no torch, so the names live here,
+# held equal to torch's by tests/unit/test_torch_exit_barrier.py.
+EXIT_BARRIER_PREFIX = "torchelastic/agent/terminal_state"  # torch's _TERMINAL_STATE_SYNC_ID
+EXIT_BARRIER_COUNT_KEY = (EXIT_BARRIER_PREFIX + "/num_members").encode()  # + torch's _NUM_MEMBERS
+EXIT_BARRIER_LAST_MEMBER_KEY = (EXIT_BARRIER_PREFIX + "/last_member").encode()  # + _LAST_MEMBER_CHECKIN
+EXIT_BARRIER_RELEASE_VALUE = b"<val_ignored>"  # what torch's last member sets (nobody reads it)
 
 
 @dataclass(frozen=True)
@@ -529,9 +578,13 @@ class JoinRequest(Command):
     host: str = optional("")
     #: The node's topology path (``RDZV_TOPOLOGY``, e.g. ``zone1/rack12/switch3``): node ranks follow it.
     topology: str = optional("")
+    #: The highest step the node's workers reported (``rdzv_client.progress``) in the round it
+    #: leaves by this re-join (None: none reported). Logged, so the crash-loop rule replays.
+    step: int | None = optional(None)
 
     def validate(self) -> None:
         check_id("node_id", self.node_id)
+        step_ok(self.step)
         if not 0 <= self.master_port <= 65535:
             raise WireError(f"master_port must be 0..65535, got {self.master_port}")
         if not 0 < len(self.addr) <= MAX_ADDR_CHARS:

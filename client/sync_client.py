@@ -503,6 +503,7 @@ class Client:
         timeout: float,
         host: str = "",
         topology: str = "",
+        step: int | None = None,
     ) -> wire.Assignment:
         """Join the job's next round and wait (up to ``timeout`` s) for it to form.
 
@@ -510,7 +511,8 @@ class Client:
         every later node must repeat them). ``master_port``: the port this node's workers
         would serve their store on should it become node rank 0; every node's assignment then
         carries node rank 0's. ``host``: the node's host name when it is not ``addr`` (cordons
-        match either); ``topology``: its topology path (node ranks follow it).
+        match either); ``topology``: its topology path (node ranks follow it). ``step``: the
+        highest step this node's workers reported in the round it leaves (the crash-loop rule).
 
         Raises :class:`HostCordonedError` (the node's host is cordoned),
         :class:`JoinTimeoutError` (the job's ``join_timeout`` passed on the server),
@@ -531,6 +533,7 @@ class Client:
             master_port=master_port,
             host=host,
             topology=topology,
+            step=step,
         )
         reply: dict[str, Any] | None = None  # None: (re)send the join itself
         round_ = -1
@@ -565,14 +568,17 @@ class Client:
             hold = max(0.0, min(deadline - sent, self._max_hold))
 
     def watch(
-        self, rdzv_id: str, node_id: str, *, round: int, known: int = -1, hold: float = 0.0
+        self, rdzv_id: str, node_id: str, *, round: int, known: int = -1, hold: float = 0.0, step: int | None = None
     ) -> WatchResult:
         """Heartbeat ``node_id``, then wait up to ``hold`` s (capped at ``max_hold``) for the
-        job's ``num_nodes_waiting`` to differ from ``known``.
+        job's ``num_nodes_waiting`` to differ from ``known``. ``step``: the node's current
+        training step (soft state, for the job's steps over time).
 
         Raises :class:`NotFoundError` when the job or the node is unknown to the server.
         """
-        req = wire.WatchRequest(node_id=node_id, round=round, known=known, hold=max(0.0, min(hold, self._max_hold)))
+        req = wire.WatchRequest(
+            node_id=node_id, round=round, known=known, hold=max(0.0, min(hold, self._max_hold)), step=step
+        )
         reply = self.request(rdzv_id, req)
         return WatchResult(
             round=reply_field(reply, "round", int, "watch"),

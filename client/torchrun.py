@@ -48,7 +48,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -82,6 +84,7 @@ from .error import (
     RdzvTimeoutError,
 )
 from .node import NodeLoop, PortReservation, node_client, shared_client
+from .progress import PROGRESS_DIR_ENV, clear, node_step
 
 log = logging.getLogger("rdzv_client")
 
@@ -229,10 +232,14 @@ class RdzvServerHandler(RendezvousHandler):
         self._refused = False
         self._reservation: PortReservation | None = None  # the offered master port, while in line
         self._gracefully_exited = False
+        # Where this node's workers write their steps (rdzv_client.progress): the workers find
+        # it in RDZV_PROGRESS_DIR, which next_rendezvous() sets before the agent starts them.
+        self._progress_dir = tempfile.mkdtemp(prefix="rdzv-progress-")
         #: The node's watch and beat threads, and what they saw (``closed``, ``num_waiting``).
         self.node = NodeLoop(
             self._client, conf.run_id, conf.node_id,
             keep_alive_interval=conf.keep_alive_interval, heartbeat_ttl=conf.settings.heartbeat_ttl,
+            progress_dir=self._progress_dir,
         )  # fmt: skip
 
     # -- RendezvousHandler -------------------------------------------------------------
@@ -311,6 +318,12 @@ class RdzvServerHandler(RendezvousHandler):
             self._node_id, self._run_id, ",".join(map(str, self._client.endpoints)),
             conf.settings.min_nodes, conf.settings.max_nodes, self._nproc, port,
         )
+        # The highest step the workers of the round this node leaves reported (their agent
+        # stopped them before this call): the server's crash-loop rule reads it. Then the next
+        # round's workers start from an empty directory.
+        step = node_step(self._progress_dir)
+        clear(self._progress_dir)
+        os.environ[PROGRESS_DIR_ENV] = self._progress_dir  # inherited by the workers the agent starts next
         try:
             # No deadline of our own: the server ends the wait of a node that can time out (its
             # join_timeout, as JoinTimeoutError), a standby waits as long as the job runs, and
@@ -325,6 +338,7 @@ class RdzvServerHandler(RendezvousHandler):
                 timeout=math.inf,
                 host=conf.host,
                 topology=conf.topology,
+                step=step,
             )
         except RdzvError as exc:
             if isinstance(exc, RdzvTimeoutError):
@@ -408,6 +422,7 @@ class RdzvServerHandler(RendezvousHandler):
         code 0. A torch that handles the graceful exit itself never gets here with it.
         """
         self.node.stop(for_good=True)
+        shutil.rmtree(self._progress_dir, ignore_errors=True)
         if self._refused:  # refused: the job is the others' (a refused node must not end it)
             log.info("Node %s was refused by job %s; it leaves the job to the others.", self._node_id, self._run_id)
             self.node.closed = True

@@ -74,7 +74,7 @@ from .record import CORDON_BY as CORDON_BY
 from .record import REFUSE_CAUSES as REFUSE_CAUSES
 from .record import MAX_REASON_CHARS as MAX_REASON_CHARS
 from .record import MAX_CORDON_S as MAX_CORDON_S
-from .record import INLINE_KEY, REQUIRED_KEY, WIRE_KEY, key_ok, keys_ok, nonnegative, spelled
+from .record import INLINE_KEY, REQUIRED_KEY, WIRE_KEY, key_ok, keys_ok, nonnegative, optional, spelled, step_ok
 
 CONTENT_TYPE_MSGPACK = "application/msgpack"
 CONTENT_TYPE_JSON = "application/json"
@@ -653,10 +653,14 @@ class WatchRequest(Request):
     round: int
     known: int = -1
     hold: float = 0.0
+    #: The node's current training step (``rdzv_client.progress``; None: none reported). Soft
+    #: state, as the beat itself: the job's steps over time, never logged.
+    step: int | None = optional(None)
 
     def validate(self) -> None:
         check_id("node_id", self.node_id)
         nonnegative("hold", self.hold)
+        step_ok(self.step)
 
 
 REQUESTS: dict[str, type[Request]] = {

@@ -61,12 +61,12 @@ class Liveness:
 
     # -- heartbeats and a node's own requests ----------------------------------------------------
 
-    def beat(self, rdzv_id: str, node_id: str) -> Job:
+    def beat(self, rdzv_id: str, node_id: str, progress: tuple[int, int] | None = None) -> Job:
         """A request from a node is a heartbeat; it also cancels a pending connection-lost check.
-        Raises NotReady, JobNotFound."""
+        ``progress``: the (round, step) a watch reports. Raises NotReady, JobNotFound."""
         svc = self._svc
         self._pipeline.check_ready()
-        job = svc.machine.heartbeat(rdzv_id, node_id, svc.now())
+        job = svc.machine.heartbeat(rdzv_id, node_id, svc.now(), progress)
         self._cancel_lost((rdzv_id, node_id))
         return job
 
@@ -92,15 +92,17 @@ class Liveness:
         self.beat(rdzv_id, node_id)
         return {"round": round_, "assignment": None if assignment is None else asdict(assignment)}
 
-    def beat_now(self, rdzv_id: str, node_id: str, round_: int) -> Answer[WatchView]:
+    def beat_now(self, rdzv_id: str, node_id: str, round_: int, step: int | None = None) -> Answer[WatchView]:
         """A watch with no hold: the node's heartbeat, answered at once with the job's watch
         view (no task, no waiter: thousands of nodes send one every third of their TTL).
-        Raises NotReady, JobNotFound."""
+        ``step``: the node's training step, if it reports one. Raises NotReady, JobNotFound."""
         svc = self._svc
-        self.beat(rdzv_id, node_id)
+        self.beat(rdzv_id, node_id, None if step is None else (round_, step))
         return svc.machine.watch_view(rdzv_id, round_), self._pipeline.pending(self._pipeline.last_append)
 
-    async def watch(self, rdzv_id: str, node_id: str, round_: int, known: int, hold: float) -> WatchView:
+    async def watch(
+        self, rdzv_id: str, node_id: str, round_: int, known: int, hold: float, step: int | None = None
+    ) -> WatchView:
         """Heartbeat, then hold until num_nodes_waiting != known (see wire.WatchRequest).
 
         The hold is the client's (up to ``max_hold``, jittered), not capped by the TTL: a parked
@@ -108,7 +110,7 @@ class Liveness:
         beats meanwhile with watches of no hold (:meth:`beat_now`), as the plug-in does. A
         client that does not (the plug-in before it did) asks for a third of the TTL."""
         svc = self._svc
-        self.beat(rdzv_id, node_id)
+        self.beat(rdzv_id, node_id, None if step is None else (round_, step))
         hold = hold * self._rng.uniform(HOLD_JITTER, 1.0)
 
         def changed() -> WatchView | None:

@@ -45,6 +45,25 @@ def job_document(view: JobView) -> dict[str, Any]:
         "restarts": view.restarts,  # the job-wide restart budget (README "Fleet control")
         "max_restarts": settings.max_restarts,
         "closed_cause": view.closed_cause or None,
+        **_progress_fields(view),
+    }
+
+
+def _progress_fields(view: JobView) -> dict[str, Any]:
+    """The crash-loop rule's settings and count, each formed round's last step (and fast
+    failure), the steps over time and the goodput (README "A crash loop stops itself")."""
+    progress = view.progress
+    return {
+        "min_round_seconds": view.settings.min_round_seconds,
+        "max_fast_failures": view.settings.max_fast_failures,
+        "fast_failures": 0 if progress is None else progress.fast_failures,
+        "progress": [] if progress is None else [
+            {"round": r.round, "formed_at": r.formed_at, "ended_at": r.ended_at, "step": r.last_step(),
+             "fast_failure": r.fast}
+            for r in progress.rounds
+        ],
+        "steps": [] if progress is None else [[t, round_, step] for t, round_, step in progress.samples],
+        "goodput": None if progress is None or progress.goodput is None else round(progress.goodput, 4),
     }
 
 

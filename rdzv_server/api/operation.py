@@ -126,12 +126,12 @@ async def _await_round(svc: Service, rdzv_id: str, req: wire.AwaitRoundRequest) 
 def _watch_now(svc: Service, rdzv_id: str, req: wire.WatchRequest) -> Answer[Body] | None:
     if req.hold > 0:
         return None  # it parks (the watch proper); one with no hold is a heartbeat, answered now
-    view, pending = svc.beat_now(rdzv_id, req.node_id, req.round)
+    view, pending = svc.beat_now(rdzv_id, req.node_id, req.round, req.step)
     return view.body(), pending
 
 
 async def _watch(svc: Service, rdzv_id: str, req: wire.WatchRequest) -> Body:
-    return (await svc.watch(rdzv_id, req.node_id, req.round, req.known, req.hold)).body()
+    return (await svc.watch(rdzv_id, req.node_id, req.round, req.known, req.hold, req.step)).body()
 
 
 _WRITE = Operation(_write, None)

@@ -28,7 +28,10 @@ Rules:
 - A membership command reaches its job as rendezvous events (``Job.join``, ``depart``,
   ``last_call``, ``close``); the job's dispatcher settles its rules after each event
   (``Job.settle``), so an expiry of several nodes settles after each departure, and the
-  wake-ups computed here see the settled state.
+  wake-ups computed here see the settled state. One store write is also a rendezvous
+  event: an ``add`` on torch's exit-barrier count in a round's key space
+  (``Job.reach_exit_barrier``, rule 9 of core/rendezvous.py); when the job then releases the
+  barrier, its key is set here, in the same apply (``KeyValueStore.put_decided``).
 - Reads (``get``, ``assignment`` ...) never change state.
 
 Each applied command reports the wake-up topics it touched (see :class:`Outcome`), so
@@ -45,7 +48,13 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from rdzv_client.record import Assignment, JobSettings
+from rdzv_client.record import (
+    EXIT_BARRIER_COUNT_KEY,
+    EXIT_BARRIER_LAST_MEMBER_KEY,
+    EXIT_BARRIER_RELEASE_VALUE,
+    Assignment,
+    JobSettings,
+)
 
 from . import command as c
 from .cordon import MAX_CORDONS, CordonTable
@@ -271,7 +280,29 @@ class StateMachine:
 
     def _add(self, cmd: c.Add, now: float) -> Outcome:
         value = self._store(cmd.rdzv_id, now).add(cmd.round, cmd.key, cmd.amount)
+        if cmd.key == EXIT_BARRIER_COUNT_KEY and cmd.round is not None:  # one compare on the hot path
+            return self._exit_barrier(cmd, value, now)
         return Outcome({"value": value}, (key_topic(cmd.rdzv_id, cmd.round, cmd.key),))
+
+    def _exit_barrier(self, cmd: c.Add, value: int, now: float) -> Outcome:
+        """An ``add`` on torch's exit-barrier count (already applied, returning ``value``): the
+        job hears how many nodes of the round finished (rule 9 of core/rendezvous.py), which may
+        release the barrier and close the job in this same apply. A store write's outcome carries
+        no events by itself (``apply``'s fast path), so this one gathers its own."""
+        entry, round_ = self.jobs[cmd.rdzv_id], cmd.round
+        assert round_ is not None
+        seen = entry.job.timeline.next_seq - 1
+
+        def reached(job: Job) -> dict[str, Any]:
+            job.reach_exit_barrier(round_, value, now)
+            return {"value": value}
+
+        change = self._membership_change(entry, reached)
+        events = tuple(entry.job.timeline.since(seen))
+        wakes = (key_topic(cmd.rdzv_id, round_, cmd.key), *change.wakes)
+        if events:
+            wakes += (events_topic(cmd.rdzv_id),)
+        return Outcome(change.result, wakes, events=events)
 
     def _compare_set(self, cmd: c.CompareSet, now: float) -> Outcome:
         value = self._store(cmd.rdzv_id, now).compare_set(cmd.round, cmd.key, cmd.expected, cmd.desired)
@@ -328,7 +359,8 @@ class StateMachine:
             entry,
             lambda job: {
                 "round": job.join(
-                    cmd.node_id, cmd.addr, cmd.nproc_per_node, settings, now, cmd.master_port, cmd.host, cmd.topology
+                    cmd.node_id, cmd.addr, cmd.nproc_per_node, settings, now, cmd.master_port, cmd.host, cmd.topology,
+                    cmd.step,
                 )
             },
         )
@@ -458,11 +490,17 @@ class StateMachine:
         job = entry.job
         before_round = (job.state, job.round)
         before_watch = _watched(job)
-        departures, runs = job.departures, job.runs
+        departures, runs, releases = job.departures, job.runs, job.exit_barrier_releases
         result = change(job)
         if job.runs != runs:  # a fresh run in a closed job: it starts with no keys
             entry.kv = self._new_store()
         wakes: list[Hashable] = []
+        if job.exit_barrier_releases != releases and job.exit_barrier is not None:
+            # Rule 9 released torch's exit barrier: set its key as torch's last member would, so
+            # the finished agents' waits return (a write the server decides: never refused).
+            round_ = job.exit_barrier.round
+            entry.kv.put_decided(round_, EXIT_BARRIER_LAST_MEMBER_KEY, EXIT_BARRIER_RELEASE_VALUE)
+            wakes.append(key_topic(job.rdzv_id, round_, EXIT_BARRIER_LAST_MEMBER_KEY))
         if (job.state, job.round) != before_round:
             wakes.append(round_topic(job.rdzv_id))
         elif job.departures != departures:
@@ -634,10 +672,13 @@ class StateMachine:
     def assignment(self, rdzv_id: str, node_id: str, min_round: int) -> Assignment | None:
         return self._entry(rdzv_id).job.assignment(node_id, min_round)
 
-    def heartbeat(self, rdzv_id: str, node_id: str, now: float) -> Job:
-        """Soft-state beat of ``node_id`` (never logged); returns its job. Raises JobNotFound."""
+    def heartbeat(self, rdzv_id: str, node_id: str, now: float, progress: tuple[int, int] | None = None) -> Job:
+        """Soft-state beat of ``node_id`` (never logged); returns its job. ``progress``: the
+        (round, step) its beat reports (rendezvous rule 8's soft steps). Raises JobNotFound."""
         job = self._entry(rdzv_id).job
         job.heartbeat(node_id, now)
+        if progress is not None and node_id in job.heartbeats:  # a live node of the job
+            job.progress.seen(progress[0], progress[1], now)
         return job
 
     def already_refused(self, cmd: c.Refused) -> bool:

@@ -77,6 +77,28 @@ Rules:
    already equals the budget closes the job with cause ``restart_budget_exhausted``; every
    node then gets :class:`JobClosed` naming it. A fresh run of a closed job starts with the
    whole budget again.
+8. The crash-loop rule (``core/progress.py``; ``min_round_seconds``, ``max_fast_failures``),
+   beside rule 7 and independent of its budget: a round that ends by a failure (rule 7's
+   re-join, not a death) is judged; a fast failure is a ``fast_failure`` event, and
+   ``max_fast_failures`` of them in a row close the job with cause ``restart_storm``; every
+   node then gets :class:`JobClosed` naming it. A re-join carries the highest step its node's
+   workers reported in the round it leaves (``step``); a round without progress is fast
+   however long it ran. A fresh run starts counting again.
+9. A mixed finish (torch's exit barrier; :mod:`.finish`). A member's ``add`` on the
+   barrier's count in the last formed round's key space (``EXIT_BARRIER_COUNT_KEY``) says
+   how many of that round's nodes finished (``exit_barrier``). While some but not all have,
+   a member of the round that re-joins, dies or leaves means the barrier can never
+   complete and no round can form again (a finished node never re-joins): in the same
+   apply the server releases the barrier (the machine sets ``EXIT_BARRIER_LAST_MEMBER_KEY``,
+   as torch's last member would, so the finished agents exit 0), records
+   ``exit_barrier_released``, and closes the job (unless it is closed already) with cause
+   ``workers_failed_after_finish`` (a member re-joined) or ``member_lost_after_finish`` (it
+   died or left); the re-joined node's poll gets :class:`JobClosed` naming it. Whichever
+   half comes second acts: the loss, or the count (an ``add`` after the loss releases at
+   once). Such a failure counts no restart (rule 7) and is no crash loop (rule 8): the job
+   ends. A job that rule 7 or 8 closed for a member's failure releases a barrier reached
+   after that close at once too (the failing node was refused: it never finishes). When
+   every node finishes, torch's own last ``add`` sets the key and nothing of this acts.
 
 Invariants (checked by the property tests): in a formed round node ranks are exactly
 0..n-1 and global ranks are disjoint, contiguous per node and cover 0..world_size-1;
@@ -109,6 +131,8 @@ from .error import (
     SettingsConflict,
 )
 from .event import Cause, Kind, Timeline
+from .progress import ProgressView, RoundLog
+from .finish import MIXED_FINISH_CAUSES, ExitBarrier
 from .rank import Candidate, Tier, place
 
 
@@ -136,6 +160,7 @@ class Event(enum.Enum):
     DEPART = "depart"
     LAST_CALL = "last_call"
     CLOSE = "close"
+    EXIT_BARRIER = "exit_barrier"  # a member reached torch's exit barrier (rule 9)
 
 
 class Departure(str, enum.Enum):
@@ -231,6 +256,7 @@ class JobView:
     now: float
     restarts: int = 0  # failures counted against the restart budget (rule 7)
     closed_cause: str = ""  # why the job closed ("" while it is not)
+    progress: ProgressView | None = None  # rounds, steps and goodput (rule 8)
 
 
 @dataclass(frozen=True)
@@ -275,6 +301,13 @@ class Job:
     restarts: int = 0
     restart_round: int = -1
     closed_cause: str = ""
+    # The crash-loop rule and the job's progress (rule 8): each formed round's times and steps.
+    progress: RoundLog = field(default_factory=RoundLog)
+    # torch's exit barrier of the last formed round that nodes reached (rule 9; None: none yet),
+    # and a count of the barriers rule 9 released, so the machine can tell one happened (it sets
+    # the barrier's key in the round's store).
+    exit_barrier: ExitBarrier | None = None
+    exit_barrier_releases: int = 0
     # Derived indexes, rebuilt on restore, so that no join costs O(nodes):
     counts: Counter[tuple[Role, Liveness]] = field(default_factory=Counter)
     # Pending nodes whose join_timeout runs, in joined_at order (join_timed_out is O(timed out)):
@@ -299,16 +332,20 @@ class Job:
 
     def join(
         self, node_id: str, addr: str, nproc_per_node: int, settings: JobSettings, now: float, master_port: int = 0,
-        host: str = "", topology: str = "",
+        host: str = "", topology: str = "", step: int | None = None,
     ) -> int:
         """A node asks for a place in the next round. Returns the round it is in line for.
 
         ``master_port`` is the port the node's workers would serve their store on should it
         become node rank 0: the assignment hands node rank 0's addr and port to every node,
         so no node has to publish them through the store after the round forms. ``host`` and
-        ``topology`` are the node's host name and topology path (rank placement, cordons)."""
+        ``topology`` are the node's host name and topology path (rank placement, cordons).
+        ``step``: the highest step its workers reported in the round it leaves (rule 8)."""
         if not (self.state is JobState.CLOSED and not self.idle()):
             self.adopt_settings(settings, f"node {node_id}")  # a closed, live job refuses it anyway
+        node = self.nodes.get(node_id)
+        if step is not None and self.state is not JobState.CLOSED and node is not None and node.role is Role.MEMBER:
+            self.progress.report(step)  # before the join: rule 8 judges the round it ends with it
         round_: int = self._dispatch(Event.JOIN, now, node_id, (addr, nproc_per_node, master_port, host, topology))
         return round_
 
@@ -337,6 +374,13 @@ class Job:
             return
         self._dispatch(Event.CLOSE, now, cause)
 
+    def reach_exit_barrier(self, round_: int, finished: int, now: float) -> bool:
+        """A node's ``add`` on torch's exit-barrier count in round ``round_``'s key space
+        returned ``finished`` (rule 9). Returns False if that is no barrier of the last formed
+        round (ignored: torch's own behaviour stands)."""
+        counted: bool = self._dispatch(Event.EXIT_BARRIER, now, round_, finished)
+        return counted
+
     # -- handlers ------------------------------------------------------------------------
 
     def _join_open(self, now: float, node_id: str, offer: Offer) -> int:
@@ -357,6 +401,8 @@ class Job:
             # node waiting, no member dead): its workers failed.
             if not self._spend_restart(now, Cause.WORKERS_FAILED, node_id):
                 return self.round + 1  # the budget is spent: the job closed (its poll says so)
+            if not self._judge_round(now, node_id):
+                return self.round + 1  # a crash loop: the job closed (rule 8)
         if node is not None or not self._alive_members():
             # Rule 3: opened before the node is added, so that its join is in the new round.
             self._open_next_round(now)
@@ -378,6 +424,7 @@ class Job:
             self._forget(old)
         self.members, self.world, self.uniform_nproc, self.closed_at = [], 0, False, None
         self.restarts, self.restart_round, self.closed_cause = 0, -1, ""  # a fresh run has its whole budget
+        self.progress = RoundLog()  # ... and counts its own fast failures (rule 8)
         self.runs += 1
         self._open_next_round(now)
         return self._join_open(now, node_id, offer)
@@ -404,6 +451,7 @@ class Job:
 
     def _close(self, now: float, cause: Cause, **detail: Any) -> None:
         self.timeline.add(now, Kind.JOB_CLOSED, cause, self.round, **detail)
+        self.progress.ended(now)
         self.state = JobState.CLOSED
         self.closed_at = now
         self.closed_cause = cause.value
@@ -412,7 +460,11 @@ class Job:
         """Rule 7: count the formed round's first failure against the job's restart budget.
 
         Returns False when the budget was already spent: the job is then closed with cause
-        ``restart_budget_exhausted`` (from within a COMPLETE handler; settle keeps it closed)."""
+        ``restart_budget_exhausted`` (from within a COMPLETE handler; settle keeps it closed).
+        A failure while nodes of the round wait in torch's exit barrier counts nothing: rule
+        9 ends the job in this very apply."""
+        if self._finishing():
+            return True
         if self.restart_round == self.round:
             return True  # this round's failure is counted already: one re-formation, one restart
         self.restart_round = self.round
@@ -426,6 +478,100 @@ class Job:
             self.timeline.add(now, Kind.RESTART_COUNTED, cause, self.round, node_id, self.nodes[node_id].addr,
                               restarts=self.restarts, max_restarts=budget)
         return True
+
+    def _judge_round(self, now: float, node_id: str) -> bool:
+        """Rule 8: judge the formed round that ended by ``node_id``'s failure.
+
+        Returns False when it was the ``max_fast_failures``-th fast failure in a row: the job
+        is then closed with cause ``restart_storm`` (from within a COMPLETE handler)."""
+        if self._finishing():
+            return True  # nodes of the round finished: no crash loop, rule 9 ends the job in this apply
+        verdict = self.progress.judge(now, self.settings)
+        if verdict is None or verdict.cause is None:
+            return True
+        s = self.settings
+        formed = self.progress.rounds[self.round]
+        steps = {"step": formed.step, "best_step": formed.base} if self.progress.best is not None else {}
+        self.timeline.add(now, Kind.FAST_FAILURE, verdict.cause, self.round, node_id, self.nodes[node_id].addr,
+                          fast_failures=verdict.fast_failures, max_fast_failures=s.max_fast_failures,
+                          round_s=round(now - formed.formed_at, 3), min_round_seconds=s.min_round_seconds,
+                          **steps)  # the steps only where progress is reported
+        if not verdict.storm:
+            return True
+        self._close(now, Cause.RESTART_STORM, node_id=node_id, fast_failures=verdict.fast_failures,
+                    min_round_seconds=s.min_round_seconds, max_fast_failures=s.max_fast_failures)
+        return False
+    # -- rule 9: a mixed finish (torch's exit barrier) ----------------------------------------
+
+    def _exit_barrier_reached(self, now: float, round_: int, finished: int) -> bool:
+        """Event.EXIT_BARRIER, in any state: note how many nodes of the last formed round
+        reached its exit barrier. Whether that ends anything is :meth:`_mixed_finish`'s (settle)."""
+        if round_ != self._last_formed_round():
+            return False
+        barrier = self.exit_barrier
+        if barrier is None or barrier.round != round_:
+            barrier = self.exit_barrier = ExitBarrier(round_, len(self.members))
+        barrier.finished = max(barrier.finished, finished)
+        return True
+
+    def _last_formed_round(self) -> int | None:
+        """The round ``members`` belong to (None: none formed in this run).
+
+        While a round forms it is the one before; otherwise the job's round, which a closed job
+        may not have formed (it closed while the round was open), but then no node was ever
+        handed that round, so no node's barrier names it."""
+        if not self.members:
+            return None
+        return self.round - 1 if self.state is JobState.OPEN else self.round
+
+    def _finishing(self) -> bool:
+        """Nodes of the running round wait in its exit barrier for the others (O(1))."""
+        barrier = self.exit_barrier
+        return (
+            barrier is not None and barrier.waits and barrier.round == self.round and self.state is JobState.COMPLETE
+        )
+
+    def _mixed_finish(self, now: float) -> bool:
+        """Rule 9: nodes of the last formed round wait in its exit barrier, and a member of that
+        round that has not reached it re-joined, died or left: the barrier can never complete.
+        Release it (the machine sets its key), record why, and close the job if it is open.
+
+        O(1) unless it acts (then O(members), once per job)."""
+        barrier = self.exit_barrier
+        if barrier is None or not barrier.waits or barrier.round != self._last_formed_round():
+            return False  # (a barrier of an earlier run or round is no one's any more)
+        failed = self._failure_that_closed()
+        if failed is None and self.state is not JobState.OPEN and self._alive_members() == barrier.num_nodes:
+            return False  # no next round opened and every member is alive in this one: all may finish yet
+        lost = self._lost_member() or (self.nodes.get(failed) if failed else None)
+        rejoined = failed is not None or (lost is not None and lost.role is Role.CANDIDATE)
+        cause = Cause.WORKERS_FAILED_AFTER_FINISH if rejoined else Cause.MEMBER_LOST_AFTER_FINISH
+        node_id, addr = (lost.node_id, lost.addr) if lost is not None else (None, None)
+        barrier.released, barrier.cause, barrier.lost = True, cause.value, node_id or ""
+        self.exit_barrier_releases += 1
+        detail = {"finished": barrier.finished, "num_nodes": barrier.num_nodes}
+        self.timeline.add(now, Kind.EXIT_BARRIER_RELEASED, cause, barrier.round, node_id, addr, **detail)
+        if self.state is not JobState.CLOSED:
+            self._close(now, cause, node_id=node_id, addr=addr, **detail)
+        return True
+
+    def _failure_that_closed(self) -> str | None:
+        """The node whose workers' failure closed the job (rule 7's spent budget, rule 8's crash
+        loop), "" when not known; None when the job is not closed by such a failure. That node was
+        refused its next round, so it never reaches the round's exit barrier: a barrier reached
+        after it (torch's agents do not all see a failure at once) can never complete either."""
+        if self.state is not JobState.CLOSED or self.closed_cause not in _FAILURE_CLOSES:
+            return None
+        closes = [e for e in self.timeline.since(0) if e.kind is Kind.JOB_CLOSED]
+        return (closes[-1].node_id or "") if closes else ""
+
+    def _lost_member(self) -> Node | None:
+        """The member of the last formed round that left it: one that re-joined (its workers
+        failed) before one that died or left, each in node_rank order; None if none is known."""
+        members = [n for n in (self.nodes.get(m) for m in self.members) if n is not None]
+        back = [n for n in members if n.role is Role.CANDIDATE]
+        gone = [n for n in members if n.liveness is not Liveness.ALIVE]
+        return next(iter(back or gone), None)
 
     # -- settle: the rules that follow from the state ---------------------------------------
 
@@ -591,6 +737,8 @@ class Job:
         self.heartbeats.move_to_end(node.node_id)
 
     def _open_next_round(self, now: float) -> None:
+        if self.state is JobState.COMPLETE:
+            self.progress.ended(now)  # the formed round gave way
         self.state = JobState.OPEN
         self.round += 1
         self.opened_at = now
@@ -648,6 +796,7 @@ class Job:
         self.world = sum(p.nproc_per_node for p in placements)
         self.uniform_nproc = len({p.nproc_per_node for p in placements}) == 1
         self.state = JobState.COMPLETE
+        self.progress.formed(self.round, now)
         self.timeline.add(
             now, Kind.ROUND_FORMED, reason, self.round, num_nodes=len(self.members), world_size=self.world,
             formation_s=round(now - self.opened_at, 6), standby=self._count(Role.STANDBY),
@@ -724,6 +873,15 @@ class Job:
 
     def _closed_why(self) -> str:
         """Why the job closed, for a refused node's error (empty for an ordinary close)."""
+        if self.closed_cause == Cause.RESTART_STORM.value:
+            s = self.settings
+            return (
+                f" (restart_storm: {self.progress.fast_failures} rounds in a row ended by a failure within "
+                f"min_round_seconds={s.min_round_seconds:g} of forming or without progress, max_fast_failures="
+                f"{s.max_fast_failures}; the server stopped the crash loop: fix the workers' failure, then run again)"
+            )
+        if self.closed_cause in MIXED_FINISH_CAUSES and self.exit_barrier is not None:
+            return self.exit_barrier.why()
         if self.closed_cause != Cause.RESTART_BUDGET_EXHAUSTED.value:
             return ""
         return (
@@ -829,6 +987,7 @@ class Job:
             now=now,
             restarts=self.restarts,
             closed_cause=self.closed_cause,
+            progress=self.progress.view(now if self.closed_at is None else min(now, self.closed_at)),
         )
 
     def summary(self) -> JobSummary:
@@ -842,7 +1001,8 @@ class Job:
         s = self.settings
         return {
             "rdzv_id": self.rdzv_id,
-            "settings": [s.min_nodes, s.max_nodes, s.last_call_timeout, s.join_timeout, s.heartbeat_ttl, s.max_restarts],
+            "settings": [s.min_nodes, s.max_nodes, s.last_call_timeout, s.join_timeout, s.heartbeat_ttl, s.max_restarts,
+                         s.min_round_seconds, s.max_fast_failures],
             "state": self.state.value,
             "round": self.round,
             "nodes": [
@@ -866,6 +1026,8 @@ class Job:
             "restart_round": self.restart_round,
             "closed_cause": self.closed_cause,
             "timeline": self.timeline.to_snapshot(),
+            "progress": self.progress.to_snapshot(),
+            "exit_barrier": None if self.exit_barrier is None else self.exit_barrier.to_snapshot(),
         }
 
     @classmethod
@@ -891,6 +1053,9 @@ class Job:
         job.closed_cause = data.get("closed_cause", "")
         if "timeline" in data:
             job.timeline = Timeline.from_snapshot(data["timeline"])
+        if "progress" in data:  # (snapshots before rule 8: no round judged yet)
+            job.progress = RoundLog.from_snapshot(data["progress"])
+        job.exit_barrier = ExitBarrier.from_snapshot(data.get("exit_barrier"))
         for node in sorted(job.nodes.values(), key=lambda n: (n.joined_at, n.arrival)):
             job.counts[(node.role, node.liveness)] += 1
             if node.role is Role.STANDBY and job.state is not JobState.OPEN:
@@ -917,7 +1082,12 @@ def _describe(s: JobSettings) -> str:
         f"min_nodes={s.min_nodes} max_nodes={s.max_nodes} last_call_timeout={s.last_call_timeout} "
         f"join_timeout={s.join_timeout} heartbeat_ttl={s.heartbeat_ttl}"
         + ("" if s.max_restarts is None else f" max_restarts={s.max_restarts}")
+        + ("" if (s.min_round_seconds, s.max_fast_failures) == (_DEFAULT.min_round_seconds, _DEFAULT.max_fast_failures)
+           else f" min_round_seconds={s.min_round_seconds:g} max_fast_failures={s.max_fast_failures}")
     )
+
+
+_DEFAULT = JobSettings()
 
 
 _ALIVE = Liveness.ALIVE
@@ -941,7 +1111,11 @@ _NODE_TRANSITIONS: dict[NodeStatus, frozenset[NodeStatus]] = {
 MAX_SETTLE_PASSES = 8
 
 #: The rules :meth:`Job.settle` re-runs, in this order within a pass.
+#: Closes that a member's failure caused: that member never reaches its round's exit barrier.
+_FAILURE_CLOSES = frozenset({Cause.RESTART_BUDGET_EXHAUSTED.value, Cause.RESTART_STORM.value})
+
 _SETTLE_RULES: tuple[Callable[[Job, float], bool], ...] = (
+    Job._mixed_finish,  # first: a round that cannot finish ends the job before another round forms
     Job._complete_round,
     Job._last_call_clock,
     Job._open_for_those_in_line,
@@ -958,4 +1132,5 @@ _TRANSITIONS: dict[tuple[JobState, Event], Callable[..., Any]] = {
     (JobState.OPEN, Event.LAST_CALL): Job._last_call,
     (JobState.OPEN, Event.CLOSE): Job._close,
     (JobState.COMPLETE, Event.CLOSE): Job._close,
+    **{(state, Event.EXIT_BARRIER): Job._exit_barrier_reached for state in JobState},
 }

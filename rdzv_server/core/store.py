@@ -125,6 +125,13 @@ class KeyValueStore:
     def set(self, scope: int | None, key: bytes, value: bytes) -> None:
         self._change(scope, key, value)
 
+    def put_decided(self, scope: int | None, key: bytes, value: bytes) -> None:
+        """A write the server decides on its own, inside a command that has changed other state
+        already (the release of torch's exit barrier, rule 9 of core/rendezvous.py): never
+        refused, as a refusal could not undo the rest. The quota bounds what clients write;
+        this is one short key per formed round at most."""
+        self._put(scope, key, value)
+
     def multi_set(self, scope: int | None, keys: Sequence[bytes], values: Sequence[bytes]) -> None:
         latest = dict(zip(keys, values))  # a key named twice keeps its last value, as dict updates do
         new_keys = new_bytes = 0

@@ -199,9 +199,10 @@ class Cluster:
         max_restarts: int = 0,
         args: Iterable[str] = (),
         endpoint: str | None = None,
+        script: Path = TRAIN,
     ) -> Node:
-        """Start one torchrun node running train.py against ``server`` (at ``endpoint``, by
-        default ``server.endpoint``)."""
+        """Start one torchrun node running ``script`` (train.py) against ``server`` (at
+        ``endpoint``, by default ``server.endpoint``)."""
         workdir = self.tmp_path / "nodes" / name
         rdzv_conf = {**DEFAULT_CONF, **(conf or {})}
         cmd = [
@@ -217,7 +218,7 @@ class Cluster:
             f"--log-dir={workdir / 'torchelastic'}",
             "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in rdzv_conf.items()),
             *args,
-            str(TRAIN),
+            str(script),
         ]
         node_env = {
             "LOGLEVEL": "INFO",  # torch's agent logs (rendezvous results, restarts) with timestamps

@@ -13,6 +13,10 @@ Env knobs (set by the tests):
   (TORCHELASTIC_RESTART_COUNT == 0), to exercise a worker-failure restart.
 - FAIL_ALWAYS: "1": every worker exits 1 on every attempt (a job that cannot run).
 - NODE_NAME: the test's name for the node (recorded, and names the heartbeat file).
+- EXIT_AT_END (with EXIT_AFTER_RESULTS, another node's RESULT_DIR): this worker runs to its
+  end, then exits with that code once that node's workers have written their final records
+  and exited: a node whose workers fail at the very end while the others' succeed (a mixed
+  finish), in that order whatever the scheduling.
 
 Besides the final record, every worker writes:
 - $RESULT_DIR/started-<world>-<master_port>-<rank>.json once its process group is up
@@ -84,7 +88,31 @@ def main() -> int:
                   host_node=node, started=started, finished=time.time(), steps=steps)
     _write(out / f"{restart}-{env['TORCHELASTIC_RUN_ID']}-{rank}.json", record)
     dist.destroy_process_group()
-    return 0
+    code = int(os.environ.get("EXIT_AT_END", "0"))
+    if code:
+        peers = world - int(env["LOCAL_WORLD_SIZE"])
+        _wait_for_peers(Path(os.environ["EXIT_AFTER_RESULTS"]), env["TORCHELASTIC_RUN_ID"], peers)
+        print(f"train.py: rank {rank} exits {code} at its end on purpose (EXIT_AT_END)", file=sys.stderr, flush=True)
+    return code
+
+
+def _wait_for_peers(results: Path, run_id: str, count: int, timeout: float = 60.0) -> None:
+    """Until ``count`` final records of ``run_id`` are in ``results`` and their workers have exited."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = [json.loads(p.read_text())["pid"] for p in results.glob(f"*-{run_id}-*.json")]
+        if len(pids) >= count and not any(_running(pid) for pid in pids):
+            return
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    import psutil  # only this knob needs it
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 if __name__ == "__main__":

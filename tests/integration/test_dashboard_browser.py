@@ -761,3 +761,37 @@ def test_a_16k_node_job_page_draws_one_page_of_lanes_and_nodes_and_a_bar_for_all
         assert page.dom.by_id("page-next").attrs.get("disabled") is not None
     finally:
         srv.close()
+
+
+# --------------------------------------------------------------------------- progress (issue 27, part 3)
+
+
+def test_the_job_page_draws_the_steps_per_round_the_restarts_and_the_goodput(
+    server: ServerProcess, browser: Browser
+) -> None:
+    job = f"browser-{uuid.uuid4().hex[:10]}"
+    settings = JobSettings(min_nodes=1, max_nodes=1, min_round_seconds=0.0, max_fast_failures=5)
+    with Client(server.endpoint, token=server.token) as client:
+
+        def join(step: int | None) -> int:
+            return client.join(job, node_id="a", addr="10.0.0.1", nproc_per_node=1, settings=settings,
+                               timeout=JOIN_TIMEOUT, step=step).round
+
+        assert join(None) == 0
+        client.watch(job, "a", round=0, step=3)  # a beat carrying the workers' step (soft)
+        assert join(5) == 1  # round 0 reached step 5: its workers failed, it re-joins
+        assert join(5) == 2  # round 1 got no further: a fast failure (no progress)
+    page = browser.render(f"{server.url}/jobs/{job}?token={server.token}",
+                          "document.querySelectorAll('#progress tbody tr').length >= 3", "the progress table")
+    assert_page_ran_clean(page)
+    assert page.dom.by_id("progress-section").attrs.get("hidden") is None
+    rows = [[td.text for td in tr.find("td")] for tr in page.dom.by_id("progress").find("tbody")[0].find("tr")]
+    assert [[r[0], r[2], r[3]] for r in rows] == [["2", "", ""], ["1", "5", "no_progress"], ["0", "5", ""]], rows
+    assert rows[0][1] == "running" and rows[1][1].endswith(" s")
+    assert page.dom.by_id("goodput").text.startswith("goodput ")
+    assert page.dom.by_id("fast-failures").text.startswith("fast failures in a row 1 of 5")
+    chart = page.dom.by_id("steps")
+    restarts = chart.find("line")
+    assert [line.attrs.get("class") for line in restarts] == ["restart", "restart fast"]  # rounds 1 and 2 formed
+    steps = sorted(title.text for circle in chart.find("circle") for title in circle.find("title"))
+    assert steps == ["round 0: step 3", "round 0: step 5", "round 1: step 5"], steps

@@ -37,8 +37,10 @@ def test_every_rdzv_conf_key_is_read_into_the_record() -> None:
         join_timeout="60", last_call_timeout="1", keep_alive_interval="0.5", keep_alive_max_attempt="4",
         max_restarts="3", node_id="node-a", nproc_per_node="2", close_timeout="7", store_timeout="9",
         health_check="true", health_check_timeout="5", gpu_check="0", tls="1", token_file="/etc/rdzv/token",
+        min_round_seconds="30", max_fast_failures="4",
     ))  # fmt: skip
-    assert conf.settings == JobSettings(2, 4, last_call_timeout=1.0, join_timeout=60.0, heartbeat_ttl=2.0, max_restarts=3)
+    assert conf.settings == JobSettings(2, 4, last_call_timeout=1.0, join_timeout=60.0, heartbeat_ttl=2.0, max_restarts=3,
+                                        min_round_seconds=30.0, max_fast_failures=4)
     assert (conf.node_id, conf.nproc_per_node, conf.close_timeout, conf.store_timeout) == ("node-a", 2, 7.0, 9.0)
     assert (conf.keep_alive_interval, conf.health_check, conf.health_check_timeout, conf.gpu_check) == (
         0.5, "true", 5.0, False,

@@ -190,6 +190,7 @@ def test_public_names_are_exactly_these() -> None:
             "TLSConfigError",
             "UnauthorizedError",
             "WatchResult",
+            "progress",
         ]
     )
     for name in rdzv_client.__all__:
@@ -725,6 +726,16 @@ def test_show_formats_an_aligned_membership_table() -> None:
             "  node-d   10.0.0.4  2      yes    -",
         ]
     )
+
+
+def test_show_says_the_crash_loop_count_and_the_goodput_when_the_job_has_them() -> None:
+    doc = dict(MEMBERSHIP, max_fast_failures=5, fast_failures=2, min_round_seconds=120.0, goodput=0.8125,
+               progress=[{"round": 1, "step": 1200}, {"round": 2, "step": None}])
+    assert ctl.format_membership(doc).splitlines()[1:3] == [
+        "fast failures in a row 2 of 5 (min_round_seconds 120.0)", "goodput 81.2 %  last step 1200"
+    ]
+    off = dict(MEMBERSHIP, max_fast_failures=0, fast_failures=0, goodput=None, progress=[])
+    assert ctl.format_membership(off) == ctl.format_membership(MEMBERSHIP)
 
 
 def test_show_of_an_empty_job_says_so() -> None:

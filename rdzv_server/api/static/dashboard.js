@@ -29,11 +29,12 @@ const STATE_WORDS = {
   cordoned: 'cordoned', refused: 'refused', dead: 'dead',
 };
 // A round's notes (events about the job, not one node), in a word under the round.
-const NOTE_WORDS = { job_closed: 'closed', server_restarted: 'restart', host_cordoned: 'cordon', host_uncordoned: 'uncordon' };
+const NOTE_WORDS = { job_closed: 'closed', server_restarted: 'restart', host_cordoned: 'cordon', host_uncordoned: 'uncordon',
+  fast_failure: 'fast', exit_barrier_released: 'released' };
 const STOP_STATUSES = new Set([401, 403, 404]);
 const NODE_HEADS = ['node rank', 'node id', 'host/addr', 'nproc', 'global ranks', 'status', 'heartbeat age'];
 const KINDS = new Set(['job_created', 'job_closed', 'node_joined', 'round_formed', 'standby_promoted', 'node_departed',
-  'join_refused', 'node_refused', 'host_cordoned']);
+  'join_refused', 'node_refused', 'host_cordoned', 'fast_failure']);
 const EVENT_FIELDS = new Set(['seq', 'time', 'kind', 'cause', 'round', 'node_id', 'addr']);
 
 // The job this page shows: /jobs/ID, or none on /.
@@ -258,7 +259,77 @@ function showJob(j) {
   tables.joining.update(j.joining, false, counts.joining);
   tables.waiting.update(j.waiting, false, counts.waiting);
   tables.standby.update(j.standby, false, counts.standby);
+  showProgress(j);
   document.getElementById('updated').textContent = 'live, updated ' + new Date().toLocaleTimeString();
+}
+
+// The job's progress (README "A crash loop stops itself"): its steps over time (the steps its
+// nodes' beats carried, and each round's last step), a dashed line where each round after the
+// first formed (a restart; red when the round before it was a fast failure), the goodput and a
+// row per round. Hidden until a round formed.
+const SVG_NS = 'http://www.w3.org/2000/svg';
+
+function svg(tag, attrs, text) {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
+  if (text !== undefined) node.textContent = String(text);
+  return node;
+}
+
+function stepPoints(j) {
+  const points = (Array.isArray(j.steps) ? j.steps : []).map(([t, round, step]) => ({ t, round, step }));
+  for (const r of j.progress) {
+    if (typeof r.step === 'number' && typeof r.ended_at === 'number') points.push({ t: r.ended_at, round: r.round, step: r.step });
+  }
+  return points.sort((a, b) => a.t - b.t);
+}
+
+function showProgress(j) {
+  const section = document.getElementById('progress-section');
+  const rounds = Array.isArray(j.progress) ? j.progress : [];
+  section.hidden = rounds.length === 0;
+  if (section.hidden) return;
+  setText(document.getElementById('goodput'),
+    typeof j.goodput === 'number' ? `goodput ${(j.goodput * 100).toFixed(1)} %` : 'goodput unknown (no progress reported)');
+  setText(document.getElementById('fast-failures'), j.max_fast_failures > 0
+    ? `fast failures in a row ${j.fast_failures} of ${j.max_fast_failures} (min_round_seconds ${j.min_round_seconds})`
+    : 'crash-loop rule off (max_fast_failures=0)');
+  const chart = document.getElementById('steps');
+  const width = 720, height = 180, left = 50, bottom = 20, top = 10;
+  const points = stepPoints(j);
+  const t0 = rounds[0].formed_at;
+  const last = rounds[rounds.length - 1];
+  const t1 = Math.max(t0 + 1, last.ended_at ?? 0, ...points.map(p => p.t), last.formed_at + 1);
+  const maxStep = Math.max(1, ...points.map(p => p.step));
+  const x = t => left + (width - left - 10) * (t - t0) / (t1 - t0);
+  const y = s => height - bottom - (height - bottom - top) * s / maxStep;
+  const parts = [svg('text', { x: 4, y: top + 10, class: 'axis' }, maxStep), svg('text', { x: 4, y: height - bottom, class: 'axis' }, 0),
+    svg('text', { x: left, y: height - 4, class: 'axis' }, `${(t1 - t0).toFixed(0)} s from round ${rounds[0].round}`)];
+  rounds.forEach((r, i) => {
+    if (i === 0) return;
+    const fast = rounds[i - 1].fast_failure ? ' fast' : '';
+    const line = svg('line', { x1: x(r.formed_at), x2: x(r.formed_at), y1: top, y2: height - bottom, class: 'restart' + fast });
+    line.append(svg('title', {}, `round ${r.round} formed` + (fast ? ` after a fast failure (${rounds[i - 1].fast_failure})` : '')));
+    parts.push(line);
+  });
+  for (const r of rounds) { // one line per round: a restart starts a new one
+    const mine = points.filter(p => p.round === r.round);
+    if (mine.length > 1) parts.push(svg('polyline', { class: 'line', points: mine.map(p => `${x(p.t)},${y(p.step)}`).join(' ') }));
+    for (const p of mine) {
+      const dot = svg('circle', { cx: x(p.t), cy: y(p.step), r: 3, class: 'point' });
+      dot.append(svg('title', {}, `round ${p.round}: step ${p.step}`));
+      parts.push(dot);
+    }
+  }
+  chart.replaceChildren(...parts);
+  const body = document.querySelector('#progress tbody');
+  body.replaceChildren(...rounds.slice().reverse().map(r => {
+    const ran = (typeof r.ended_at === 'number' ? r.ended_at : (j.now ?? r.formed_at)) - r.formed_at;
+    const tr = row([r.round, typeof r.ended_at === 'number' ? seconds(ran) : 'running', r.step ?? '', r.fast_failure]);
+    tr.dataset.round = r.round;
+    if (r.fast_failure) tr.lastChild.className = 'fast';
+    return tr;
+  }));
 }
 
 // Membership fetches: one at a time; a request made meanwhile is served by one more fetch.
