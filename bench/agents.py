@@ -54,6 +54,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .backend import LAST_CALL_S
 from .process import SPAWN, Timeout, end_processes
 
 #: torchrun's default ``--monitor-interval``.
@@ -77,7 +78,7 @@ class AgentSpec:
     run_id: str
     min_nodes: int
     max_nodes: int
-    last_call_timeout: float = 1.0
+    last_call_timeout: float = LAST_CALL_S
     join_timeout: float = 600.0
     keep_alive_interval: float = KEEP_ALIVE_INTERVAL
     keep_alive_max_attempt: int = KEEP_ALIVE_MAX_ATTEMPT

@@ -35,6 +35,7 @@ import time
 from typing import Any
 
 from .agents import AgentFleet, AgentSpec, raise_open_files, worker_count
+from .backend import LAST_CALL_S
 from .backend.rdzv_server import start_server
 from .process import Timeout, Unavailable
 from .result import Plan, Row, load_average
@@ -45,8 +46,6 @@ log = logging.getLogger("bench")
 SETTLE_S = 3.0
 #: Descriptors a process needs besides one per connection (log files, pipes, the loop).
 FD_SLACK = 512
-#: The re-formation's last call: N-1 survivors are min_nodes.
-LAST_CALL_S = 1.0
 
 
 def measure(plan: Plan) -> tuple[list[Row], dict[str, object]]:

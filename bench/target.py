@@ -11,12 +11,13 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .backend import LAST_CALL_S as LAST_CALL
 from .backend.tcpstore import LABEL as TCPSTORE
 from .result import Row
 
 RDZV = ("rdzv-server", "rdzv-server (durable)")
-#: rdzv-server's last_call_timeout and heartbeat TTL in the re-rendezvous measurement.
-LAST_CALL = 1.0
+#: rdzv-server's heartbeat TTL in the re-rendezvous measurement of a SIGSTOPped node
+#: (``backend/rdzv_server.py``'s failure_conf: 0.5 s x 4); its last call is the bench's.
 SILENT_TTL = 2.0
 
 

@@ -40,7 +40,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .client import Client
@@ -65,13 +65,22 @@ class NodeLoop:
     :meth:`watch` starts watching a round, :meth:`stop` stops (``for_good``: the threads
     end). ``num_waiting`` and ``closed`` say what the last watch saw (``closed`` is also
     set by the node itself when it closes the job or leaves it: no beats for a closed job).
+    When a beat is due is read on ``clock`` (default ``time.monotonic``; the client's seam).
     """
 
     def __init__(
-        self, client: Client, run_id: str, node_id: str, *, keep_alive_interval: float, heartbeat_ttl: float,
+        self,
+        client: Client,
+        run_id: str,
+        node_id: str,
+        *,
+        keep_alive_interval: float,
+        heartbeat_ttl: float,
         progress_dir: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._client = client
+        self._clock = clock
         self._run_id = run_id
         self._node_id = node_id
         self._keep_alive_interval = keep_alive_interval
@@ -83,14 +92,14 @@ class NodeLoop:
         self._watching: tuple[int, int] | None = None  # (round, generation); None: no round, the threads wait
         self._generation = 0
         self._shut_down = False
-        self._contact = 0.0  # time.monotonic() of the server's last answer that beat this node
+        self._contact = 0.0  # on ``clock``: the server's last answer that beat this node
         threading.Thread(target=self._watch, name=f"rdzv-watch-{node_id}", daemon=True).start()
         threading.Thread(target=self._beat, name=f"rdzv-beat-{node_id}", daemon=True).start()
 
     def watch(self, round_: int) -> None:
         """Watch ``round_`` (its assignment was just answered: that was a beat)."""
         self.num_waiting = 0
-        self._contact = time.monotonic()
+        self._contact = self._clock()
         with self._cv:
             self._generation += 1
             self._watching = (round_, self._generation)
@@ -138,7 +147,7 @@ class NodeLoop:
                 with self._cv:
                     self._cv.wait_for(lambda: self._watching != current, self._keep_alive_interval)
                 continue
-            self._contact = time.monotonic()  # an answered watch beat the node (it was sent before now)
+            self._contact = self._clock()  # an answered watch beat the node (it was sent before now)
             if self._watching != current:
                 return
             if seen.num_nodes_waiting != known and seen.num_nodes_waiting > 0:
@@ -196,12 +205,12 @@ class NodeLoop:
             seen = self._contact
             due = seen + interval * rng.uniform(0.0 if first else BEAT_JITTER, 1.0)
             with self._cv:
-                if self._cv.wait_for(lambda: self._watching != current or self.closed, max(0.0, due - time.monotonic())):
+                if self._cv.wait_for(lambda: self._watching != current or self.closed, max(0.0, due - self._clock())):
                     return
             if self._contact != seen and not first:
                 continue  # a watch was sent or answered meanwhile: the next beat counts from that
             first = False
-            sent = time.monotonic()
+            sent = self._clock()
             try:
                 step = None if self._progress_dir is None else node_step(self._progress_dir)
                 self._client.watch(self._run_id, self._node_id, round=current[0], hold=0.0, step=step)

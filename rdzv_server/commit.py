@@ -20,7 +20,8 @@ Rules:
   term ends, the one server stops for good.
 
 What it must not know: HTTP, the wire format, etcd, which role the service plays (it asks
-the role), timers and liveness (the service's other rooms).
+the role), the service's other rooms: it is the lowest of them, and tells the timer and the
+lifecycle only through the hooks the service wires (:meth:`Pipeline.wire`).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from .storage import (
 )
 
 if TYPE_CHECKING:
-    from .service import Service
+    from .shared import ServiceState
 
 log = logging.getLogger("rdzv_server")
 
@@ -59,13 +60,29 @@ Answer = tuple[T, "asyncio.Future[None] | None"]
 class Pipeline:
     """The service's commit pipeline (see the module docstring)."""
 
-    def __init__(self, svc: Service) -> None:
+    def __init__(self, svc: ServiceState) -> None:
         self._svc = svc
+        # The rooms above this one, as :meth:`wire` gives them: told of each durable command
+        # (the timer), of an append that failed (the lifecycle: end the term, or stop for good).
+        self._applied: Callable[[c.Command], None] = lambda command: None
+        self._step_down: Callable[[str], None] = lambda reason: None
+        self._fatal: Callable[[BaseException], None] = lambda exc: None
         self.log: Log = MemoryLog()
         self.replicated: ReplicatedLog | None = None  # the log while this replica leads
         self.last_append: asyncio.Future[None] | None = None
         self._snapshotting = False
         self._background: set[asyncio.Future[Any]] = set()
+
+    def wire(
+        self,
+        *,
+        applied: Callable[[c.Command], None],
+        step_down: Callable[[str], None],
+        fatal: Callable[[BaseException], None],
+    ) -> None:
+        """Connect the rooms above: ``applied`` is told of each command once durable,
+        ``step_down`` ends a replica's term and ``fatal`` stops the one server when an append fails."""
+        self._applied, self._step_down, self._fatal = applied, step_down, fatal
 
     # -- the log in use ----------------------------------------------------------------------
 
@@ -195,11 +212,10 @@ class Pipeline:
         no request may be answered from it any more: a replica stops serving in this very
         step (and its term ends: it rebuilds from etcd), the one server stops for good."""
         reason = f"an append was not committed: {exc}"
-        svc = self._svc
-        if svc.part.step_down(reason):
-            svc.lifecycle.step_down(reason)
+        if self._svc.part.step_down(reason):
+            self._step_down(reason)
         else:  # no term to end: the one server
-            svc.lifecycle.fatal(exc)
+            self._fatal(exc)
 
     def durable(self, log_: Log, command: c.Command, outcome: Outcome, fut: asyncio.Future[None]) -> None:
         """A record's append to ``log_`` finished: on success the command's effects, else a stop."""
@@ -211,7 +227,7 @@ class Pipeline:
         svc = self._svc
         if outcome.wakes:
             svc.waiters.wake(outcome.wakes)
-        svc.timer.applied(command)
+        self._applied(command)
         if outcome.events:
             svc.on_events(outcome.events)
         self._maybe_snapshot()

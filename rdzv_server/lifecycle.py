@@ -33,7 +33,10 @@ from .core.machine import StateMachine
 from .storage import FileLog, FsyncPolicy, Recovered, ReplicatedLog, StorageError
 
 if TYPE_CHECKING:
-    from .service import Service
+    from .commit import Pipeline
+    from .liveness import Liveness
+    from .shared import ServiceState
+    from .timer import Timer
 
 log = logging.getLogger("rdzv_server")
 
@@ -41,8 +44,11 @@ log = logging.getLogger("rdzv_server")
 class Lifecycle:
     """The service's lifecycle (see the module docstring)."""
 
-    def __init__(self, svc: Service) -> None:
+    def __init__(self, svc: ServiceState, pipeline: Pipeline, timer: Timer, liveness: Liveness) -> None:
         self._svc = svc
+        self._pipeline = pipeline
+        self._timer = timer
+        self._liveness = liveness
 
     async def start(self) -> None:
         """See :meth:`.service.Service.start`."""
@@ -50,7 +56,7 @@ class Lifecycle:
         clock = svc.clock
         started = clock.monotonic()
         if svc.make_role is not None:
-            svc.part = svc.make_role(svc)
+            svc.part = svc.make_role()
             await svc.part.start()
             svc.recovery_seconds = clock.monotonic() - started
             return
@@ -75,7 +81,7 @@ class Lifecycle:
                     )
                 except (StorageError, OSError) as exc:
                     raise SystemExit(f"rdzv-server: error: cannot recover {data_dir}: {exc}") from exc
-                svc.pipeline.log = file_log
+                self._pipeline.log = file_log
                 svc.machine = await asyncio.to_thread(self.rebuild, recovered)
             finally:
                 if collecting:
@@ -115,12 +121,12 @@ class Lifecycle:
         svc.resume_clock(svc.machine.clock)
         svc.machine.reset_heartbeats(svc.now())
         svc.waiters.reopen()
-        svc.timer.start(tick=tick)
+        self._timer.start(tick=tick)
         svc.machine.set_limits(svc.config.limits())  # after replay: see StateMachine.apply
         svc.recovered = True
         svc.ready = True
         if svc.machine.jobs:  # every job's timeline says the server was away
-            await svc.write(restarted)
+            await self._pipeline.write(restarted)
 
     # -- replicas (driven by replication.py) -----------------------------------------------------
 
@@ -131,14 +137,14 @@ class Lifecycle:
 
     async def lead(self, replicated: ReplicatedLog, detail: str) -> None:
         """Serve as the leader over ``replicated``, the log the follower's machine has caught up to."""
-        self._svc.pipeline.lead(replicated)
+        self._pipeline.lead(replicated)
         await self._serve(c.Restarted("", "leader_changed", detail), tick=True)
 
     async def stop_leading(self) -> None:
         """Stop serving at once (a lost lease, a failed append, shutdown): see :meth:`step_down`;
         then wait for the timer and the ticker to end."""
         self.step_down("it stepped down")
-        await self._svc.timer.stop()
+        await self._timer.stop()
 
     # -- stopping --------------------------------------------------------------------------------
 
@@ -148,8 +154,8 @@ class Lifecycle:
         svc = self._svc
         svc.ready = False
         svc.waiters.fail_all(error)
-        svc.liveness.forget()
-        svc.timer.cancel()
+        self._liveness.forget()
+        self._timer.cancel()
 
     def step_down(self, reason: str) -> None:
         """A leader stops (:meth:`halt`, answering with the role's ``unavailable()``) and drops
@@ -157,7 +163,7 @@ class Lifecycle:
         with ``not_leader``. What is in memory may hold commands the log never took, so the
         replication rebuilds the machine from etcd before anything is served again. Idempotent."""
         self.halt(self._svc.part.unavailable())
-        self._svc.pipeline.abandon(reason)
+        self._pipeline.abandon(reason)
 
     def begin_stop(self) -> None:
         """Shutdown, first step: refuse new work and answer parked long-polls (clients retry
@@ -170,8 +176,8 @@ class Lifecycle:
         svc = self._svc
         self.begin_stop()
         await svc.part.close()  # a replica resigns: another takes over at once
-        await svc.timer.stop()
-        await svc.pipeline.log.close()
+        await self._timer.stop()
+        await self._pipeline.log.close()
 
     def fatal(self, exc: BaseException) -> None:
         """The log failed on the one server: stop for good (``on_fatal`` makes the process exit)."""

@@ -35,8 +35,9 @@ from .core.machine import WatchView, node_topic, round_topic, watch_topic
 from .core.rendezvous import Job
 
 if TYPE_CHECKING:
-    from .commit import Answer
-    from .service import Service
+    from .commit import Answer, Pipeline
+    from .shared import ServiceState
+    from .timer import Timer
 
 log = logging.getLogger("rdzv_server")
 
@@ -49,8 +50,10 @@ NodeKey = tuple[str, str]  # (rdzv_id, node_id)
 class Liveness:
     """The service's liveness room (see the module docstring)."""
 
-    def __init__(self, svc: Service) -> None:
+    def __init__(self, svc: ServiceState, pipeline: Pipeline, timer: Timer) -> None:
         self._svc = svc
+        self._pipeline = pipeline
+        self._timer = timer
         self._rng = random.Random()
         self._open_polls: dict[NodeKey, int] = {}
         # Nodes whose watch dropped: when it dropped, and the loop timer that checks it.
@@ -62,7 +65,7 @@ class Liveness:
         """A request from a node is a heartbeat; it also cancels a pending connection-lost check.
         ``progress``: the (round, step) a watch reports. Raises NotReady, JobNotFound."""
         svc = self._svc
-        svc.pipeline.check_ready()
+        self._pipeline.check_ready()
         job = svc.machine.heartbeat(rdzv_id, node_id, svc.now(), progress)
         self._cancel_lost((rdzv_id, node_id))
         return job
@@ -81,7 +84,7 @@ class Liveness:
         # again (or joins again); the TTL and join_timeout are the backstops. Declaring it
         # dead here only made thousands of nodes connecting at once churn.
         with self._node_poll(rdzv_id, node_id, fast_death=False):
-            assignment = await svc.pipeline.long_poll(
+            assignment = await self._pipeline.long_poll(
                 lambda: svc.machine.assignment(rdzv_id, node_id, round_),
                 lambda: (round_topic(rdzv_id), node_topic(rdzv_id, node_id)),
                 self.node_hold(hold, job),
@@ -95,7 +98,7 @@ class Liveness:
         ``step``: the node's training step, if it reports one. Raises NotReady, JobNotFound."""
         svc = self._svc
         self.beat(rdzv_id, node_id, None if step is None else (round_, step))
-        return svc.machine.watch_view(rdzv_id, round_), svc.pipeline.pending(svc.pipeline.last_append)
+        return svc.machine.watch_view(rdzv_id, round_), self._pipeline.pending(self._pipeline.last_append)
 
     async def watch(
         self, rdzv_id: str, node_id: str, round_: int, known: int, hold: float, step: int | None = None
@@ -121,7 +124,7 @@ class Liveness:
             return view if view.num_nodes_waiting != known else None
 
         with self._node_poll(rdzv_id, node_id):
-            view = await svc.pipeline.long_poll(changed, lambda: (watch_topic(rdzv_id),), hold)
+            view = await self._pipeline.long_poll(changed, lambda: (watch_topic(rdzv_id),), hold)
         if rdzv_id in svc.machine.jobs:
             self.beat(rdzv_id, node_id)
         return view if view is not None else svc.machine.watch_view(rdzv_id, round_)
@@ -194,7 +197,7 @@ class Liveness:
         if svc.now() < lost_at + svc.config.disconnect_grace:  # the loop's timer ran ahead of the clock
             self._arm(key, lost_at)
             return
-        svc.pipeline.spawn(self._confirm_lost(key, lost_at), f"Confirming node {key[1]} lost")
+        self._pipeline.spawn(self._confirm_lost(key, lost_at), f"Confirming node {key[1]} lost")
 
     async def _confirm_lost(self, key: NodeKey, lost_at: float) -> None:
         svc = self._svc
@@ -211,6 +214,6 @@ class Liveness:
             extra={"job": rdzv_id, "node": node_id, "cause": Cause.CONNECTION_CLOSED.value},
         )
         dying = decision.dying(svc.machine, expire)
-        result = await svc.timer.execute(expire, dying.hosts)
+        result = await self._timer.execute(expire, dying.hosts)
         if result is not None and result.get("expired"):
             svc.on_detected(Cause.CONNECTION_CLOSED.value, svc.now() - lost_at)

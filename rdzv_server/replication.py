@@ -318,13 +318,13 @@ class Replication:
 
     async def _lead(self, election: Election, fence: LeaderKey, follower: asyncio.Task[None]) -> None:
         head = await log_head(self.client, self.prefix)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + CATCH_UP_TIMEOUT_S
+        clock = self._service.clock  # the service's seam: a test's fake clock decides when catching up gives up
+        deadline = clock.monotonic() + CATCH_UP_TIMEOUT_S
         while self.applied_index < head:  # bounded by the deadline
             if follower.done():
                 follower.result()
                 raise EtcdError("the log's tail ended before it reached the head")
-            if loop.time() > deadline:
+            if clock.monotonic() > deadline:
                 raise EtcdError(f"the tail did not reach record {head} within {CATCH_UP_TIMEOUT_S} s")
             await asyncio.sleep(0.005)
         follower.cancel()

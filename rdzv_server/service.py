@@ -1,9 +1,10 @@
 """The service: the running server minus HTTP, one facade over its rooms.
 
-What it owns: the one :class:`StateMachine` (``machine``), the server clock, parked
-long-polls (their table is :mod:`.waiter`'s), the part it plays (:class:`~.role.Role`), and
-the facade the API, :mod:`.replication` and ``server.py`` call. The work is done in its rooms,
-one concern each, which share this object's public state:
+What it owns: the facade the API, :mod:`.replication` and ``server.py`` call, over the state
+its rooms share (:class:`~.shared.ServiceState`, its base: the one :class:`StateMachine`, the
+server clock, parked long-polls, the part it plays). The work is done in its rooms, one
+concern each, each given that state and the rooms below it (the service wires them; none
+imports the service):
 
 - :mod:`.commit` (:class:`~.commit.Pipeline`): apply, append, what follows once a record is
   durable, reads that wait for durability, long-polls;
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import time
 from collections.abc import Callable, Coroutine, Hashable
 from typing import Any
 
@@ -41,19 +41,19 @@ from .core import decision
 from .core.cordon import Cordon
 from .core.error import RdzvError
 from .core.event import Cause, EventPage, JobEvent
-from .core.machine import Entry, StateMachine, events_topic, key_topic, round_topic
+from .core.machine import Entry, events_topic, key_topic, round_topic
 from .core.rendezvous import JobSummary, JobView
 from .core.store import KeyValueStore
 from .lifecycle import Lifecycle
 from .liveness import Liveness
 from .role import Role, Single
+from .shared import ServiceState
 from .timer import Timer
-from .waiter import Waiters
 
 __all__ = ["Answer", "Service"]
 
 
-class Service:
+class Service(ServiceState):
     """The running server minus HTTP. Create, ``await start()``, serve, ``begin_stop()``, ``await close()``."""
 
     def __init__(
@@ -64,49 +64,18 @@ class Service:
         :meth:`check_deadlines` after moving it). Raises ValueError for ``--etcd`` without a join."""
         if config.etcd and join is None:
             raise ValueError("with --etcd the service needs a replica role: Service(config, replication.join)")
-        self.config = config
-        self.make_role = join
-        self.clock = clock
-        # Fresh machines for the live state, recovery and snapshot builds, all made alike; a
-        # partial of the class pickles, so a snapshot builder process can use it. No limits
-        # until recovery is done: a logged command applies again whatever today's limits.
-        self.new_machine = functools.partial(
-            StateMachine,
-            max_value_bytes=config.max_value_bytes,
-            job_ttl=config.job_ttl,
-            session_ttl=config.session_ttl,
-        )
-        self.machine = self.new_machine()
-        self.waiters = Waiters(clock)
-        self.quarantine_policy = decision.QuarantinePolicy(
-            config.quarantine_after, config.quarantine_window, config.quarantine_for
-        )
-        self.ready = False  # serving operations (the leader, or the one server)
-        self.recovered = False  # a state machine is installed (a replica may follow)
-        self.stopping = False  # shutting down: nothing is served any more
-        self.started_at = time.time()
-        self.bound_port: int | None = None  # the port listened on (server.py sets it before start)
-        self.recovered_records = 0
-        self.recovery_seconds = 0.0
-        self._clock_base = 0.0
-        self._mono_base = clock.monotonic()
-        #: Told what each applied command added to its job's timeline, once it is durable (metrics).
-        self.on_events: Callable[[tuple[JobEvent, ...]], None] = lambda events: None
-        #: Told how long a node's death took to notice, by cause, when the server marks it dead.
-        self.on_detected: Callable[[str, float], None] = lambda cause, seconds: None
-        #: Called once when the server must stop (the log failed); server.py exits non-zero.
-        self.on_fatal: Callable[[BaseException], None] | None = None
-        self.fatal_error: BaseException | None = None
+        super().__init__(config, None if join is None else functools.partial(join, self), clock)
 
-        # The rooms.
-        self.pipeline = Pipeline(self)
-        self.timer = Timer(self)
-        self.liveness = Liveness(self)
-        self.lifecycle = Lifecycle(self)
-        self.part: Role = Single(self.pipeline.log_index)  # the part it plays (start() may take another)
+        # The rooms, each given the rooms below it; the commit pipeline's hooks into the rooms
+        # above it are wired here (so no room imports another above it, nor the service).
+        self.pipeline = pipeline = Pipeline(self)
+        self.timer = timer = Timer(self, pipeline)
+        self.liveness = liveness = Liveness(self, pipeline, timer)
+        self.lifecycle = lifecycle = Lifecycle(self, pipeline, timer, liveness)
+        pipeline.wire(applied=timer.applied, step_down=lifecycle.step_down, fatal=lifecycle.fatal)
+        self.part = Single(pipeline.log_index)  # the part it plays (start() may take another)
 
         # The facade: each room's own methods, bound here so a request pays no extra call.
-        pipeline, liveness, lifecycle = self.pipeline, self.liveness, self.lifecycle
         self.write = pipeline.write
         self.submit = pipeline.submit
         self.settled = pipeline.settled
@@ -139,15 +108,6 @@ class Service:
         await self.lifecycle.start()
 
     # -- clock -------------------------------------------------------------------------------
-
-    def now(self) -> float:
-        """The server clock: seconds, monotonic, resumed across restarts from the last logged time."""
-        return self._clock_base + (self.clock.monotonic() - self._mono_base)
-
-    def resume_clock(self, at: float) -> None:
-        """Have the server clock go on from ``at`` (the last logged time) from this instant."""
-        self._clock_base = at
-        self._mono_base = self.clock.monotonic()
 
     def check_deadlines(self) -> None:
         """Have the timers look at their deadlines and every parked long-poll at its hold now

@@ -8,7 +8,7 @@ applies what core decides follows from it (:func:`.core.decision.quarantine` aft
 Rules:
 - The timer only detects: :meth:`.core.machine.StateMachine.due` says what is due at ``now``;
   it is applied and logged like any other command.
-- Elapsed time is the service's clock (:meth:`.service.Service.now`): the timer sleeps until
+- Elapsed time is the service's clock (:meth:`.shared.ServiceState.now`): the timer sleeps until
   the earliest deadline by that clock, and :meth:`Timer.wake` makes it look again (after a
   fake clock moved).
 - A command the service refused (the log's queue full, say) is tried again
@@ -36,7 +36,8 @@ from .core.rendezvous import Departure, departure_cause
 from .deadline import Deadlines
 
 if TYPE_CHECKING:
-    from .service import Service
+    from .commit import Pipeline
+    from .shared import ServiceState
 
 log = logging.getLogger("rdzv_server")
 
@@ -88,8 +89,9 @@ _APPLIED_LINES: dict[type[c.Command], Callable[[Any, dict[str, Any]], None]] = {
 class Timer:
     """The service's timers (see the module docstring)."""
 
-    def __init__(self, svc: Service) -> None:
+    def __init__(self, svc: ServiceState, pipeline: Pipeline) -> None:
         self._svc = svc
+        self._pipeline = pipeline
         self.deadlines = Deadlines()
         self._task: asyncio.Task[None] | None = None
         self._ticker: asyncio.Task[None] | None = None  # a leader's (see TICK_EVERY_S)
@@ -183,7 +185,7 @@ class Timer:
             if not svc.ready or not svc.machine.jobs or svc.now() - svc.machine.clock < TICK_EVERY_S:
                 continue
             try:
-                await svc.write(c.Tick(""))
+                await self._pipeline.write(c.Tick(""))
             except RdzvError as exc:  # not the leader any more, the log busy: the next tick will do
                 log.debug("A tick was not logged: %s", exc)
 
@@ -196,7 +198,7 @@ class Timer:
         (logged)."""
         svc = self._svc
         try:
-            result = await svc.write(command)
+            result = await self._pipeline.write(command)
         except RdzvError as exc:
             log.warning("Timer command %s for job %s failed: %s", command.op, command.rdzv_id, exc)
             return None
@@ -210,7 +212,7 @@ class Timer:
             for cordon in decision.quarantine(svc.machine, command.rdzv_id, dying, svc.now(), svc.quarantine_policy):
                 _log_quarantine(cordon)
                 try:
-                    await svc.write(cordon)
+                    await self._pipeline.write(cordon)
                 except RdzvError as exc:
                     log.warning("Host %s could not be quarantined: %s", cordon.host, exc)
         return result

@@ -49,3 +49,8 @@ class FrameReader:
         except (ConnectionResetError, EOFError) as exc:
             raise ConnectionError("the server closed the stream") from exc
         return wire.unpack(payload, READ_LIMIT, max_items=wire.MAX_REPLY_ITEMS)  # type: ignore[no-any-return]
+
+    @property
+    def buffered(self) -> int:
+        """Bytes read off the socket that are not yet a whole frame handed out."""
+        return self._frames.buffered

@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 #: Every simulated node says it lives here; nothing in the bench leaves loopback.
 LOCAL_ADDR = "127.0.0.1"
 
+#: The last_call_timeout of every job the bench forms (s): a round completes at max_nodes, so
+#: only a re-rendezvous short of a node waits for it (``target.py`` judges those by it).
+LAST_CALL_S = 1.0
+
 #: Backend names as torch's registry knows them, in the order the bench runs them.
 BACKEND_NAMES = ("rdzv-server", "c10d", "etcd-v2")
 
@@ -100,11 +104,11 @@ class Backend(abc.ABC):
 
     def base_conf(self) -> dict[str, Any]:
         """``--rdzv-conf`` for every job: a round completes at max_nodes, joins never time out."""
-        return {"last_call_timeout": 1, "join_timeout": 600}
+        return {"last_call_timeout": LAST_CALL_S, "join_timeout": 600}
 
     def failure_conf(self, *, silent: bool) -> dict[str, Any]:
         """``--rdzv-conf`` for the re-rendezvous measurement (``silent``: a SIGSTOPped node)."""
-        return {"last_call_timeout": 1, "keep_alive_interval": 1, "keep_alive_max_attempt": 3}
+        return {"last_call_timeout": LAST_CALL_S, "keep_alive_interval": 1, "keep_alive_max_attempt": 3}
 
     def failure_env(self) -> dict[str, str]:
         """Environment of the re-rendezvous measurement's nodes."""

@@ -82,7 +82,7 @@ class RdzvServerBackend(Backend):
         return {**super().base_conf(), "nproc_per_node": 1}
 
     def failure_conf(self, *, silent: bool) -> dict[str, Any]:
-        conf: dict[str, Any] = {**self.base_conf(), "last_call_timeout": 1}
+        conf: dict[str, Any] = self.base_conf()  # (its last call: LAST_CALL_S)
         if silent:  # a heartbeat TTL of 2 s: the only signal a SIGSTOPped node leaves
             conf.update(keep_alive_interval=0.5, keep_alive_max_attempt=4)
         return conf

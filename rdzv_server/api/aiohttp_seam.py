@@ -179,11 +179,9 @@ class HttpConnection(RequestHandler, TrackedConnection):
         self, manager: web.Server, table: ConnectionTable, authenticates: Authenticates, **settings: Any
     ) -> None:
         super().__init__(manager, loop=asyncio.get_running_loop(), **settings)
-        self._timers = table.timers
         self._max_fields = int(settings.get("max_headers", _AIOHTTP_MAX_HEADERS))
-        self._table = table
+        self.table = table
         self._authenticates = authenticates
-        self._deadline = None
         self._in_flight = False
         self._responding = False
         self._payload: Any = None
@@ -195,16 +193,16 @@ class HttpConnection(RequestHandler, TrackedConnection):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        self._track(self._table, self._timers)
+        self.track(self.table)
 
     def data_received(self, data: bytes) -> None:
         if not data or self.transport is None:
             super().data_received(data)
             return
-        now = self._timers.time()
+        now = self.timers.time()
         self.last_active = now
         if self.reading_since is None and not self._in_flight:
-            self._start_reading(now)
+            self.start_reading(now)
         head = self._head
         if self._draining is not None and self._draining.is_eof():
             self._draining = None  # the answered request's body is gone: a new request begins
@@ -212,13 +210,13 @@ class HttpConnection(RequestHandler, TrackedConnection):
             self._receive(data, None)
             return
         taken = head.feed(data)
-        if head.size > self._table.max_head_bytes:
+        if head.size > self.table.max_head_bytes:
             self._refuse_head()
         else:
             self._receive(data, taken)
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self._untrack()
+        self.untrack()
         super().connection_lost(exc)
 
     def _receive(self, data: bytes, head_bytes: int | None) -> None:
@@ -229,7 +227,7 @@ class HttpConnection(RequestHandler, TrackedConnection):
         head (in this same call, before anything else runs): a token in it makes them a token
         holder's, so a client's first request is not refused for strangers' bytes."""
         first = len(data) if self.trusted or head_bytes is None else head_bytes
-        if not self._table.charge(self, first):
+        if not self.table.charge(self, first):
             return
         before = queued(self)
         super().data_received(data)
@@ -241,12 +239,12 @@ class HttpConnection(RequestHandler, TrackedConnection):
                 self._head.close()
                 headers = cast(Any, message).headers
                 if not self.trusted and self._authenticates(headers.get(hdrs.AUTHORIZATION)):
-                    self._table.trust(self)
+                    self.table.trust(self)
         if first < len(data) and self.transport is not None:
-            self._table.charge(self, len(data) - first)
+            self.table.charge(self, len(data) - first)
 
     def _refuse_head(self) -> None:
-        table = self._table
+        table = self.table
         table.rejected(wire.ErrorCode.HEADERS_TOO_LARGE)
         table.refusals.warning(
             "Refused an HTTP request from %s: 431 headers_too_large (its head passed %d bytes, --max-head-bytes).",
@@ -268,7 +266,7 @@ class HttpConnection(RequestHandler, TrackedConnection):
     def busy(self) -> bool:
         return self._in_flight
 
-    def _reading_counts(self) -> bool:
+    def reading_counts(self) -> bool:
         if self._in_flight and (self._payload is None or self._payload.is_eof()):
             self.reading_since = None  # the whole request is in: what follows is the next one
             return False
@@ -288,7 +286,7 @@ class HttpConnection(RequestHandler, TrackedConnection):
             # Raised outside the middlewares (an unknown Expect: aiohttp's 417): answer it as JSON,
             # in our words (aiohttp's quote the request's header).
             code = classify(resp.status, False)
-            self._table.rejected(code)
+            self.table.rejected(code)
             resp = json_error(code, _STATUS_REASONS.get(resp.status, HTTPStatus(resp.status).phrase.lower()))
         self._responding = True
         try:
@@ -303,10 +301,10 @@ class HttpConnection(RequestHandler, TrackedConnection):
         self._in_flight = False
         self._payload = None
         self.reading_since = None
-        self.last_active = self._timers.time()
+        self.last_active = self.timers.time()
         self._head.reset()
         if self.held:
-            self._table.release(self, self.held)
+            self.table.release(self, self.held)
 
     def handle_error(
         self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
@@ -317,13 +315,13 @@ class HttpConnection(RequestHandler, TrackedConnection):
         else:  # not seen in data_received: what its type says (a body's error, for one)
             refusal = describe(self._head, exc, b"", None, self._max_fields)
         code = classify(status, refusal.too_large)
-        self._table.rejected(code)
+        self.table.rejected(code)
         if code is wire.ErrorCode.INTERNAL:  # a bug, not the client's doing: keep the traceback
             log.error("Unhandled error serving an HTTP request from %s.", request.remote, exc_info=exc)
             reason = "internal server error; the server log has details"
         else:
             reason = refusal.message
-            self._table.refusals.warning(
+            self.table.refusals.warning(
                 "Refused an HTTP request from %s: %d %s (%s).",
                 request.remote,
                 wire.HTTP_STATUS[code],
@@ -349,9 +347,9 @@ class HttpConnection(RequestHandler, TrackedConnection):
         if code is None or self._responding:  # idle, or mid-response: nothing more to say
             self.force_close()
             return
-        self._untrack()
+        self.untrack()
         let_go(self)
-        Closing(self._table, code, message, http_error(code, message)).adopt(transport)
+        Closing(self.table, code, message, http_error(code, message)).adopt(transport)
         self.connection_lost(None)  # aiohttp lets go: the handler is cancelled, the request dropped
 
 

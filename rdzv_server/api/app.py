@@ -35,7 +35,7 @@ Browsers (README "Security"; :func:`site_middleware` runs before authentication)
   (``default-src 'self'``, no inline script or style: the page's script and style are
   ``/static`` files), everything else ``header.DATA_POLICY`` (``default-src 'none'``); both
   say ``frame-ancestors 'none'``. The answers written below the app (parser refusals, shed
-  and refused connections: ``connection.py``) carry the same headers.
+  and refused connections: ``connection.py``, ``aiohttp_seam.py``) carry the same headers.
 """
 
 from __future__ import annotations

@@ -392,12 +392,13 @@ def buffers_full_message(limit: int) -> str:
 class TrackedConnection(abc.ABC):
     """A stream or HTTP connection as the table sees it, with its one deadline timer.
 
-    Subclasses call :meth:`_track` when connected and :meth:`_untrack` when closed (both
-    idempotent), store ``last_active`` when bytes arrive or a request finishes, call
-    :meth:`_start_reading` at the first byte of a request or frame and clear
+    Subclasses call :meth:`track` when connected and :meth:`untrack` when closed (both
+    idempotent), store ``last_active`` when bytes arrive or a request finishes (read from
+    :attr:`timers`, the table's clock: one time base for every stored time), call
+    :meth:`start_reading` at the first byte of a request or frame and clear
     ``reading_since`` when it is whole, ask the table to :meth:`~ConnectionTable.trust` them
     once they have shown a valid token, and implement :meth:`busy`, :meth:`shed` and
-    :meth:`_reading_counts`.
+    :meth:`reading_counts`.
     """
 
     protocol: ClassVar[str]
@@ -411,16 +412,18 @@ class TrackedConnection(abc.ABC):
     held: int = 0
     #: Has shown a valid token (or auth is off): its bytes are not a stranger's.
     trusted: bool = False
-    _table: ConnectionTable
-    _timers: Timers
+    #: The table counting it and the table's clock (set by :meth:`track`).
+    table: ConnectionTable
+    timers: Timers
     _deadline: Timer | None = None
     _auth_due: float | None = None
 
-    def _track(self, table: ConnectionTable, timers: Timers) -> None:
-        """Count this connection in ``table`` from now (``timers``' clock: the table's)."""
+    def track(self, table: ConnectionTable) -> None:
+        """Count this connection in ``table`` from now (the table's clock)."""
+        timers = table.timers
         now = timers.time()
-        self._table = table
-        self._timers = timers
+        self.table = table
+        self.timers = timers
         self.last_active = now
         self.reading_since = None
         self.held = 0
@@ -432,11 +435,11 @@ class TrackedConnection(abc.ABC):
         self._deadline = timers.call_at(due, self._on_deadline)
         table.register(self)
 
-    def _untrack(self) -> None:
+    def untrack(self) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
-        self._table.unregister(self)
+        self.table.unregister(self)
 
     @abc.abstractmethod
     def busy(self) -> bool:
@@ -446,28 +449,28 @@ class TrackedConnection(abc.ABC):
     def shed(self, code: wire.ErrorCode | None, message: str) -> None:
         """Close now: silently if ``code`` is None, else after answering it with ``message``."""
 
-    def _reading_counts(self) -> bool:
+    def reading_counts(self) -> bool:
         """Whether the request being read is late by the client's doing (not held back by us)."""
         return True
 
     def _limits(self) -> tuple[float, float]:
         """The idle and read timeouts that apply now: a stranger's are cut to ``auth_timeout``."""
-        table = self._table
+        table = self.table
         if self.trusted or table.auth_timeout is None:
             return table.idle_timeout, table.read_timeout
         return min(table.idle_timeout, table.auth_timeout), min(table.read_timeout, table.auth_timeout)
 
-    def _start_reading(self, now: float) -> None:
+    def start_reading(self, now: float) -> None:
         self.reading_since = now
         due = now + self._limits()[1]
         timer = self._deadline
         if timer is not None and timer.when() > due:
             timer.cancel()
-            self._deadline = self._timers.call_at(due, self._on_deadline)
+            self._deadline = self.timers.call_at(due, self._on_deadline)
 
     def _on_deadline(self) -> None:
         self._deadline = None
-        self.check_deadlines(self._timers.time())
+        self.check_deadlines(self.timers.time())
 
     def check_deadlines(self, now: float) -> None:
         """Apply the idle, read and authentication deadlines at ``now``: shed this connection
@@ -475,7 +478,7 @@ class TrackedConnection(abc.ABC):
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
-        table = self._table
+        table = self.table
         if self not in table.open:
             return
         idle, read = self._limits()
@@ -489,7 +492,7 @@ class TrackedConnection(abc.ABC):
                 "(--auth-timeout)",
             )
             return
-        if self.reading_since is not None and self._reading_counts():
+        if self.reading_since is not None and self.reading_counts():
             due = self.reading_since + read
             if now >= due:
                 if read < table.read_timeout:  # a stranger's head, cut short by --auth-timeout
@@ -511,23 +514,23 @@ class TrackedConnection(abc.ABC):
             if now >= due:
                 table.shed("idle_timeout")
                 self.shed(None, "")
-                self._untrack()
+                self.untrack()
                 return
         else:  # serving a request, or reading one we hold back: look again later
             due = now + min(idle, read)
         if stranger and self._auth_due is not None:
             due = min(due, self._auth_due)
-        self._deadline = self._timers.call_at(due, self._on_deadline)
+        self._deadline = self.timers.call_at(due, self._on_deadline)
 
     def _late(self, reason: str, what: str, message: str) -> None:
         """Close with ``request_timeout``: ``what`` (a %g stands for the limit) logged, ``message`` answered."""
-        table = self._table
+        table = self.table
         table.shed(reason)
         table.rejected(wire.ErrorCode.REQUEST_TIMEOUT)
         limit = table.auth_timeout if reason == "auth_timeout" else table.read_timeout
         table.refusals.warning(f"Closed %s connection: {what}.", self.article, limit)
         self.shed(wire.ErrorCode.REQUEST_TIMEOUT, message)
-        self._untrack()
+        self.untrack()
 
 
 # --------------------------------------------------------------------------- refusals

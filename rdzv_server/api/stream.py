@@ -108,8 +108,6 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
 
     def __init__(self, server: StreamServer) -> None:
         self._server = server
-        self._table = server.table
-        self._deadline = None
         self._svc = server.svc
         self._metrics = server.metrics
         self._loop = asyncio.get_running_loop()
@@ -142,10 +140,10 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
                 # As aiohttp does for HTTP: a peer that vanished without a reset is found eventually.
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         self._server.connections.add(self)
-        self._track(self._table, self._loop)
+        self.track(self._server.table)
 
     def data_received(self, data: bytes) -> None:
-        now = self.last_active = self._loop.time()
+        now = self.last_active = self.timers.time()
         if not self._accepting:
             return  # closing: what the client still sends is drained, not served
         if not self.trusted:  # before the hello: a piece at a time (see the module rules)
@@ -172,14 +170,14 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
             buf += data
             seen = bytes(buf[:_PREFACE_LEN])
             if seen != _PREFACE[: len(seen)]:
-                self._table.rejected(wire.ErrorCode.BAD_REQUEST)
+                self.table.rejected(wire.ErrorCode.BAD_REQUEST)
                 self._fail(400, wire.ErrorCode.BAD_REQUEST, f"the stream must open with {_PREFACE!r}")
                 return
             if len(seen) < _PREFACE_LEN:
                 return
             self._greeted = True
             del buf[:_PREFACE_LEN]
-            self._table.release(self, _PREFACE_LEN)
+            self.table.release(self, _PREFACE_LEN)
             if not buf:
                 self.reading_since = None
             self._parse_buffer()
@@ -207,7 +205,7 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
         self._accepting = False
         self._replying = False
         self._buffer = bytearray()  # a fatal error may have left a partial frame
-        self._untrack()
+        self.untrack()
         if self.in_flight:
             # On the next pass, not now: a request that came with the bytes before the close has
             # its task's first step scheduled already, and takes it first (a watch counts its
@@ -234,15 +232,15 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
     def busy(self) -> bool:
         return bool(self.in_flight)
 
-    def _reading_counts(self) -> bool:
+    def reading_counts(self) -> bool:
         return not self._held()  # a frame we stopped reading is not late by the client's doing
 
     def _hold(self, n: int, now: float) -> bool:
         """Charge ``n`` bytes about to be buffered; False: the budget refused them (we are closed)."""
-        if not self._table.charge(self, n):
+        if not self.table.charge(self, n):
             return False
         if self.reading_since is None:
-            self._start_reading(now)
+            self.start_reading(now)
         return True
 
     def shed(self, code: wire.ErrorCode | None, message: str) -> None:
@@ -274,7 +272,7 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
                 try:
                     stop = _frame_end(data, pos, self._limit)
                 except frame.FrameTooLarge as exc:
-                    self._table.rejected(wire.ErrorCode.BODY_TOO_LARGE)
+                    self.table.rejected(wire.ErrorCode.BODY_TOO_LARGE)
                     self._fail(413, wire.ErrorCode.BODY_TOO_LARGE, str(exc))
                     return len(data)
                 if stop is None:
@@ -292,9 +290,9 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
                     del buf[:consumed]
                 except BufferError:  # a frame's view outlived its request (never expected)
                     self._buffer = buf[consumed:]
-                self._table.release(self, consumed)
+                self.table.release(self, consumed)
                 # What is left is the start of the next frame, which arrived with this read.
-                self.reading_since = self._loop.time() if self._buffer else None
+                self.reading_since = self.timers.time() if self._buffer else None
         self._update_reading()
 
     def _update_reading(self) -> None:
@@ -307,7 +305,7 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
             transport.pause_reading()
         else:
             if self.reading_since is not None:
-                self.reading_since = self._loop.time()  # the client could not send while held
+                self.reading_since = self.timers.time()  # the client could not send while held
             transport.resume_reading()
 
     # -- requests --------------------------------------------------------------------------
@@ -346,7 +344,7 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
         self._grant = grant
         self._limit = self._full_limit
         self._unpack = self._server.unpack_full
-        self._table.trust(self)
+        self.table.trust(self)
         self._send(tag, 200, {"access": grant.access.value})
 
     def _serve(self, tag: int, op: str, rdzv_id: str, fields: dict[str, Any]) -> None:
@@ -395,7 +393,7 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
     def _finished(self, waiting: asyncio.Future[Any]) -> None:
         self.in_flight.discard(waiting)
         if not self.in_flight:
-            self.last_active = self._loop.time()  # idle from now, not from the request's arrival
+            self.last_active = self.timers.time()  # idle from now, not from the request's arrival
         if self._reading_paused:
             self._parse_buffer()
 
@@ -423,7 +421,7 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
             return
         self._flush_replies()  # the answers before the failure go first
         self.connection_lost(None)  # cancels what runs, frees the buffer, counts the connection out
-        Closing(self._table, code, message, wire.frame([0, status, wire.error_body(code, message)])).adopt(transport)
+        Closing(self.table, code, message, wire.frame([0, status, wire.error_body(code, message)])).adopt(transport)
 
     def stop_accepting(self) -> None:
         """Shutdown, first step: serve no new requests; those in flight still answer."""

@@ -1,6 +1,7 @@
 """A torchrun node holds one connection to the server: its watch, its beats, its joins and
-its store calls share one pipelined stream connection (rdzv_client.pipeline), so the server
-spends one descriptor per node however many requests a node has in flight."""
+its store calls share one pipelined stream connection (rdzv_client.stream's
+PipelinedSocketTransport), so the server spends one descriptor per node however many requests
+a node has in flight."""
 
 from __future__ import annotations
 

@@ -29,10 +29,10 @@ from typing import Any
 import msgpack
 import psutil
 import pytest
-from raw_stream import READ_LIMIT
+from raw_stream import FrameReader
 from server_process import ServerProcess
 
-from rdzv_client import frame, wire
+from rdzv_client import wire
 from rdzv_server.api.stream import MAX_IN_FLIGHT
 from rdzv_server.server import DRAIN_TIMEOUT
 
@@ -85,7 +85,7 @@ class Stream:
     ) -> None:
         self.sock = socket.create_connection((host, port), timeout=timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._frames = frame.FrameDecoder(READ_LIMIT)
+        self._frames = FrameReader(self.sock)
         self._next_tag = 1
         if preface:
             self.sock.sendall(preface)
@@ -103,12 +103,7 @@ class Stream:
         self.sock.sendall(encode_frame([tag, op, rdzv_id, fields]))
 
     def recv(self) -> Reply:
-        while (message := self._frames.next_frame()) is None:
-            chunk = self.sock.recv(1 << 20)
-            if not chunk:
-                raise ConnectionError(f"the server closed the connection ({self._frames.buffered} bytes of a frame read)")
-            self._frames.feed(chunk)
-        tag, status, body = message
+        tag, status, body = self._frames.recv()
         return Reply(tag, status, body)
 
     def call(self, op: str, rdzv_id: str, **fields: Any) -> Reply:

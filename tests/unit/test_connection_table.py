@@ -67,7 +67,7 @@ class Conn(TrackedConnection):
     def __init__(self, table: ConnectionTable, timers: FakeTimers, *, serving: bool = False) -> None:
         self.serving = serving
         self.told: list[tuple[wire.ErrorCode | None, str]] = []
-        self._track(table, timers)
+        self.track(table)
 
     def busy(self) -> bool:
         return self.serving
@@ -81,7 +81,7 @@ class Conn(TrackedConnection):
 
     def start_request(self, now: float) -> None:
         self.last_active = now
-        self._start_reading(now)
+        self.start_reading(now)
 
 
 class Undecided:

@@ -46,6 +46,15 @@ def imported_names(path: Path) -> list[tuple[int, str]]:
     return imported_names_in(path.read_text(), package, str(path))
 
 
+def import_target(node: ast.ImportFrom, package: str) -> str:
+    """The module a ``from ... import`` names, a relative one resolved against ``package``."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def imported_names_in(source: str, package: str, filename: str = "<source>") -> list[tuple[int, str]]:
     """Every module an import statement names, relative imports resolved against ``package``."""
     out = []
@@ -53,12 +62,7 @@ def imported_names_in(source: str, package: str, filename: str = "<source>") -> 
         if isinstance(node, ast.Import):
             out += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = import_target(node, package)
             out.append((node.lineno, target))
             # `from rdzv_server import storage` names the module rdzv_server.storage
             out += [(node.lineno, f"{target}.{alias.name}") for alias in node.names]
