@@ -443,7 +443,7 @@ class Cause(str, enum.Enum):
     # (a job outliving --job-ttl is collected, timeline and all: that is the end of its story)
     # job_closed, exit_barrier_released: a mixed finish (the server; docs/job-fate.md)
     WORKERS_FAILED_AFTER_FINISH = "workers_failed_after_finish"  # a member re-joined after others had finished
-    MEMBER_LOST_AFTER_FINISH = "member_lost_after_finish"  # a member died or left after others had finished
+    MEMBER_DEPARTED_AFTER_FINISH = "member_departed_after_finish"  # a member died or left after others had finished
 
 
 #: Who closes a job, as its timeline records it ("": not said).

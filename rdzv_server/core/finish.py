@@ -29,12 +29,12 @@ from typing import Any
 from .event import Cause
 
 #: The job close causes of a mixed finish (``Job._closed_why`` words them with the barrier).
-MIXED_FINISH_CAUSES = (Cause.WORKERS_FAILED_AFTER_FINISH.value, Cause.MEMBER_LOST_AFTER_FINISH.value)
+MIXED_FINISH_CAUSES = (Cause.WORKERS_FAILED_AFTER_FINISH.value, Cause.MEMBER_DEPARTED_AFTER_FINISH.value)
 
 # How the member that made the round unable to finish went, by its cause, for an error text.
 _HOW = {
     Cause.WORKERS_FAILED_AFTER_FINISH.value: "re-joined (its workers failed and its agent restarted them)",
-    Cause.MEMBER_LOST_AFTER_FINISH.value: "died or left",
+    Cause.MEMBER_DEPARTED_AFTER_FINISH.value: "died or left",
 }
 
 

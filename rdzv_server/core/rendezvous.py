@@ -92,7 +92,7 @@ Rules:
    apply the server releases the barrier (the machine sets ``EXIT_BARRIER_LAST_MEMBER_KEY``,
    as torch's last member would, so the finished agents exit 0), records
    ``exit_barrier_released``, and closes the job (unless it is closed already) with cause
-   ``workers_failed_after_finish`` (a member re-joined) or ``member_lost_after_finish`` (it
+   ``workers_failed_after_finish`` (a member re-joined) or ``member_departed_after_finish`` (it
    died or left); the re-joined node's poll gets :class:`JobClosed` naming it. Whichever
    half comes second acts: the loss, or the count (an ``add`` after the loss releases at
    once). Such a failure counts no restart (rule 7) and is no crash loop (rule 8): the job
@@ -545,7 +545,7 @@ class Job:
             return False  # no next round opened and every member is alive in this one: all may finish yet
         lost = self._lost_member() or (self.nodes.get(failed) if failed else None)
         rejoined = failed is not None or (lost is not None and lost.role is Role.CANDIDATE)
-        cause = Cause.WORKERS_FAILED_AFTER_FINISH if rejoined else Cause.MEMBER_LOST_AFTER_FINISH
+        cause = Cause.WORKERS_FAILED_AFTER_FINISH if rejoined else Cause.MEMBER_DEPARTED_AFTER_FINISH
         node_id, addr = (lost.node_id, lost.addr) if lost is not None else (None, None)
         barrier.released, barrier.cause, barrier.lost = True, cause.value, node_id or ""
         self.exit_barrier_releases += 1

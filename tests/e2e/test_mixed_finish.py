@@ -60,7 +60,7 @@ def test_a_worker_failing_at_the_end_with_no_restarts_left_ends_both_agents_at_o
     released = [e for e in events(server, job) if e["kind"] == "exit_barrier_released"]
     # node 1's agent closed the job (its shutdown) and left: the barrier could never complete
     assert [(e["cause"], e["node_id"], e["finished"], e["num_nodes"]) for e in released] == [
-        ("member_lost_after_finish", node_id_of(server, job, n1), 1, 2)
+        ("member_departed_after_finish", node_id_of(server, job, n1), 1, 2)
     ]
 
 

@@ -130,7 +130,7 @@ def test_with_no_restarts_left_the_failing_agents_close_and_leave_release_the_fi
     outcome = j.apply(c.Leave(JOB, "b"), 1.5)  # ... and leaves: b will never reach the barrier
     assert j.released() and key_topic(JOB, 0, EXIT_BARRIER_LAST_MEMBER_KEY) in outcome.wakes
     assert j.events()[len(FORMED):] == [("job_closed", "agent", None), ("node_departed", "left", "b"),
-                                        ("exit_barrier_released", "member_lost_after_finish", "b")]  # fmt: skip
+                                        ("exit_barrier_released", "member_departed_after_finish", "b")]  # fmt: skip
 
 
 def test_with_no_restarts_left_a_barrier_reached_after_the_failing_agent_left_is_released_at_once() -> None:
@@ -139,7 +139,7 @@ def test_with_no_restarts_left_a_barrier_reached_after_the_failing_agent_left_is
     j.apply(c.Leave(JOB, "b"), 1.0)
     j.finish(1.2)
     assert j.released()
-    assert j.events()[-1] == ("exit_barrier_released", "member_lost_after_finish", "b")
+    assert j.events()[-1] == ("exit_barrier_released", "member_departed_after_finish", "b")
 
 
 def test_a_member_that_dies_after_another_finished_ends_the_job_without_spending_a_restart() -> None:
@@ -147,9 +147,9 @@ def test_a_member_that_dies_after_another_finished_ends_the_job_without_spending
     j.finish(1.0)
     j.apply(c.Expire(JOB, ("b",), "dead", "connection_closed"), 2.0)
     assert j.released()
-    assert (j.job.closed_cause, j.job.restarts) == ("member_lost_after_finish", 0)
-    assert j.events()[-2:] == [("exit_barrier_released", "member_lost_after_finish", "b"),
-                               ("job_closed", "member_lost_after_finish", "b")]  # fmt: skip
+    assert (j.job.closed_cause, j.job.restarts) == ("member_departed_after_finish", 0)
+    assert j.events()[-2:] == [("exit_barrier_released", "member_departed_after_finish", "b"),
+                               ("job_closed", "member_departed_after_finish", "b")]  # fmt: skip
 
 
 def test_with_three_nodes_a_node_still_training_finds_the_barrier_released_or_the_job_closed() -> None:
