@@ -155,7 +155,11 @@ def test_membership_survives_a_restart_and_every_node_gets_a_ttl_of_grace(
         (restarted,) = [e for e in events if e["kind"] == "server_restarted"]
         (died,) = [e for e in events if e["kind"] == "node_departed"]
         assert died["node_id"] == "b" and died["cause"] == "heartbeat_expired"
-        assert died["time"] - restarted["time"] >= ttl, f"b was declared dead {died['time'] - restarted['time']:.2f} s after recovery"
+        # The grace starts as serving resumes, a moment before the restart event is logged
+        # (lifecycle: reset_heartbeats, then write(Restarted)): allow that moment, not a TTL.
+        assert died["time"] - restarted["time"] >= ttl - 0.05, (
+            f"b was declared dead {died['time'] - restarted['time']:.3f} s after recovery"
+        )
         nodes = {n["node_id"]: n for n in after.job(job)["nodes"]}
         assert nodes["a"]["alive"] is True
         assert nodes["b"]["alive"] is False
