@@ -152,6 +152,8 @@ class FailureReport:
             raise ValueError("failed_workers must be a count and failures a list")
         if len(entries) > MAX_REPORTED_WORKERS:
             raise ValueError(f"a failure report names at most {MAX_REPORTED_WORKERS} workers")
+        if total < len(entries):
+            raise ValueError("failed_workers counts every failure the report names")
         return cls(tuple(_failure_from_wire(e, now) for e in entries), total)
 
 

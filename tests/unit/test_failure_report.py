@@ -216,6 +216,7 @@ def entry(**changes: object) -> dict[str, object]:
         {"failed_workers": 1, "failures": [], "extra": 1},
         {"failed_workers": -1, "failures": []},
         {"failed_workers": 9, "failures": [entry()] * 9},
+        {"failed_workers": 1, "failures": [entry(), entry(global_rank=2)]},
         {"failed_workers": 1, "failures": [entry(message="x" * 513)]},
         {"failed_workers": 1, "failures": [entry(age_s=-1.0)]},
         {"failed_workers": 1, "failures": [entry(age_s=float("inf"))]},
