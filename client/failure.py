@@ -1,7 +1,8 @@
 """What failed in a node's workers, as a bounded report that can travel to the server.
 
-What it owns: :class:`WorkerFailure` and :class:`FailureReport` (the report and its wire
-map), :func:`build_report` (the report from the agent's failures: global rank -> torch's
+What it owns: building the report (its records, :class:`WorkerFailure` and
+:class:`FailureReport` with their wire map, are declared once in :mod:`rdzv_client.record`,
+which the server reads too, and re-exported here): :func:`build_report` (the report from the agent's failures: global rank -> torch's
 ``ProcessFailure``, duck-typed), and :class:`RendezvousEntries` (why the agent calls
 ``next_rendezvous()`` again, from what the handler itself answered), which lets a restart
 whose failures cannot be found still be reported, as :data:`NO_DETAIL`.
@@ -32,19 +33,18 @@ What it must not know: torch (importing this module never imports it; the torch 
 from __future__ import annotations
 
 import enum
-import math
 import re
-import signal
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
-from typing import Any, TypeGuard
 
-# A report names a few workers, not a node's 8 GPUs times N: the first failures explain a
-# restart, the rest are usually their echo (peers killed, collectives timing out).
-MAX_REPORTED_WORKERS = 8
-# One line of an exception fits; a traceback or a dump does not.
-MAX_MESSAGE_CHARS = 512
-NO_DETAIL = "workers failed (no detail)"
+from .record import MAX_MESSAGE_CHARS as MAX_MESSAGE_CHARS
+from .record import MAX_REPORTED_WORKERS as MAX_REPORTED_WORKERS
+from .record import NO_DETAIL as NO_DETAIL
+from .record import FailureReport as FailureReport
+from .record import WorkerFailure as WorkerFailure
+from .record import exit_signature as exit_signature
+from .record import is_int, is_number
+from .record import signal_name as signal_name
+
 # torch's error file says "<NONE>" where no message was recorded (its _EMPTY_ERROR_DATA).
 _NO_MESSAGE = "<NONE>"
 _ELLIPSIS = "…"
@@ -57,121 +57,6 @@ _SECRET_ASSIGNMENT = re.compile(
 _BEARER = re.compile(r"(?i)\b(bearer\s+)\S+")
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 _MASK = "***"
-
-
-def signal_name(exit_code: int) -> str:
-    """The signal that ended a process torch reports with ``exit_code`` (negative: killed by
-    that signal), e.g. ``SIGKILL`` for -9; ``""`` for an exit code of 0 or more."""
-    if exit_code >= 0:
-        return ""
-    try:
-        return signal.Signals(-exit_code).name
-    except ValueError:
-        return f"signal {-exit_code}"
-
-
-def exit_signature(exit_code: int) -> str:
-    """How a process ended, in the words of a report: ``SIGKILL`` for one killed by a signal,
-    ``exit code 3`` otherwise."""
-    return signal_name(exit_code) or f"exit code {exit_code}"
-
-
-@dataclass(frozen=True)
-class WorkerFailure:
-    """One failed worker: where it ran, how it ended, when, and why in one line."""
-
-    global_rank: int
-    local_rank: int
-    exit_code: int  # negative: killed by signal -exit_code (torch's convention)
-    failed_at: float  # seconds since the epoch on the node's clock; on the wire, an age
-    message: str
-
-    @property
-    def signal(self) -> str:
-        return signal_name(self.exit_code)
-
-    @property
-    def exit_signature(self) -> str:
-        return exit_signature(self.exit_code)
-
-
-@dataclass(frozen=True)
-class FailureReport:
-    """What failed in one node's workers in one round: at most :data:`MAX_REPORTED_WORKERS`
-    failures, earliest first, and how many workers failed in all (0 when not known)."""
-
-    failures: tuple[WorkerFailure, ...]
-    failed_workers: int
-
-    @classmethod
-    def no_detail(cls) -> FailureReport:
-        """The report of a restart whose failures could not be found."""
-        return cls((), 0)
-
-    @property
-    def detail(self) -> bool:
-        return bool(self.failures)
-
-    def summary(self) -> str:
-        """One line for a log or an error message, e.g. ``rank 1 (local 1) exit code 1:
-        RuntimeError: boom; 3 more failed``."""
-        if not self.failures:
-            return NO_DETAIL
-        first = self.failures[0]
-        line = f"rank {first.global_rank} (local {first.local_rank}) {first.exit_signature}"
-        if first.message != first.exit_signature:
-            line += f": {first.message}"
-        others = max(self.failed_workers, len(self.failures)) - 1
-        return line + (f"; {others} more failed" if others else "")
-
-    def to_wire(self, now: float) -> dict[str, Any]:
-        """The report as a map of str/int/float, each failure's time as ``age_s`` (seconds
-        before ``now``, the sender's clock; never negative)."""
-        return {
-            "failed_workers": self.failed_workers,
-            "failures": [
-                {
-                    "global_rank": f.global_rank,
-                    "local_rank": f.local_rank,
-                    "exit_code": f.exit_code,
-                    "age_s": max(0.0, now - f.failed_at),
-                    "message": f.message,
-                }
-                for f in self.failures
-            ],
-        }
-
-    @classmethod
-    def from_wire(cls, body: object, now: float) -> FailureReport:
-        """The report :meth:`to_wire` made, each time placed on the receiver's clock
-        (``now - age_s``). Raises ValueError for a body that breaks the bounds or the types."""
-        if not isinstance(body, Mapping) or set(body) != {"failed_workers", "failures"}:
-            raise ValueError("a failure report is a map of failed_workers and failures")
-        total, entries = body["failed_workers"], body["failures"]
-        if not _is_int(total) or total < 0 or not isinstance(entries, list):
-            raise ValueError("failed_workers must be a count and failures a list")
-        if len(entries) > MAX_REPORTED_WORKERS:
-            raise ValueError(f"a failure report names at most {MAX_REPORTED_WORKERS} workers")
-        if total < len(entries):
-            raise ValueError("failed_workers counts every failure the report names")
-        return cls(tuple(_failure_from_wire(e, now) for e in entries), total)
-
-
-_WIRE_FIELDS = {"global_rank", "local_rank", "exit_code", "age_s", "message"}
-
-
-def _failure_from_wire(entry: object, now: float) -> WorkerFailure:
-    if not isinstance(entry, Mapping) or set(entry) != _WIRE_FIELDS:
-        raise ValueError(f"a failure is a map of {sorted(_WIRE_FIELDS)}")
-    age, message = entry["age_s"], entry["message"]
-    ints = (entry["global_rank"], entry["local_rank"], entry["exit_code"])
-    if not all(_is_int(v) for v in ints):
-        raise ValueError("a failure's ranks and exit code must be integers")
-    if not _is_number(age) or age < 0:
-        raise ValueError("a failure's age_s must be a number of seconds, 0 or more")
-    if not isinstance(message, str) or len(message) > MAX_MESSAGE_CHARS:
-        raise ValueError(f"a failure's message is a string of at most {MAX_MESSAGE_CHARS} characters")
-    return WorkerFailure(ints[0], ints[1], ints[2], now - float(age), message)
 
 
 def build_report(failures: object, secrets: Collection[str] = ()) -> FailureReport:
@@ -199,7 +84,7 @@ def worker_failure(global_rank: object, failure: object, secrets: Collection[str
     local_rank = getattr(failure, "local_rank", None)
     exit_code = getattr(failure, "exitcode", None)
     failed_at = getattr(failure, "timestamp", None)
-    if not (_is_int(global_rank) and _is_int(local_rank) and _is_int(exit_code) and _is_number(failed_at)):
+    if not (is_int(global_rank) and is_int(local_rank) and is_int(exit_code) and is_number(failed_at)):
         return None
     text = error_message(failure)
     line = first_line(text, secrets) if text is not None else ""
@@ -283,10 +168,3 @@ def report_for(cause: RendezvousCause, found: FailureReport | None) -> FailureRe
         return found
     return FailureReport.no_detail() if cause is RendezvousCause.WORKERS_FAILED else None
 
-
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> TypeGuard[float]:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -45,7 +45,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from rdzv_client.record import Assignment, JobSettings
+from rdzv_client.record import Assignment, FailureReport, FailureWire, JobSettings
 
 from . import command as c
 from .cordon import MAX_CORDONS, CordonTable
@@ -137,6 +137,12 @@ class WatchView(NamedTuple):
             "closed": self.closed,
             "cause": self.cause,
         }
+
+
+def failure_report(wire: FailureWire | None, now: float) -> FailureReport | None:
+    """A command's failure report (checked when it was decoded) with its ages placed on the
+    server clock at ``now``: the same on every replay, as ``now`` is logged with it."""
+    return None if wire is None else FailureReport.from_wire(wire, now)
 
 
 def key_topic(rdzv_id: str, scope: int | None, key: bytes) -> Hashable:
@@ -324,11 +330,13 @@ class StateMachine:
         entry = self.jobs.get(cmd.rdzv_id)
         if entry is None:
             entry = self._new_job(cmd.rdzv_id, settings, now, Cause.JOIN)
+        failure = failure_report(cmd.failure, now)
         return self._membership_change(
             entry,
             lambda job: {
                 "round": job.join(
-                    cmd.node_id, cmd.addr, cmd.nproc_per_node, settings, now, cmd.master_port, cmd.host, cmd.topology
+                    cmd.node_id, cmd.addr, cmd.nproc_per_node, settings, now, cmd.master_port, cmd.host, cmd.topology,
+                    failure,
                 )
             },
         )
@@ -340,7 +348,8 @@ class StateMachine:
 
     def _close(self, cmd: c.Close, now: float) -> Outcome:
         def close(job: Job) -> dict[str, Any]:
-            job.close(now, Cause(cmd.cause) if cmd.cause else Cause.CLOSED)
+            cause = Cause(cmd.cause) if cmd.cause else Cause.CLOSED
+            job.close(now, cause, cmd.node_id, failure_report(cmd.failure, now))
             return {}
 
         return self._membership_change(self._entry(cmd.rdzv_id), close)

@@ -78,6 +78,22 @@ Rules:
    node then gets :class:`JobClosed` naming it. A fresh run of a closed job starts with the
    whole budget again.
 
+8. Why a round gave way (``opened_by``, on the next ``round_formed``). While a round runs
+   (COMPLETE), the first of these names the next round's cause and its node: a member's
+   workers failed (``workers_failed``: its re-join carried a failure report, or rule 7's
+   re-join), a live member died (``member_died``), a node arrived to wait for the next
+   round (``scale_up``); a member's graceful leave (``member_left``) names it only until
+   one of the others happens (a finished node leaving ends nothing by itself). A spare
+   that takes a dead member's place is named by the death (and shows as
+   ``standby_promoted``). The first round, and a fresh run's, has no such cause.
+9. Every failure report a member brings (with its re-join, or with its agent's final
+   close) is one ``workers_failed`` event of the round its workers ran in (the last
+   formed round), made in the same apply as the re-join and before anything it causes
+   (``restart_counted``, the next ``round_formed``). A re-join that rule 7 calls a failure
+   without a report (a client that does not send one) is a ``workers_failed`` with no
+   detail. The report's times are ages on the wire; they are placed on the server clock
+   (``now - age``) when applied, so a replay makes the same event.
+
 Invariants (checked by the property tests): in a formed round node ranks are exactly
 0..n-1 and global ranks are disjoint, contiguous per node and cover 0..world_size-1;
 members that survive into the next round keep their node rank where it still exists (``rank.place``); num_nodes_waiting
@@ -97,7 +113,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rdzv_client.record import Assignment, JobSettings
+from rdzv_client.record import Assignment, FailureReport, JobSettings
 
 from .error import (
     IllegalNodeTransition,
@@ -275,6 +291,9 @@ class Job:
     restarts: int = 0
     restart_round: int = -1
     closed_cause: str = ""
+    # Rule 8: why the formed round gives way (cause, node_id), for the next round_formed; None
+    # while nothing made it (and once that round formed).
+    opened_by: tuple[str, str] | None = None
     # Derived indexes, rebuilt on restore, so that no join costs O(nodes):
     counts: Counter[tuple[Role, Liveness]] = field(default_factory=Counter)
     # Pending nodes whose join_timeout runs, in joined_at order (join_timed_out is O(timed out)):
@@ -299,17 +318,19 @@ class Job:
 
     def join(
         self, node_id: str, addr: str, nproc_per_node: int, settings: JobSettings, now: float, master_port: int = 0,
-        host: str = "", topology: str = "",
+        host: str = "", topology: str = "", failure: FailureReport | None = None,
     ) -> int:
         """A node asks for a place in the next round. Returns the round it is in line for.
 
         ``master_port`` is the port the node's workers would serve their store on should it
         become node rank 0: the assignment hands node rank 0's addr and port to every node,
         so no node has to publish them through the store after the round forms. ``host`` and
-        ``topology`` are the node's host name and topology path (rank placement, cordons)."""
+        ``topology`` are the node's host name and topology path (rank placement, cordons).
+        ``failure``: what failed in the node's workers, its times on the server clock (rule 9)."""
         if not (self.state is JobState.CLOSED and not self.idle()):
             self.adopt_settings(settings, f"node {node_id}")  # a closed, live job refuses it anyway
-        round_: int = self._dispatch(Event.JOIN, now, node_id, (addr, nproc_per_node, master_port, host, topology))
+        offer = (addr, nproc_per_node, master_port, host, topology)
+        round_: int = self._dispatch(Event.JOIN, now, node_id, offer, failure)
         return round_
 
     def depart(self, node_id: str, why: Departure, now: float, cause: Cause | None = None) -> bool:
@@ -332,40 +353,53 @@ class Job:
         formed: bool = self._dispatch(Event.LAST_CALL, now)
         return formed
 
-    def close(self, now: float, cause: Cause = Cause.CLOSED) -> None:
+    def close(
+        self, now: float, cause: Cause = Cause.CLOSED, node_id: str = "", failure: FailureReport | None = None
+    ) -> None:
+        """Close the job (a no-op when it is closed). ``failure``: what failed in the workers of
+        ``node_id``, whose agent closes it (rule 9), recorded first, even in a closed job."""
+        node = self.nodes.get(node_id)
+        if failure is not None and node is not None and node.role is Role.MEMBER:
+            self._workers_failed(now, node, failure, Cause.AGENT)
         if self.state is JobState.CLOSED:
             return
         self._dispatch(Event.CLOSE, now, cause)
 
     # -- handlers ------------------------------------------------------------------------
 
-    def _join_open(self, now: float, node_id: str, offer: Offer) -> int:
+    def _join_open(self, now: float, node_id: str, offer: Offer, failure: FailureReport | None) -> int:
         node = self.nodes.get(node_id)
         if node is None:
             self._add_node(node_id, offer, Role.CANDIDATE, now)
         elif node.role is Role.MEMBER:
+            if failure is not None:  # rule 9: the round it failed in gave way already
+                self._workers_failed(now, node, failure, Cause.REJOINED)
             # A member of the previous round comes back: it keeps its old node_rank as priority.
             self._rejoin(node, offer, now)
         return self.round
 
-    def _join_complete(self, now: float, node_id: str, offer: Offer) -> int:
+    def _join_complete(self, now: float, node_id: str, offer: Offer, failure: FailureReport | None) -> int:
         node = self.nodes.get(node_id)
         if node is not None and node.pending:
             return self.round + 1  # already in line (a retried join)
-        if node is not None and node.liveness is Liveness.ALIVE and not self.num_nodes_waiting(self.round):
-            # Rule 7: a live member re-joins its formed round and nothing made it restart (no
-            # node waiting, no member dead): its workers failed.
-            if not self._spend_restart(now, Cause.WORKERS_FAILED, node_id):
-                return self.round + 1  # the budget is spent: the job closed (its poll says so)
+        # Rule 7: a live member re-joins its formed round and nothing made it restart (no
+        # node waiting, no member dead): its workers failed.
+        failed = node is not None and node.liveness is Liveness.ALIVE and not self.num_nodes_waiting(self.round)
+        if node is not None and (failure is not None or failed):
+            self._workers_failed(now, node, failure or FailureReport.no_detail(), Cause.REJOINED)  # rule 9
+        if failed and not self._spend_restart(now, Cause.WORKERS_FAILED, node_id):
+            return self.round + 1  # the budget is spent: the job closed (its poll says so)
         if node is not None or not self._alive_members():
             # Rule 3: opened before the node is added, so that its join is in the new round.
             self._open_next_round(now)
-            return self._join_open(now, node_id, offer)
+            return self._join_open(now, node_id, offer, None)
         full = self._alive_members() + self._count(Role.WAITING) >= self.settings.max_nodes
         self._add_node(node_id, offer, Role.STANDBY if full else Role.WAITING, now)
+        if not full:
+            self._round_ends(Cause.SCALE_UP, node_id)  # rule 8: the running nodes restart for it
         return self.round + 1
 
-    def _join_closed(self, now: float, node_id: str, offer: Offer) -> int:
+    def _join_closed(self, now: float, node_id: str, offer: Offer, failure: FailureReport | None) -> int:
         if not self.idle():
             node = self.nodes.get(node_id)
             if node is not None and node.role in (Role.STANDBY, Role.WAITING):
@@ -378,9 +412,10 @@ class Job:
             self._forget(old)
         self.members, self.world, self.uniform_nproc, self.closed_at = [], 0, False, None
         self.restarts, self.restart_round, self.closed_cause = 0, -1, ""  # a fresh run has its whole budget
+        self.opened_by = None  # rule 8: a fresh run's first round has no cause
         self.runs += 1
         self._open_next_round(now)
-        return self._join_open(now, node_id, offer)
+        return self._join_open(now, node_id, offer, None)
 
     def _depart(self, now: float, node_id: str, why: Departure, cause: Cause) -> None:
         node = self.nodes[node_id]
@@ -390,6 +425,8 @@ class Job:
         if node.node_rank is not None:  # in self.members: keep it there, marked
             alive_member = node.role is Role.MEMBER and node.liveness is Liveness.ALIVE
             self._set(node, Role.MEMBER, Liveness.LEFT if why is Departure.LEFT else Liveness.DEAD)
+            if alive_member:
+                self._round_ends(Cause.MEMBER_LEFT if why is Departure.LEFT else Cause.MEMBER_DIED, node_id)  # rule 8
             if alive_member and why is Departure.DEAD and self.state is JobState.COMPLETE:
                 self._spend_restart(now, Cause.MEMBER_DIED, node_id)  # rule 7: the survivors restart for it
         else:
@@ -407,6 +444,28 @@ class Job:
         self.state = JobState.CLOSED
         self.closed_at = now
         self.closed_cause = cause.value
+
+    def _workers_failed(self, now: float, node: Node, failure: FailureReport, cause: Cause) -> None:
+        """Rule 9: ``node``'s workers failed in the last formed round, as its report says."""
+        round_ = self.round if self.state is not JobState.OPEN else self.round - 1
+        failures = [
+            {"global_rank": f.global_rank, "local_rank": f.local_rank, "exit_code": f.exit_code, "signal": f.signal,
+             "failed_at": f.failed_at, "message": f.message}
+            for f in failure.failures
+        ]  # fmt: skip
+        self.timeline.add(
+            now, Kind.WORKERS_FAILED, cause, round_, node.node_id, node.addr, node_rank=node.node_rank,
+            failed_workers=max(failure.failed_workers, len(failures)), failures=failures, summary=failure.summary(),
+        )  # fmt: skip
+        self._round_ends(Cause.WORKERS_FAILED, node.node_id)
+
+    def _round_ends(self, cause: Cause, node_id: str) -> None:
+        """Rule 8: note why the formed round gives way, unless something before did (a
+        member's leave is noted until something else happens)."""
+        if self.state is not JobState.COMPLETE:
+            return
+        if self.opened_by is None or self.opened_by[0] == Cause.MEMBER_LEFT.value:
+            self.opened_by = (cause.value, node_id)
 
     def _spend_restart(self, now: float, cause: Cause, node_id: str) -> bool:
         """Rule 7: count the formed round's first failure against the job's restart budget.
@@ -648,9 +707,11 @@ class Job:
         self.world = sum(p.nproc_per_node for p in placements)
         self.uniform_nproc = len({p.nproc_per_node for p in placements}) == 1
         self.state = JobState.COMPLETE
+        opened_by = {} if self.opened_by is None else {"opened_by": self.opened_by[0], "opened_by_node": self.opened_by[1]}
+        self.opened_by = None  # rule 8: this round's own end is still to come
         self.timeline.add(
             now, Kind.ROUND_FORMED, reason, self.round, num_nodes=len(self.members), world_size=self.world,
-            formation_s=round(now - self.opened_at, 6), standby=self._count(Role.STANDBY),
+            formation_s=round(now - self.opened_at, 6), standby=self._count(Role.STANDBY), **opened_by,
         )
 
     def _remember_departure(self, node_id: str, why: Departure) -> None:
@@ -865,6 +926,7 @@ class Job:
             "restarts": self.restarts,
             "restart_round": self.restart_round,
             "closed_cause": self.closed_cause,
+            "opened_by": None if self.opened_by is None else list(self.opened_by),
             "timeline": self.timeline.to_snapshot(),
         }
 
@@ -889,6 +951,8 @@ class Job:
         job.restarts = data.get("restarts", 0)
         job.restart_round = data.get("restart_round", -1)
         job.closed_cause = data.get("closed_cause", "")
+        opened_by = data.get("opened_by")
+        job.opened_by = None if opened_by is None else (opened_by[0], opened_by[1])
         if "timeline" in data:
             job.timeline = Timeline.from_snapshot(data["timeline"])
         for node in sorted(job.nodes.values(), key=lambda n: (n.joined_at, n.arrival)):
