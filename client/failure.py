@@ -27,7 +27,7 @@ Rules:
   server is the only clock, and turns an age into its own time.
 
 What it must not know: torch (importing this module never imports it; the torch side is
-:mod:`rdzv_client.torch_failure`), the wire encoding, the server.
+:mod:`rdzv_client.torchrun`, the torch boundary), the wire encoding, the server.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ tests/e2e/test_failure_found.py: ``python failure_probe.py OUT_FILE TORCHRUN_ARG
 
 The backend ``failure-probe`` is torch's own c10d handler behind a delegating handler whose
 ``next_rendezvous()`` and ``shutdown()`` first call
-:func:`rdzv_client.torch_failure.find_failure_report` (on the agent's thread, as the plug-in's
+:func:`rdzv_client.torchrun.find_failure_report` (on the agent's thread, as the plug-in's
 handler will) and append one JSON line to OUT_FILE: ``{"call": ..., "report": <wire map> |
 null}``. Registered through torch's public registry before torchrun's ``main`` runs, so it
 works on every torch (2.4 and 2.5 read no entry points). Nothing of torch is patched.
@@ -26,7 +26,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 from torch.distributed.run import main
 
-from rdzv_client.torch_failure import find_failure_report
+from rdzv_client.torchrun import find_failure_report
 
 BACKEND = "failure-probe"
 

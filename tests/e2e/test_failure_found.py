@@ -5,7 +5,7 @@ waits, and the agent stops it with SIGTERM), with
 ``--max-restarts=1``: the agent re-enters ``next_rendezvous()`` once after the first failure
 and calls ``shutdown()`` after the second. A probe handler (tests/e2e/failure_probe.py, torch's
 c10d handler behind a delegating one) calls
-:func:`rdzv_client.torch_failure.find_failure_report` in both and records what it returns.
+:func:`rdzv_client.torchrun.find_failure_report` in both and records what it returns.
 """
 
 from __future__ import annotations

@@ -324,7 +324,7 @@ def test_torch_agent_run_loop_holds_its_run_result_while_it_calls_next_rendezvou
     from torch.distributed.elastic.agent.server.api import RunResult, SimpleElasticAgent, WorkerSpec, WorkerState
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
 
-    from rdzv_client.torch_failure import find_failure_report
+    from rdzv_client.torchrun import find_failure_report
 
     failure = recorded_by_torch(tmp_path, monkeypatch, RuntimeError(CUDA_ERROR.removeprefix("RuntimeError: ")))
     monitored = [
