@@ -78,6 +78,7 @@ from .record import FailureReport as FailureReport
 from .record import FailureWire as FailureWire
 from .record import WorkerFailure as WorkerFailure
 from .record import NO_DETAIL as NO_DETAIL
+from .record import signal_name as signal_name
 from .record import INLINE_KEY, REQUIRED_KEY, WIRE_KEY, failure_wire, key_ok, keys_ok, nonnegative, spelled
 
 CONTENT_TYPE_MSGPACK = "application/msgpack"
