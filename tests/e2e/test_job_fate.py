@@ -1,0 +1,130 @@
+"""Why every restart happened (issue 27, part 1), with real ``torchrun`` agents (gloo-free, CPU).
+
+Two nodes, one worker each, ``--max-restarts=2``: the worker of global rank 1 raises
+``RuntimeError("CUDA error: an illegal memory access was encountered")`` under torch's
+``@record`` at its first start (tests/e2e/fate_worker.py). Its node's agent re-joins, and the
+plug-in sends what failed with the re-join; the other node restarts for it; the re-formed
+round succeeds and both agents exit 0. Then the job's events (the API), ``rdzvctl events``,
+the job page in Chromium and ``/metrics`` all say: node rank 1 (its node_id), rank 1, exit
+code 1 and the message; the next round's ``round_formed`` says it formed after
+``workers_failed`` on that node.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch_feature import torchrun_command
+
+from rdzv_client import Client
+
+Cluster = Any  # conftest.py's class; annotations only
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+HERE = Path(__file__).parent
+CUDA_ERROR = "RuntimeError: CUDA error: an illegal memory access was encountered"
+
+
+def start_node(cluster: Cluster, server: Any, name: str, job: str, fate_dir: Path) -> Any:
+    workdir = cluster.tmp_path / "nodes" / name
+    cmd = [
+        *torchrun_command(), "--rdzv-backend=rdzv-server", f"--rdzv-endpoint={server.endpoint}", f"--rdzv-id={job}",
+        "--nnodes=2", "--nproc-per-node=1", "--local-addr=127.0.0.1", "--monitor-interval=0.1", "--max-restarts=2",
+        f"--log-dir={workdir / 'torchelastic'}",
+        "--rdzv-conf=last_call_timeout=1,keep_alive_interval=0.5,keep_alive_max_attempt=4,join_timeout=60",
+        str(HERE / "fate_worker.py"),
+    ]  # fmt: skip
+    env = {"LOGLEVEL": "INFO", "FATE_DIR": str(fate_dir), "FAIL_RANK": "1"}
+    return cluster.launch(name, server, cmd, env)
+
+
+def rdzvctl(endpoint: str, *args: str) -> str:
+    """``rdzvctl --endpoint ENDPOINT ARGS``'s output (the token: the server's default file)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "rdzv_client.ctl", "--endpoint", endpoint, *args],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_a_worker_failure_is_on_the_timeline_in_rdzvctl_on_the_page_and_in_the_metrics(
+    server: Any, cluster: Cluster, tmp_path: Path
+) -> None:
+    job = "fate-cause"
+    fate_dir = tmp_path / "fate"
+    fate_dir.mkdir()
+    nodes = [start_node(cluster, server, name, job, fate_dir) for name in ("a", "b")]
+    codes = cluster.wait_all(150, nodes)
+    assert codes == {"a": 0, "b": 0}, codes  # the re-formed round succeeded on both
+
+    # (a) the events API: one workers_failed, of round 0, by the node of node rank 1.
+    with Client(server.endpoint, token=server.token) as client:
+        events = client.events(job)["events"]
+    [failed] = [e for e in events if e["kind"] == "workers_failed"]
+    assert (failed["round"], failed["cause"], failed["node_rank"], failed["failed_workers"]) == (0, "rejoined", 1, 1)
+    [worker] = failed["failures"]
+    assert (worker["global_rank"], worker["local_rank"], worker["exit_code"], worker["signal"]) == (1, 0, 1, "")
+    assert worker["message"] == CUDA_ERROR
+    failing_node = failed["node_id"]
+    failing_agent = next(n for n in nodes if str(n.pid) in failing_node.split("-"))
+    assert "its workers failed in round 0: rank 1 (local 0) exit code 1: " + CUDA_ERROR in failing_agent.log_text()
+    # ... before the next round formed, which names it as its cause.
+    reformed = next(e for e in events if e["kind"] == "round_formed" and e["round"] == 1)
+    assert failed["seq"] < reformed["seq"]
+    assert (reformed["opened_by"], reformed["opened_by_node"]) == ("workers_failed", failing_node)
+    assert "opened_by" not in next(e for e in events if e["kind"] == "round_formed" and e["round"] == 0)
+    # The other node restarted for it: no failure of its own.
+    assert [e["node_id"] for e in events if e["kind"] == "workers_failed"] == [failing_node]
+
+    # (b) rdzvctl events: the failure in words on its row.
+    table = rdzvctl(server.endpoint, "events", job)
+    [row] = [line for line in table.splitlines() if " workers_failed " in line]
+    assert row.split()[2:7] == ["0", "workers_failed", "rejoined", failing_node, "127.0.0.1"], table
+    assert "node_rank=1" in row and f"rank 1 (local 0) exit code 1: {CUDA_ERROR}" in row, table
+    [formed_row] = [line for line in table.splitlines() if line.split()[2:4] == ["1", "round_formed"]]
+    assert f"opened_by=workers_failed opened_by_node={failing_node}" in formed_row, table
+
+    # (c) /metrics: the failed worker counted by its kind.
+    request = urllib.request.Request(f"{server.url}/metrics", headers=server.auth)
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        metrics = answer.read().decode()
+    assert 'rdzv_worker_failures_total{kind="exit_1"} 1.0' in metrics
+
+    # (d) the job page in Chromium: the failing node's lane is "failed" in round 0, the
+    # message on hover; the timeline's row says it in words.
+    from integration.test_dashboard_browser import CHROMIUM, Browser, assert_page_ran_clean, lanes
+
+    if not CHROMIUM.exists():
+        pytest.skip("the job page part needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium)")
+    profile = tmp_path / "chromium-profile"
+    profile.mkdir()
+    browser = Browser(profile, window=(1200, 800))
+    try:
+        shot = browser.render(
+            f"{server.url}/jobs/{job}?token={server.token}",
+            "[...document.querySelectorAll('#lanes td')].some(td => td.dataset.state === 'failed')"
+            " && [...document.querySelectorAll('#timeline tbody tr')].some(r => r.cells[2].textContent === 'workers_failed')",
+            "the failure on the job page",
+        )
+        assert_page_ran_clean(shot)
+        drawn = lanes(shot)
+        assert drawn[failing_node][0] == "failed", drawn
+        assert "failed" not in [cells[0] for node_id, cells in drawn.items() if node_id != failing_node], drawn
+        hover = browser.evaluate(
+            "[...document.querySelectorAll('#lanes td')].find(td => td.dataset.state === 'failed').title"
+        )
+        assert hover == f"{failing_node}, round 0: workers failed (rank 1 (local 0) exit code 1: {CUDA_ERROR})", hover
+        [shown] = [r for r in shot.timeline() if r[2] == "workers_failed"]
+        assert shown[1:6] == ["0", "workers_failed", "rejoined", failing_node, "127.0.0.1"], shown
+        assert shown[6] == f"node rank 1, 1 failed: rank 1 (local 0) exit code 1: {CUDA_ERROR}", shown
+        round_title = browser.evaluate("document.querySelector('#lanes thead th:nth-child(3)').title")
+        assert f"after workers_failed on {failing_node}" in round_title, round_title
+    finally:
+        browser.close()
