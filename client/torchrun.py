@@ -77,7 +77,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from datetime import timedelta
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
@@ -101,6 +101,7 @@ from .conf import DEFAULT_STORE_TIMEOUT, NodeConf
 from .conf import client_options as client_options  # (the handler's options, for tools that build a client alike)
 from .credential import CredentialError, find_token
 from .error import (
+    BadRequestError,
     ConflictError,
     HostCordonedError,
     JobClosedError,
@@ -113,6 +114,8 @@ from .failure import FailureReport, RendezvousEntries, build_report, report_for
 from .node import NodeLoop, PortReservation, node_client, shared_client
 
 log = logging.getLogger("rdzv_client")
+
+T = TypeVar("T")
 
 BACKEND = "rdzv-server"
 # Read by torch's agent right after next_rendezvous() (``_assign_worker_ranks``): "1" computes
@@ -353,18 +356,20 @@ class RdzvServerHandler(RendezvousHandler):
             # No deadline of our own: the server ends the wait of a node that can time out (its
             # join_timeout, as JoinTimeoutError), a standby waits as long as the job runs, and
             # the client's retry budget ends it when no server answers.
-            a = self._client.join(
-                self._run_id,
-                node_id=self._node_id,
-                addr=conf.addr,
-                nproc_per_node=self._nproc,
-                settings=conf.settings,
-                master_port=port,
-                timeout=math.inf,
-                host=conf.host,
-                topology=conf.topology,
-                # Ages on the node's wall clock, which torch's failure times are on.
-                failure=None if failure is None else failure.to_wire(time.time()),
+            a = self._sent_with_failure(
+                failure,
+                lambda sent: self._client.join(
+                    self._run_id,
+                    node_id=self._node_id,
+                    addr=conf.addr,
+                    nproc_per_node=self._nproc,
+                    settings=conf.settings,
+                    master_port=port,
+                    timeout=math.inf,
+                    host=conf.host,
+                    topology=conf.topology,
+                    failure=sent,
+                ),
             )
         except RdzvError as exc:
             if isinstance(exc, RdzvTimeoutError):
@@ -393,6 +398,20 @@ class RdzvServerHandler(RendezvousHandler):
             bootstrap.master_addr, bootstrap.master_port,
         )
         return RendezvousInfo(store, a.node_rank, a.num_nodes, bootstrap)
+
+    def _sent_with_failure(self, failure: FailureReport | None, send: Callable[[wire.FailureWire | None], T]) -> T:
+        """``send(report)`` with ``failure`` as the wire carries it (ages on the node's wall
+        clock, which torch's failure times are on); a server older than failure reports refuses
+        the unknown field (``bad_request``, nothing applied): then once more without it, so a
+        new plug-in still re-joins an old server."""
+        if failure is None:
+            return send(None)
+        try:
+            return send(failure.to_wire(time.time()))
+        except BadRequestError as exc:
+            log.warning("Node %s: the server of job %s did not take its failure report (%s); sending without it.",
+                        self._node_id, self._run_id, exc)
+            return send(None)
 
     def _worker_ranks_without_exchange(self, uniform: bool) -> None:
         """In a round of uniform nodes, spare the agent torch's worker-rank exchange.
@@ -461,10 +480,12 @@ class RdzvServerHandler(RendezvousHandler):
             log.warning("Node %s of job %s: its workers failed in round %d and it has no restart left: %s.",
                         self._node_id, self._run_id, self._round, failure.summary())
         try:
-            self._client.close_job(
-                self._run_id, cause="agent", node_id=self._node_id,
-                failure=None if failure is None else failure.to_wire(time.time()),
-            )  # fmt: skip
+            self._sent_with_failure(
+                failure,
+                lambda sent: self._client.close_job(
+                    self._run_id, cause="agent", node_id=self._node_id if sent is not None else "", failure=sent
+                ),
+            )
             self._client.leave(self._run_id, self._node_id)
             return True
         except RdzvError as exc:

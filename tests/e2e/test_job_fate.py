@@ -128,3 +128,73 @@ def test_a_worker_failure_is_on_the_timeline_in_rdzvctl_on_the_page_and_in_the_m
         assert f"after workers_failed on {failing_node}" in round_title, round_title
     finally:
         browser.close()
+
+
+# -- the handler's final close, in this process against the real server ----------------------------
+
+HANDLER_CONF = {"join_timeout": 60, "last_call_timeout": 1, "keep_alive_interval": 0.5, "keep_alive_max_attempt": 4}
+
+
+class OldServer:
+    """A client as a server older than failure reports answers it: a join or a close that
+    carries one is refused (``bad_request``, an unknown field), anything else goes through."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.closes: list[dict[str, Any]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    def close_job(self, rdzv_id: str, **fields: Any) -> None:
+        from rdzv_client.error import BadRequestError
+
+        self.closes.append(fields)
+        if fields.get("failure") is not None:
+            raise BadRequestError("unknown field(s) ['failure', 'node_id'] for CloseRequest")
+        self.client.close_job(rdzv_id, **fields)
+
+
+def failed_run_result() -> Any:
+    """What torch's ``launch_agent`` holds when its last restart failed: worker 0 raised."""
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=3, error_file="/nonexistent/error.json")
+    return RunResult(state=WorkerState.FAILED, failures={0: failure})
+
+
+def one_node_handler(server: Any, job: str, client: Any) -> Any:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from rdzv_client.conf import NodeConf
+    from rdzv_client.torchrun import RdzvServerHandler
+
+    params = RendezvousParameters("rdzv-server", server.endpoint, job, 1, 1, local_addr="127.0.0.1", **HANDLER_CONF)
+    handler = RdzvServerHandler(NodeConf.read(params), 1, client=client)
+    assert handler.next_rendezvous().rank == 0
+    return handler
+
+
+def test_an_agent_with_no_restart_left_reports_its_failure_with_its_close(server: Any) -> None:
+    job = "fate-close"
+    with Client(server.endpoint, token=server.token) as client:
+        handler = one_node_handler(server, job, client)
+        result = failed_run_result()  # on this thread's stack, as launch_agent's is when it calls shutdown()
+        assert handler.shutdown() and result.is_failed()
+        events = client.events(job)["events"]
+    failed, closed = [e for e in events if e["kind"] in ("workers_failed", "job_closed")]
+    assert (failed["cause"], failed["node_id"], failed["round"]) == ("agent", handler.node_id, 0)
+    assert [(f["global_rank"], f["exit_code"], f["message"]) for f in failed["failures"]] == [(0, 3, "exit code 3")]
+    assert closed["cause"] == "agent" and failed["seq"] < closed["seq"]
+
+
+def test_a_server_older_than_failure_reports_still_gets_the_close_without_one(server: Any) -> None:
+    job = "fate-old-server"
+    with Client(server.endpoint, token=server.token) as client:
+        old = OldServer(client)
+        handler = one_node_handler(server, job, old)
+        result = failed_run_result()
+        assert handler.shutdown() and result.is_failed()
+        assert [c.get("failure") is not None for c in old.closes] == [True, False]
+        assert client.job(job)["state"] == "closed"
