@@ -553,6 +553,7 @@ class Cause(str, enum.Enum):
     CORDONED = "cordoned"  # the node's host is cordoned (node_refused; node_departed: taken out of line)
     # host_cordoned, host_uncordoned: OPERATOR (rdzvctl), or
     FLAPPING = "flapping"  # the server quarantined a host whose nodes kept dying
+    # (or WORKERS_FAILED: the server quarantined a host whose workers kept failing there alone)
     # restart_counted
     MEMBER_DIED = "member_died"  # a member of the formed round died
     WORKERS_FAILED = "workers_failed"  # a member re-joined its formed round: its workers failed
@@ -774,8 +775,9 @@ class RefuseRequest(Command):
         self.settings.validate()
 
 
-#: Who cordons a host: an operator (rdzvctl), or the server for flapping (automatic quarantine).
-CORDON_BY = (Cause.OPERATOR.value, Cause.FLAPPING.value)
+#: Who cordons a host: an operator (rdzvctl), or the server for flapping or for its workers'
+#: failures that were its own (automatic quarantine).
+CORDON_BY = (Cause.OPERATOR.value, Cause.FLAPPING.value, Cause.WORKERS_FAILED.value)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .core import command as c
 from .core.error import LogQueueFull, RecordTooLarge, ShuttingDown
+from .core.event import Kind
 from .core.machine import Outcome
 from .storage import (
     Log,
@@ -214,6 +215,8 @@ class Pipeline:
         svc.timer.applied(command)
         if outcome.events:
             svc.on_events(outcome.events)
+            if any(e.kind is Kind.ROUND_FORMED for e in outcome.events):  # (rare: once per round)
+                svc.timer.round_formed(command.rdzv_id)
         self._maybe_snapshot()
 
     async def sync(self) -> None:

@@ -410,6 +410,8 @@ class StateMachine:
         cordon = self.cordons.cordon(cmd.host, now, cmd.duration, cmd.reason, cmd.by)
         if cmd.by == Cause.FLAPPING.value:
             self.cordons.forget_deaths(cmd.host)  # its next quarantine counts deaths after this one
+        elif cmd.by == Cause.WORKERS_FAILED.value:
+            self.cordons.forget_failures(cmd.host)  # ... and failures after this one
         detail = {"host": cordon.host, "reason": cordon.reason, "until": cordon.until}
         outcome = self._host_event(cmd.rdzv_id, cmd.host, now, Kind.HOST_CORDONED, Cause(cmd.by), detail)
         # Nodes of the host still in line (no workers yet) leave the line now: each one's poll
@@ -487,6 +489,8 @@ class StateMachine:
             wakes.append(watch_topic(job.rdzv_id))
         if job.state is JobState.COMPLETE and (job.state, job.round) != before_round:
             entry.kv.drop_rounds_before(job.round - 1)
+            if job.blamed is not None:  # rule 10 of rendezvous.py: what quarantine counts by host
+                self.cordons.record_failure(*job.blamed)
         return Outcome(result, tuple(wakes))
 
     # -- exactly-once window ----------------------------------------------------------------

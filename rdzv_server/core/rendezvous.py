@@ -94,6 +94,15 @@ Rules:
    detail. The report's times are ages on the wire; they are placed on the server clock
    (``now - age``) when applied, so a replay makes the same event.
 
+10. Failures that follow a host. When the next round forms, the failures of the round that
+   gave way (rule 9, first failure per node) are judged: the node whose workers failed first
+   is ``blamed`` (its address, when it failed, how many seconds it led the next node's failure (None: no
+   other node failed), its first line) unless the round had fewer than two nodes, a failure
+   has no time (no detail), two nodes failed at the same time, or every node failed with the
+   same first line (the script, not a host). Whether that counts against the host is core's
+   decision with the server's flags (``--quarantine-failure-lead``, ``--quarantine-failures``:
+   ``decision.failure_quarantine``), so the flags never change what a replay rebuilds.
+
 Invariants (checked by the property tests): in a formed round node ranks are exactly
 0..n-1 and global ranks are disjoint, contiguous per node and cover 0..world_size-1;
 members that survive into the next round keep their node rank where it still exists (``rank.place``); num_nodes_waiting
@@ -294,6 +303,10 @@ class Job:
     # Rule 8: why the formed round gives way (cause, node_id), for the next round_formed; None
     # while nothing made it (and once that round formed).
     opened_by: tuple[str, str] | None = None
+    # Rule 10: the first failure of each node of the formed round (failed_at, None: no detail;
+    # first line), and the host blamed for the last round that gave way (address, when, lead, line).
+    round_failures: dict[str, tuple[float | None, str]] = field(default_factory=dict)
+    blamed: tuple[str, float, float | None, str] | None = None
     # Derived indexes, rebuilt on restore, so that no join costs O(nodes):
     counts: Counter[tuple[Role, Liveness]] = field(default_factory=Counter)
     # Pending nodes whose join_timeout runs, in joined_at order (join_timed_out is O(timed out)):
@@ -412,7 +425,7 @@ class Job:
             self._forget(old)
         self.members, self.world, self.uniform_nproc, self.closed_at = [], 0, False, None
         self.restarts, self.restart_round, self.closed_cause = 0, -1, ""  # a fresh run has its whole budget
-        self.opened_by = None  # rule 8: a fresh run's first round has no cause
+        self.opened_by, self.round_failures = None, {}  # rule 8: a fresh run's first round has no cause
         self.runs += 1
         self._open_next_round(now)
         return self._join_open(now, node_id, offer, None)
@@ -458,6 +471,27 @@ class Job:
             failed_workers=max(failure.failed_workers, len(failures)), failures=failures, summary=failure.summary(),
         )  # fmt: skip
         self._round_ends(Cause.WORKERS_FAILED, node.node_id)
+        first = failure.failures[0] if failure.failures else None
+        self.round_failures.setdefault(  # rule 10: its first failure of the round
+            node.node_id, (None, failure.summary()) if first is None else (first.failed_at, first.message)
+        )
+
+    def _blame(self) -> tuple[str, float, float | None, str] | None:
+        """Rule 10: the host whose node failed first in the round that gave way, if any."""
+        members = self.members
+        timed = {n: (t, m) for n, (t, m) in self.round_failures.items() if t is not None}
+        if len(members) < 2 or not timed or len(timed) < len(self.round_failures):
+            return None
+        order = sorted((t, n) for n, (t, _) in timed.items())
+        (first_at, first_id), others = order[0], order[1:]
+        message = timed[first_id][1]
+        if len(timed) >= len(members) and all(m == message for _, m in timed.values()):
+            return None  # every node, the same error: the script
+        lead = others[0][0] - first_at if others else None
+        node = self.nodes.get(first_id)
+        if node is None or (lead is not None and lead <= 0):
+            return None
+        return node.addr, first_at, lead, message
 
     def _round_ends(self, cause: Cause, node_id: str) -> None:
         """Rule 8: note why the formed round gives way, unless something before did (a
@@ -661,6 +695,7 @@ class Job:
             self._start_clock(self.nodes[node_id], now)
 
     def _form_round(self, now: float, reason: Cause) -> None:
+        self.blamed, self.round_failures = self._blame(), {}  # rule 10, before the members change
         previous = set(self.members)
         candidates = []
         for node in self.nodes.values():
@@ -927,6 +962,8 @@ class Job:
             "restart_round": self.restart_round,
             "closed_cause": self.closed_cause,
             "opened_by": None if self.opened_by is None else list(self.opened_by),
+            "round_failures": [[n, t, m] for n, (t, m) in self.round_failures.items()],
+            "blamed": None if self.blamed is None else list(self.blamed),
             "timeline": self.timeline.to_snapshot(),
         }
 
@@ -953,6 +990,9 @@ class Job:
         job.closed_cause = data.get("closed_cause", "")
         opened_by = data.get("opened_by")
         job.opened_by = None if opened_by is None else (opened_by[0], opened_by[1])
+        job.round_failures = {n: (t, m) for n, t, m in data.get("round_failures", ())}
+        blamed = data.get("blamed")
+        job.blamed = None if blamed is None else (blamed[0], blamed[1], blamed[2], blamed[3])
         if "timeline" in data:
             job.timeline = Timeline.from_snapshot(data["timeline"])
         for node in sorted(job.nodes.values(), key=lambda n: (n.joined_at, n.arrival)):

@@ -2,7 +2,9 @@
 with an agent's final close is one ``workers_failed`` event of the round the workers ran in,
 before anything it causes, and the next ``round_formed`` names why the round before it gave
 way (``opened_by``: workers_failed, member_died, member_left, scale_up). Replaying the log,
-and a snapshot, give the same timeline."""
+and a snapshot, give the same timeline. Then rule 10: the node that failed first, alone or
+ahead of the others by the lead, counts against its host, and automatic quarantine cordons
+a host with enough such failures; the same error on every node blames nobody."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pytest
 from rdzv_client.record import NO_DETAIL, FailureReport, JobSettings, WireError, WorkerFailure
 from rdzv_client.wire import decode_request, to_mapping
 from rdzv_server.core import command as c
+from rdzv_server.core import decision
 from rdzv_server.core.event import Cause, Kind
 from rdzv_server.core.machine import StateMachine
 
@@ -226,3 +229,72 @@ def test_a_report_that_breaks_the_bounds_is_refused(failure: dict[str, Any], err
 def test_a_close_with_a_report_names_its_node() -> None:
     with pytest.raises(WireError, match="must name its node_id"):
         decode_request("close", {"cause": "agent", "failure": report((1, 1, 1, 0.0, CUDA))}, JOB)
+
+
+# -- rule 10: failures that follow a host ----------------------------------------------------------
+
+POLICY = decision.QuarantinePolicy(after=3, window=3600.0, duration=600.0, failures=3, failure_lead=5.0)
+
+
+def restart(log: Log, now: float, a: dict[str, Any] | None, b: dict[str, Any] | None) -> None:
+    """Both nodes of the formed round re-join (b first), with these reports: the next round forms."""
+    log.join("b", now, b)
+    log.join("a", now + 0.5, a)
+
+
+def test_a_node_that_fails_alone_is_blamed_and_its_host_cordoned_after_three_such_rounds() -> None:
+    log = Log()
+    log.formed()
+    for i in range(3):
+        assert decision.failure_quarantine(log.sm, JOB, 100.0 * i, POLICY) == []
+        restart(log, 100.0 * (i + 1), None, report((3, 1, 1, 0.5, CUDA)))
+        assert log.sm.job(JOB).blamed == ("b.host", 100.0 * (i + 1) - 0.5, None, CUDA)
+    [cordon] = decision.failure_quarantine(log.sm, JOB, 301.0, POLICY)
+    assert (cordon.host, cordon.by, cordon.duration) == ("b.host", "workers_failed", 600.0)
+    assert cordon.reason == f"workers failed on it first 3 times within 3600 s (--quarantine-failures 3): {CUDA[:120]}"
+    log.apply(cordon, 301.0)
+    assert log.sm.cordons.active("b.host", 301.0) is not None
+    assert log.events()[-1] == ("host_cordoned", "workers_failed", 3, "b")
+    assert decision.failure_quarantine(log.sm, JOB, 302.0, POLICY) == []  # counted afresh after its cordon
+
+
+def test_a_failure_on_every_node_with_the_same_error_blames_nobody() -> None:
+    log = Log()
+    log.formed()
+    for i in range(3):
+        bug = "ValueError: bad config key 'lr'"
+        restart(log, 100.0 * (i + 1), report((1, 1, 1, 0.2, bug)), report((3, 1, 1, 20.0, bug)))  # b long before a
+        assert log.sm.job(JOB).blamed is None
+    assert decision.failure_quarantine(log.sm, JOB, 400.0, POLICY) == []
+
+
+def test_a_node_that_failed_first_counts_only_with_its_lead() -> None:
+    log = Log()
+    log.formed()
+    echo = "RuntimeError: [gloo] Connection closed by peer"
+    for i in range(3):  # b failed 2.5 s before a's collective noticed it: under the 5 s lead
+        restart(log, 100.0 * (i + 1), report((1, 1, 1, 1.0, echo)), report((3, 1, 1, 3.0, CUDA)))
+        assert log.sm.job(JOB).blamed == ("b.host", 100.0 * (i + 1) - 3.0, 2.5, CUDA)  # a re-joined 0.5 s later
+    assert decision.failure_quarantine(log.sm, JOB, 400.0, POLICY) == []
+    lenient = decision.QuarantinePolicy(3, 3600.0, 600.0, failures=3, failure_lead=2.0)
+    assert [c.host for c in decision.failure_quarantine(log.sm, JOB, 400.0, lenient)] == ["b.host"]
+
+
+def test_a_failure_with_no_detail_or_at_the_same_time_blames_nobody() -> None:
+    log = Log()
+    log.formed()
+    restart(log, 100.0, None, report())  # no detail: no time to order by
+    assert log.sm.job(JOB).blamed is None
+    restart(log, 200.0, report((1, 1, 1, 1.5, "A")), report((3, 1, 1, 1.0, "B")))  # both at 199.0
+    assert log.sm.job(JOB).blamed is None
+
+
+def test_failures_outside_the_window_do_not_add_up() -> None:
+    log = Log()
+    log.formed()
+    for i in range(3):
+        restart(log, 2000.0 * (i + 1), None, report((3, 1, 1, 0.0, CUDA)))
+    assert decision.failure_quarantine(log.sm, JOB, 6001.0, POLICY) == []  # 2000 s apart, window 3600 s
+    twin = StateMachine(max_value_bytes=1024, job_ttl=1000.0)
+    twin.restore(log.sm.to_snapshot())
+    assert twin.cordons.failures_within("b.host", 6001.0, 3600.0, 5.0) == [CUDA, CUDA]
