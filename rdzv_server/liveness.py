@@ -9,7 +9,7 @@ Rules:
   check of its dropped poll.
 - A node's watch dropping (its connection closed: the process died, or its host) starts a
   check that fires ``--disconnect-grace`` later by the service's clock; then core judges it
-  (:func:`.core.decision.lost`: dead unless it called again, or still has a poll open), and
+  (:func:`.core.decision.death_after_drop`: dead unless it called again, or still has a poll open), and
   a death is applied as an ordinary logged expiry (:meth:`.timer.Timer.execute`, which also
   applies the quarantine core decides). A node still in line has no workers to lose: its
   dropped poll starts no check.
@@ -199,7 +199,7 @@ class Liveness:
         if svc.stopping:
             return
         rdzv_id, node_id = key
-        expire = decision.lost(
+        expire = decision.death_after_drop(
             svc.machine, rdzv_id, node_id, lost_at, svc.now(), svc.config.disconnect_grace, key in self._open_polls
         )
         if expire is None:

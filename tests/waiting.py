@@ -7,15 +7,21 @@ takes and no longer. Nothing here asserts how fast anything is.
 
 - :func:`wait_until` / :func:`wait_until_async`: until a predicate returns a true value
   (which is returned).
+- :func:`call_within`: a blocking call's result (or its error), failing if it has not
+  returned within ``timeout`` (for "ended by X, not by a longer timeout").
 - :func:`parked_long_polls` / :func:`wait_for_parked`: the server's ``rdzv_waiters`` gauge
   (``GET /metrics``), and a wait until it reaches a count.
 - :func:`wait_for_log`: until a server's log holds a text.
+- :func:`metrics` / :func:`served`: a server's ``/metrics`` samples, and how many requests of
+  one operation it has answered (e.g. a long-poll's re-polls).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ssl
+import threading
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable
@@ -61,6 +67,24 @@ async def wait_until_async(
         await asyncio.sleep(interval)
 
 
+def call_within(call: Callable[[], T], *, timeout: float = PATIENCE, what: str = "") -> T:
+    """``call()``'s result, or the exception it raised, run in a daemon thread; AssertionError
+    naming ``what`` when it has not returned within ``timeout`` s (the thread is left behind)."""
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(call())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            done.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True).start()
+    concurrent.futures.wait([done], timeout)
+    if not done.done():  # (not result(timeout): the call's own TimeoutError would read as ours)
+        raise AssertionError(f"not returned within {timeout} s: {what or call!r}")
+    return done.result()
+
+
 def _metrics_text(srv: ServerProcess) -> str:
     context = None
     if srv.tls is not None:
@@ -74,6 +98,24 @@ def metric(srv: ServerProcess, name: str) -> float:
     lines = [line for line in _metrics_text(srv).splitlines() if line.startswith(name + " ")]
     assert len(lines) == 1, f"{name} is not one unlabelled sample in /metrics: {lines}"
     return float(lines[0].split()[1])
+
+
+def metrics(srv: ServerProcess) -> dict[str, float]:
+    """Every sample in ``srv``'s ``/metrics``, by its name with its labels
+    (``'rdzv_requests_total{code="ok",op="get"}'``)."""
+    return {
+        name: float(value)
+        for name, _, value in (line.rpartition(" ") for line in _metrics_text(srv).splitlines())
+        if name and not name.startswith("#")
+    }
+
+
+def served(srv: ServerProcess, op: str) -> int:
+    """How many ``op`` requests ``srv`` has answered, whatever their result."""
+    label = f'op="{op}"'
+    return int(sum(
+        value for name, value in metrics(srv).items() if name.startswith("rdzv_requests_total{") and label in name
+    ))
 
 
 def parked_long_polls(srv: ServerProcess) -> int:

@@ -11,7 +11,7 @@ already was for the timer):
 - :func:`refusal`: what a refused join leaves on its job's timeline (the job itself if the
   refused node was its first; the refusal, once per repeated refusal), and
   :func:`self_refusal`, the same for a node whose health check failed;
-- :func:`lost`: whether a node whose long-poll dropped died, judged from its heartbeats once
+- :func:`death_after_drop`: whether a node whose long-poll dropped died, judged from its heartbeats once
   the grace has passed;
 - :func:`dying`: the hosts and last heartbeats of the nodes an expiry is about to mark dead,
   read before it is applied (what quarantine counts by, and how long a death took to notice).
@@ -156,7 +156,7 @@ def self_refusal(machine: StateMachine, command: c.Refuse) -> list[c.Command]:
     return [] if machine.already_refused(same) else [command]
 
 
-def lost(
+def death_after_drop(
     machine: StateMachine, rdzv_id: str, node_id: str, lost_at: float, now: float, grace: float, polling: bool
 ) -> c.Expire | None:
     """Whether node ``node_id``, whose long-poll dropped at ``lost_at``, is dead at ``now``:

@@ -26,6 +26,7 @@ import psutil
 import pytest
 from rdzv_client import Client, JobSettings
 from torch_feature import NO_WORKER_RANK_SHORTCUT, WORKER_RANK_SHORTCUT
+from waiting import wait_until
 
 # The fixtures' classes (conftest.py); annotations only.
 Cluster = Any
@@ -326,13 +327,13 @@ def test_server_restart_mid_job(durable_server: Any, cluster: Cluster) -> None:
 
     before = steps()
     server.kill()
-    time.sleep(1.0)  # the server is down; training is not affected
+    # The server is down; training is not affected: the workers make progress meanwhile.
+    wait_until(lambda: steps() > before, timeout=30, what="the workers' progress while the server is down")
     assert a.running() and b.running()
     t0 = time.monotonic()
     server.restart()
     restart_s = time.monotonic() - t0
     during = steps()
-    assert during > before, "the workers made no progress while the server was down"
 
     # Recovery resets every heartbeat to "now" (one TTL of grace). Past that TTL (0.5 s x 4),
     # a node is still alive only if its agent's watch reconnected and beat since: same round,
@@ -473,7 +474,7 @@ def test_a_spare_node_waits_past_join_timeout_and_exits_cleanly_when_the_job_end
     assert {r["node"] for r in records} == {n.name for n in members}
     assert not spare.started(), "the spare never ran workers"
     log = spare.log_text()
-    assert "Rendezvous gracefully exited" in log, log[-3000:]  # torch's agent took the graceful path
+    assert "Rendezvous gracefully exited" in log, log[-3000:]  # torch's agent followed the graceful path
     assert "RendezvousTimeoutError" not in log and "Traceback" not in log, log[-3000:]
     after = cluster.job(server, job)
     assert after is not None and after["state"] == "closed" and not after["standby"], after

@@ -162,7 +162,7 @@ def test_threads_waiting_for_a_connection_that_cannot_open_share_its_failure(mon
         for thread in threads:
             thread.join(30)
         assert len(outcomes) == 3 and all(isinstance(o, TransportError) for o in outcomes), outcomes
-        assert len(attempts) == 1, f"{len(attempts)} connects for 3 calls that waited for one"
+        assert len(attempts) == 1, f"{len(attempts)} connects for 3 calls that queued for one"
     finally:
         transport.close()
         for sock in filler:

@@ -51,6 +51,7 @@ import aiohttp
 import pytest
 from raw_stream import FrameReader
 from server_process import ServerProcess
+from waiting import wait_until
 
 from rdzv_client import AsyncClient, Client, ConflictError, JobSettings, wire
 
@@ -653,10 +654,7 @@ def test_the_lanes_draw_each_node_across_rounds_standby_refused_dead_and_member(
             client.join(job, node_id="lane-x", addr="10.0.6.7", nproc_per_node=4,
                         settings=JobSettings(min_nodes=1, max_nodes=3),
                         timeout=JOIN_TIMEOUT)  # fmt: skip
-        deadline = time.monotonic() + JOIN_TIMEOUT
-        while not client.job(job)["standby"]:  # bounded: until the spare is in line
-            assert time.monotonic() < deadline, "the spare never got in line"
-            time.sleep(0.05)
+        wait_until(lambda: client.job(job)["standby"], timeout=JOIN_TIMEOUT, what="the spare in line")
         kill_watch(server, job, "lane-b", 0)  # lane-b's agent dies (connection_closed)
         browser.wait_for(
             "[...document.querySelectorAll('#lanes tr.lane td')].some(td => td.dataset.state === 'dead')",

@@ -21,7 +21,6 @@ Skipped only when etcd is not installed.
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -315,11 +314,8 @@ async def test_of_two_campaigners_one_leads_and_the_other_takes_over_within_the_
     leader = await second.leader()
     assert leader == fence and leader.name == "first"
     first.stop_keepalive()  # the leader's process stops renewing
-    stopped = time.monotonic()
-    await second.campaign(timeout_s=TTL_S + 1)
-    took = time.monotonic() - stopped
+    await second.campaign(timeout_s=TTL_S + 1)  # raises TimeoutError unless it leads within a lease (and a second)
     assert second.is_leader and not first.is_leader
-    assert took <= TTL_S + 1
     leader = await first.leader()
     assert leader is not None and leader.name == "second"
     await second.resign()
@@ -568,7 +564,8 @@ async def test_appends_across_the_loss_of_etcds_leader_member_commit_each_record
                 etcd3.kill(leader)
         recovered, _ = await recover(client, prefix)
         assert recovered.records == [{"n": n} for n in range(1, 201)]
-        # Not left waiting on the leaderless member for the whole request timeout.
+        # Not left waiting on the leaderless member for the whole request timeout: how long
+        # an append waits across the fault is the feature here.
         assert slowest < client.request_timeout_s, f"an append took {slowest:.1f} s"
         await log.close()
         await election.resign()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -96,10 +95,10 @@ async def test_an_append_etcd_does_not_answer_fails_within_the_append_timeout(
     election.stop_keepalive()  # its lease must not be the thing that ends this
     pause(etcd1, signal.SIGSTOP)
     try:
-        started = time.monotonic()
+        # Bounded above the 1 s append timeout and below the ~15 s the client alone would retry:
+        # the error names the append timeout as its cause.
         with pytest.raises(LogFailedError, match="no answer within 1 s"):
-            await asyncio.wait_for(log.append({"n": 2}), 30)  # the client alone would retry ~15 s here
-        assert time.monotonic() - started < 5
+            await asyncio.wait_for(log.append({"n": 2}), 10)
     finally:
         pause(etcd1, signal.SIGCONT)
     await log.close()

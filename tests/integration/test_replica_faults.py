@@ -14,7 +14,6 @@ Skipped only where etcd is not installed (apt-get install etcd-server).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -32,6 +31,7 @@ import pytest
 from etcd_cluster import EtcdCluster, require_etcd, running_etcd
 from replica_cluster import LEASE_TTL_S, ReplicaCluster, readyz
 from server_process import ServerProcess
+from waiting import wait_until, wait_until_async
 
 from rdzv_client import Client
 from rdzv_client.error import RdzvError
@@ -134,11 +134,13 @@ async def test_a_failed_append_stops_serving_in_the_same_step(etcd3: EtcdCluster
     etcd = EtcdClient(etcd3.client_urls)
     await svc.start()
     try:
-        for _ in range(400):  # bounded: a lone candidate leads within a lease TTL
-            if svc.role == "leader":
-                break
-            await asyncio.sleep(0.05)
-        assert svc.role == "leader"
+        async def leads() -> bool:
+            return svc.role == "leader"
+
+        async def leads_and_ready() -> bool:
+            return svc.role == "leader" and svc.ready
+
+        await wait_until_async(leads, timeout=20, what="a lone candidate leads")  # within a lease TTL
         job = "job"
         await svc.write(c.Create(job, JobSettings(1, 1, 1.0, 600.0, 600.0)), ("a", 1))
         await svc.write(c.Set(job, b"k", b"old"), ("a", 2))
@@ -154,11 +156,7 @@ async def test_a_failed_append_stops_serving_in_the_same_step(etcd3: EtcdCluster
         with pytest.raises(NotLeader):
             await svc.get(job, None, b"k", hold=0.0)
         # It leads again once it has rebuilt from etcd, which never held "new".
-        for _ in range(400):
-            if svc.role == "leader" and svc.ready:
-                break
-            await asyncio.sleep(0.05)
-        assert svc.role == "leader"
+        await wait_until_async(leads_and_ready, timeout=20, what="leading again, rebuilt from etcd")
         assert await svc.read(lambda: svc.machine.kv(job).get(None, b"k")) == b"old"
         # The retry, now at a leader, applies once.
         await svc.write(c.Set(job, b"k", b"new"), ("a", 3))
@@ -178,17 +176,17 @@ def _member_status(url: str) -> dict[str, Any]:
 
 def etcd_leader(etcd: EtcdCluster) -> int:
     """The index of the member that is etcd's leader, as the members say."""
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
+    def leader() -> int | None:
         for i, url in enumerate(etcd.client_urls):
             try:
                 status = _member_status(url)
             except OSError:
                 continue
             if status.get("leader") and status["leader"] == status.get("header", {}).get("member_id"):
-                return i
-        time.sleep(0.1)
-    raise AssertionError("etcd named no leader")
+                return i + 1  # (a true value for wait_until)
+        return None
+
+    return wait_until(leader, timeout=20, what="etcd names a leader") - 1
 
 
 def etcd_commits_again(etcd: EtcdCluster, member: int) -> float:
@@ -243,10 +241,11 @@ def test_a_step_down_answers_every_request_in_flight_and_writes_resume_with_the_
 
         thread = threading.Thread(target=add, daemon=True)
         thread.start()
-        time.sleep(4)
+        # Answered while etcd still has no quorum (SIGCONT comes only after): the step-down
+        # answered it, long before its 60 s timeout.
+        wait_until(lambda: "reply" in answer, timeout=8, what="the stuck add answered before SIGCONT")
         poke = post(leader, job, "get", {"key": b"n"}, timeout=60)
         assert poke[0] == 503 and poke[1]["error"] == "not_leader", poke
-        time.sleep(max(0.0, 8 - (time.monotonic() - t0)))
         resumed = time.monotonic()
         for i in stopped:
             process = etcd.processes[i]
@@ -257,8 +256,6 @@ def test_a_step_down_answers_every_request_in_flight_and_writes_resume_with_the_
         assert not thread.is_alive()
         status, body = answer["reply"]
         assert (status, body.get("error")) == (503, "not_leader"), answer
-        # Answered while etcd still had no quorum: the step-down answered it, not a timeout.
-        assert answer["at"] < 8, answer
         etcd_back = etcd_commits_again(etcd, member) - resumed  # etcd's own recovery, not ours
         # Writes resume once the quorum is back; the stuck add applied at most once.
         value = client.add(job, "n", 1)
@@ -295,9 +292,9 @@ def test_a_take_over_resumes_the_clock_from_when_the_old_leader_died(replicas: R
     after, wall_after = client.events(job, since=0)["now"], time.monotonic()
     lost = (wall_after - wall_before) - (after - before)
     # The old leader logs a tick after each second without a record: about that much, plus
-    # the take-over, may be missing; without ticks the whole idle time was.
-    assert lost <= gap + 2.5, f"the clock lost {lost:.2f} s over a take-over of {gap:.2f} s (idle {idle_s} s before)"
-    assert lost >= -0.5, f"the clock ran {-lost:.2f} s ahead of the wall clock"
+    # the take-over, may be missing; without ticks the whole idle time was. The elapsed time
+    # IS the feature here (the service clock against the wall clock), hence a stopwatch.
+    assert -0.5 <= lost <= gap + 2.5, f"the clock lost {lost:.2f} s over a take-over of {gap:.2f} s (idle {idle_s} s before)"
     doc = readyz(replicas.replicas[replicas.wait_for_leader()].url)
     assert doc is not None and doc.get("role") == "leader"
     client.close()

@@ -38,6 +38,7 @@ import pytest
 from etcd_cluster import EtcdCluster, require_etcd, running_etcd
 from replica_cluster import LEASE_TTL_S, ReplicaCluster, readyz
 from server_process import ServerProcess, TLSFiles
+from waiting import wait_until
 
 from rdzv_client import Client, JobSettings
 from rdzv_client.error import RdzvError
@@ -215,10 +216,8 @@ def test_a_leader_paused_past_its_lease_acknowledges_nothing_after(replicas: Rep
     assert client.add(job, "counter", 0) == 50
     assert results and results[-1][0] == "failed" and results[-1][1] > stopped_at
     assert resumed_at > stopped_at
-    deadline = time.monotonic() + 30
-    while (readyz(old.url) or {}).get("role") != "follower":
-        assert time.monotonic() < deadline, f"the old leader did not become a follower: {readyz(old.url)}"
-        time.sleep(0.1)
+    wait_until(lambda: (readyz(old.url) or {}).get("role") == "follower", timeout=30,
+               what="the old leader a follower")  # fmt: skip
     stuck.close()
     client.close()
 

@@ -12,6 +12,7 @@ import secrets
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,17 @@ from server_process import ServerProcess
 
 from rdzv_client import Client, JobSettings
 from rdzv_client.error import BadRequestError, HostCordonedError, JobClosedError
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One memory-only server for the module (a start costs ~0.5 s); every test uses its own
+    job and lifts the cordons it makes. The tests' nodes share hosts: no quarantine of a host
+    between tests."""
+    srv = ServerProcess(tmp_path_factory.mktemp("fleet-server"), durable=False, args=("--quarantine-after", "0"))
+    srv.start()
+    yield srv
+    srv.close()
 
 
 def rdzvctl(*args: str, endpoint: str) -> subprocess.CompletedProcess[str]:

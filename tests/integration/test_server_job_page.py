@@ -17,6 +17,7 @@ import threading
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,6 +26,16 @@ from server_process import ServerProcess
 from rdzv_client import Client, JobSettings
 
 JOIN_TIMEOUT = 30.0
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One memory-only server for the module (a start costs ~0.5 s); every test uses its own
+    job."""
+    srv = ServerProcess(tmp_path_factory.mktemp("page-server"), durable=False)
+    srv.start()
+    yield srv
+    srv.close()
 
 
 def get(srv: ServerProcess, path: str, token: str | None = "") -> tuple[int, Any]:

@@ -445,8 +445,8 @@ def test_at_the_connection_limit_with_every_connection_busy_newcomers_get_too_ma
         if i == 0:
             assert s.call("create", job, min_nodes=1, max_nodes=1)[1] == 200
         s.send(1, "get", job, key="never", timeout=PATIENCE)
+        assert s.call("num_keys", job)[:2] == [7, 200]  # read after its get: the get is parked
         busy.append(s)
-    time.sleep(0.3)  # the last ones are parked too
 
     sock = socket.create_connection(("127.0.0.1", srv.port), timeout=PATIENCE)
     opened.append(sock)

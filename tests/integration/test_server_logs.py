@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import socket
 import struct
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -43,15 +42,17 @@ def test_json_logs_name_the_job_node_and_cause_of_a_dropped_watch(tmp_path: Path
             wait_for_parked(srv, 1)  # the watch is parked: the node is on that connection
             watch.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             watch.close()  # the agent died: its kernel resets the watch connection
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline:  # the disconnect grace, then the --job-ttl
+            def collected() -> bool:
                 try:
                     client.job(job)
                 except NotFoundError:
-                    break
-                time.sleep(0.1)
-            else:
-                raise AssertionError(f"job {job} was not collected; the log:\n{srv.log_text()}")
+                    return True
+                return False
+
+            try:  # the disconnect grace, then the --job-ttl
+                wait_until(collected, what=f"job {job} collected")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; the log:\n{srv.log_text()}") from None
         # The collection's log line follows its apply.
         wait_until(lambda: any(r.get("job") == job and "collected" in r["message"] for r in json_lines(srv)),
                    what=f"the log line of job {job}'s collection")

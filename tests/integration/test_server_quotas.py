@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from server_process import ServerProcess
+from waiting import wait_until
 
 from rdzv_client import Client, JobSettings, LimitError, NotFoundError, wire
 
@@ -143,7 +144,4 @@ def test_a_store_only_job_in_constant_use_outlives_the_job_ttl(server_factory: A
         while time.monotonic() < deadline:  # reads alone keep it
             assert client.get(job, "k", timeout=1) == b"v"
             time.sleep(0.3)
-        give_up = time.monotonic() + 10.0
-        while time.monotonic() < give_up and job in {j["rdzv_id"] for j in client.jobs()}:
-            time.sleep(0.3)
-        assert job not in {j["rdzv_id"] for j in client.jobs()}
+        wait_until(lambda: job not in {j["rdzv_id"] for j in client.jobs()}, timeout=10, what="the job collected")

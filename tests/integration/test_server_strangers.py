@@ -338,9 +338,7 @@ def test_a_stream_without_its_hello_is_closed_408_within_the_auth_timeout(
     sock = socket.create_connection(("127.0.0.1", srv.port), timeout=PATIENCE)
     opened.append(sock)
     sock.sendall(wire.STREAM_PREFACE)
-    began = time.monotonic()
-    frames = stream_frames(read_until_eof(sock, PATIENCE))
-    assert time.monotonic() - began < PATIENCE  # closed by the deadline, not by our patience
+    frames = stream_frames(read_until_eof(sock, PATIENCE))  # raises if still open after our patience
     assert [(f[0], f[1], f[2]["error"]) for f in frames] == [(0, 408, "request_timeout")]
     assert "--auth-timeout" in frames[0][2]["message"]
     assert metrics(srv)['rdzv_connections_shed_total{reason="auth_timeout"}'] >= before + 1
@@ -353,9 +351,7 @@ def test_an_unfinished_http_head_without_a_token_is_closed_408_within_the_auth_t
     sock = socket.create_connection(("127.0.0.1", srv.port), timeout=PATIENCE)
     opened.append(sock)
     sock.sendall(GET + b"X-Slow: ")
-    began = time.monotonic()
-    version, status, headers, body = parse(read_until_eof(sock, PATIENCE))
-    assert time.monotonic() - began < PATIENCE
+    version, status, headers, body = parse(read_until_eof(sock, PATIENCE))  # raises if still open after our patience
     assert (version, status, body["error"]) == ("HTTP/1.1", 408, "request_timeout")
     assert "--auth-timeout" in body["message"]
     assert_hardened(headers)

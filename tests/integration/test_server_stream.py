@@ -34,11 +34,15 @@ from server_process import ServerProcess
 
 from rdzv_client import frame, wire
 from rdzv_server.api.stream import MAX_IN_FLIGHT
+from rdzv_server.server import DRAIN_TIMEOUT
 
 PREFACE = b"\x00RDZV1\r\n"
 # Generous bound for "promptly": far below every hold and timeout the tests park on.
 PROMPTLY = 3.0
 DISCONNECT_GRACE = 0.5
+# A long-poll's timeout far past a test socket's 10 s patience: when the reply comes in time,
+# what the test did answered it, not the timeout.
+LONGER_THAN_PATIENCE = 60.0
 SMALL_VALUE_LIMIT = 1024
 SMALL_BODY_LIMIT = 2048
 
@@ -307,13 +311,12 @@ def test_writes_are_shared_between_stream_and_http_on_the_same_port(
     assert http_op(server, job, "get", {"key": b"from-stream"}) == (200, {"found": True, "value": b"s"})
     assert http_op(server, job, "set", {"key": b"from-http", "value": b"h"}) == (200, {})
     assert s.ok("get", job, key=b"from-http") == {"found": True, "value": b"h"}
-    # A long-poll on the stream is woken by a write over HTTP.
-    s.send(77, "get", job, {"key": b"later", "timeout": 10.0})
+    # A long-poll on the stream is woken by a write over HTTP (its timeout is far past the
+    # socket's 10 s patience: only the write can answer it in time).
+    s.send(77, "get", job, {"key": b"later", "timeout": LONGER_THAN_PATIENCE})
     assert s.nothing_within(0.3)
-    started = time.monotonic()
     http_op(server, job, "set", {"key": b"later", "value": b"woken"})
     assert s.recv() == Reply(77, 200, {"found": True, "value": b"woken"})
-    assert time.monotonic() - started < PROMPTLY
 
 
 def test_http_routes_and_keep_alive_still_work_on_the_port(server: ServerProcess, job: str) -> None:
@@ -376,13 +379,11 @@ def test_a_parked_get_does_not_block_a_later_set_on_the_same_connection(
     server: ServerProcess, job: str, stream_to: Callable[..., Stream]
 ) -> None:
     s = stream_to(server)
-    started = time.monotonic()
-    s.send(1, "get", job, {"key": b"parked", "timeout": 5.0})
+    s.send(1, "get", job, {"key": b"parked", "timeout": LONGER_THAN_PATIENCE})
     s.send(2, "set", job, {"key": b"parked", "value": b"here"})
-    first, second = s.recv(), s.recv()
+    first, second = s.recv(), s.recv()  # within the socket's patience: woken by the set, not its timeout
     assert first == Reply(2, 200, {})
     assert second == Reply(1, 200, {"found": True, "value": b"here"})
-    assert time.monotonic() - started < PROMPTLY  # woken by the set, not by the 5 s timeout
 
 
 def test_requests_in_one_read_apply_in_order_a_join_then_a_set_on_the_job_it_created(
@@ -593,8 +594,15 @@ def test_a_dropped_stream_with_a_parked_watch_marks_the_node_dead_within_the_gra
         if seen["num_nodes_waiting"] > 0 or time.monotonic() - started > 10.0:
             break
     assert seen["num_nodes_waiting"] == 1
-    assert time.monotonic() - started < DISCONNECT_GRACE + 2.0  # far before the 30 s TTL
     assert nodes_alive(grace_server, job) == {"a": False, "b": True}
+    assert departure_cause(grace_server, job, "a") == "connection_closed"  # the grace, not the 30 s TTL
+
+
+def departure_cause(srv: ServerProcess, job: str, node: str) -> str:
+    """Why the server says ``node`` departed (its timeline's one ``node_departed`` about it)."""
+    events = json.loads(http_get(srv.url + f"/v1/jobs/{job}/events", srv.auth)[2])["events"]
+    (departed,) = [e for e in events if e["kind"] == "node_departed" and e["node_id"] == node]
+    return str(departed["cause"])
 
 
 def test_a_watch_cut_short_by_a_fatal_frame_in_the_same_read_still_counts_as_a_dropped_poll(
@@ -641,16 +649,14 @@ def test_sigterm_answers_a_parked_long_poll_with_503_then_closes_and_exits_zero(
     job = new_job()
     s = stream_to(srv)
     s.ok("create", job)
-    s.send(42, "get", job, {"key": b"never-set", "timeout": 20.0})
+    s.send(42, "get", job, {"key": b"never-set", "timeout": LONGER_THAN_PATIENCE})
     assert s.nothing_within(0.3)
-    started = time.monotonic()
     assert srv.proc is not None
     srv.proc.send_signal(signal.SIGTERM)
-    reply = s.recv()
+    reply = s.recv()  # within the socket's patience: not the poll's timeout
     assert (reply.tag, reply.status, reply.error) == (42, 503, "shutting_down"), reply
     assert s.at_eof()
-    assert srv.proc.wait(20) == 0
-    assert time.monotonic() - started < PROMPTLY  # not the 20 s poll, nor the drain timeout
+    assert srv.proc.wait(DRAIN_TIMEOUT / 2) == 0  # nothing left to drain: it does not wait out the drain timeout
 
 
 def test_writes_acknowledged_over_the_stream_survive_a_crash(

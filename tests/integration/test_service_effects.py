@@ -54,11 +54,10 @@ async def test_a_join_cancelled_during_its_fsync_still_schedules_the_last_call(t
         request.cancel()
         with pytest.raises(asyncio.CancelledError):
             await request
-        for _ in range(100):  # the last call is 0.3 s; without its timer the round stays open
-            if svc.machine.job(JOB).state.value == "complete":
-                break
-            await asyncio.sleep(0.05)
-        assert svc.machine.job(JOB).state.value == "complete"
+        async def complete() -> bool:  # the last call is 0.3 s; without its timer the round stays open
+            return svc.machine.job(JOB).state.value == "complete"
+
+        await wait_until_async(complete, timeout=5, what="the round formed by its last call")
         assert svc.machine.job(JOB).num_nodes() == 2
     finally:
         await svc.close()

@@ -110,8 +110,8 @@ def test_a_failed_health_check_is_logged_once_per_repeated_refusal() -> None:
 def test_a_node_whose_watch_dropped_is_dead_once_the_grace_passed_without_it_returning() -> None:
     sm = machine_with(("a", "10.0.0.1"), ("b", "10.0.0.2"))
     sm.heartbeat(JOB, "b", 5.0)  # its last request, before the drop at 6.0
-    assert decision.lost(sm, JOB, "b", 6.0, 6.5, GRACE, polling=False) is None  # the grace runs
-    assert decision.lost(sm, JOB, "b", 6.0, 7.0, GRACE, polling=False) == c.Expire(
+    assert decision.death_after_drop(sm, JOB, "b", 6.0, 6.5, GRACE, polling=False) is None  # the grace runs
+    assert decision.death_after_drop(sm, JOB, "b", 6.0, 7.0, GRACE, polling=False) == c.Expire(
         JOB, ("b",), "dead", "connection_closed"
     )
 
@@ -119,7 +119,7 @@ def test_a_node_whose_watch_dropped_is_dead_once_the_grace_passed_without_it_ret
 def test_a_node_that_came_back_or_still_polls_or_is_gone_is_not_lost() -> None:
     sm = machine_with(("a", "10.0.0.1"), ("b", "10.0.0.2"))
     sm.heartbeat(JOB, "b", 6.5)  # a request after the drop at 6.0: it came back
-    assert decision.lost(sm, JOB, "b", 6.0, 8.0, GRACE, polling=False) is None
-    assert decision.lost(sm, JOB, "a", 6.0, 8.0, GRACE, polling=True) is None  # another poll still open
-    assert decision.lost(sm, JOB, "zed", 6.0, 8.0, GRACE, polling=False) is None  # no such node
-    assert decision.lost(sm, "other", "a", 6.0, 8.0, GRACE, polling=False) is None  # no such job
+    assert decision.death_after_drop(sm, JOB, "b", 6.0, 8.0, GRACE, polling=False) is None
+    assert decision.death_after_drop(sm, JOB, "a", 6.0, 8.0, GRACE, polling=True) is None  # another poll still open
+    assert decision.death_after_drop(sm, JOB, "zed", 6.0, 8.0, GRACE, polling=False) is None  # no such node
+    assert decision.death_after_drop(sm, "other", "a", 6.0, 8.0, GRACE, polling=False) is None  # no such job

@@ -918,7 +918,7 @@ def test_a_standby_nodes_join_timeout_runs_from_the_opening_of_a_round_it_cannot
     cl.join("s", 5.0)
     cl.die("b", 90.0)
     cl.die("c", 91.0)
-    assert cl.tick(99.0) == []  # s waited 94 s > join_timeout: still a spare
+    assert cl.tick(99.0) == []  # s in line for 94 s > join_timeout: still a spare
     cl.join("a", 100.0)  # the survivor re-joins: round 1 opens; a + s cannot reach min_nodes=3
     assert cl.job.state is JobState.OPEN and cl.role("s") is Role.STANDBY
     assert cl.sm.deadline(RDZV_ID) == 160.0

@@ -833,7 +833,7 @@ def test_slurm_server_runs_in_its_own_job_component_never_on_a_training_node() -
     server_options, train_options = components
     assert not any(gpus.match(o) for o in server_options), "the server's component asks for no GPU"
     assert any(gpus.match(o) for o in train_options)
-    assert "--no-kill" in train_options, "a lost training node must not end the job"
+    assert "--no-kill" in train_options, "a dead training node must not end the job"
     steps = _srun_steps(text)
     servers = [options for options, program in steps if program[0] == "rdzv-server"]
     agents = [options for options, program in steps if program[0] == "torchrun"]
@@ -864,7 +864,7 @@ def test_slurm_agents_dial_rdzv_host_and_read_the_token_from_a_file(recipe: str)
         assert flags["--rdzv-backend"] == "rdzv-server"
         assert flags["--rdzv-endpoint"] == "$RDZV_HOST:29400"
         assert flags["--rdzv-id"] == "$SLURM_JOB_ID"
-        assert ":" in flags["--nnodes"], "elastic: --nnodes=MIN:MAX, so the survivors of a lost node re-form"
+        assert ":" in flags["--nnodes"], "elastic: --nnodes=MIN:MAX, so the survivors of a dead node re-form"
     # srun hands the agents the environment: the path, never the token.
     assert re.search(r'^export RDZV_TOKEN_FILE="\$', text, re.MULTILINE)
 

@@ -88,7 +88,7 @@ async def test_a_parked_long_polls_hold_ends_when_the_fake_clock_passes_it() -> 
 
 async def test_a_node_whose_watch_dropped_is_marked_dead_once_the_fake_clock_passes_the_grace() -> None:
     """The fast path of death detection runs on the service's clock: a dropped watch is judged
-    (core's ``decision.lost``) once the fake clock has passed ``--disconnect-grace``."""
+    (core's ``decision.death_after_drop``) once the fake clock has passed ``--disconnect-grace``."""
     clock = FakeClock()
     config = ServerConfig(memory=True, disconnect_grace=60.0)  # far past PATIENCE: only the fake clock can end it
     svc = Service(config, clock=clock)

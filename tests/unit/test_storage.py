@@ -22,6 +22,7 @@ from typing import Any
 
 import psutil
 import pytest
+from waiting import wait_until, wait_until_async
 
 from rdzv_server import storage
 from rdzv_server.storage import (
@@ -658,8 +659,13 @@ async def test_a_failed_build_changes_nothing_and_the_next_snapshot_builds_from_
 async def test_close_stops_a_running_build_instead_of_waiting_for_it(tmp_path: Path) -> None:
     log, _ = FileLog.open(tmp_path, FsyncPolicy.ALWAYS)
     await log.append(rec(1))
+    before = {child.pid for child in psutil.Process().children()}
     building = log.snapshot(Stuck)
-    await asyncio.sleep(0.3)  # the builder process is most likely running by now (either way works)
+
+    async def builder_running() -> bool:  # (either way works; this is the harder one)
+        return any(child.pid not in before for child in psutil.Process().children())
+
+    await wait_until_async(builder_running, what="the snapshot's builder process running")
     await log.close()
     with pytest.raises(LogClosedError):
         await building
@@ -692,10 +698,7 @@ def test_a_builder_whose_server_died_exits_and_installs_nothing(tmp_path: Path) 
         assert proc.stdout is not None
         assert proc.stdout.readline() == "building\n"
         server = psutil.Process(proc.pid)
-        deadline = time.monotonic() + 10
-        while not (builders := server.children()) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert builders, "no builder process was started"
+        builders = wait_until(server.children, timeout=10, what="a builder process started")
         proc.kill()  # SIGKILL: the server never stops its builder
         proc.wait()
     _, alive = psutil.wait_procs(builders, timeout=10)
