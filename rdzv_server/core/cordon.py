@@ -67,7 +67,9 @@ class Cordon:
 
 _CORDONED_BY = {
     Cause.OPERATOR.value: "an operator",
-    Cause.WORKERS_FAILED.value: "the server (automatic quarantine: workers failed on it while the other nodes' did not)",
+    Cause.WORKERS_FAILED.value: (
+        "the server (automatic quarantine: workers failed on it while the other nodes' did not)"
+    ),
 }
 
 #: A host-local failure: when (server clock), its lead in seconds (None: no other node of its

@@ -438,8 +438,8 @@ class Job:
         if node.node_rank is not None:  # in self.members: keep it there, marked
             alive_member = node.role is Role.MEMBER and node.liveness is Liveness.ALIVE
             self._set(node, Role.MEMBER, Liveness.LEFT if why is Departure.LEFT else Liveness.DEAD)
-            if alive_member:
-                self._round_ends(Cause.MEMBER_LEFT if why is Departure.LEFT else Cause.MEMBER_DIED, node_id)  # rule 8
+            if alive_member:  # rule 8
+                self._round_ends(Cause.MEMBER_LEFT if why is Departure.LEFT else Cause.MEMBER_DIED, node_id)
             if alive_member and why is Departure.DEAD and self.state is JobState.COMPLETE:
                 self._spend_restart(now, Cause.MEMBER_DIED, node_id)  # rule 7: the survivors restart for it
         else:
@@ -742,7 +742,9 @@ class Job:
         self.world = sum(p.nproc_per_node for p in placements)
         self.uniform_nproc = len({p.nproc_per_node for p in placements}) == 1
         self.state = JobState.COMPLETE
-        opened_by = {} if self.opened_by is None else {"opened_by": self.opened_by[0], "opened_by_node": self.opened_by[1]}
+        opened_by = {}
+        if self.opened_by is not None:
+            opened_by = {"opened_by": self.opened_by[0], "opened_by_node": self.opened_by[1]}
         self.opened_by = None  # rule 8: this round's own end is still to come
         self.timeline.add(
             now, Kind.ROUND_FORMED, reason, self.round, num_nodes=len(self.members), world_size=self.world,
