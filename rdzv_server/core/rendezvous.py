@@ -98,8 +98,12 @@ Rules:
    gave way (rule 9, first failure per node) are judged: the node whose workers failed first
    is ``blamed`` (its address, when it failed, how many seconds it led the next node's failure (None: no
    other node failed), its first line) unless the round had fewer than two nodes, a failure
-   has no time (no detail), two nodes failed at the same time, or every node failed with the
-   same first line (the script, not a host). Whether that counts against the host is core's
+   has no time (no detail), two nodes failed at the same time, or its first line is the
+   script's: another node of the round failed with it too, or this run blamed another host
+   for it before (a node whose agent restarts for a peer's re-join before it notices its own
+   workers' failure reports nothing, so one round of a script's bug can look host-local; the
+   next such round, on another host, shows it is not). Such lines are remembered per run
+   (``script_lines``, at most ``MAX_SCRIPT_LINES``) and never blamed again in it. Whether that counts against the host is core's
    decision with the server's flags (``--quarantine-failure-lead``, ``--quarantine-failures``:
    ``decision.failure_quarantine``), so the flags never change what a replay rebuilds.
 
@@ -307,6 +311,9 @@ class Job:
     # first line), and the host blamed for the last round that gave way (address, when, lead, line).
     round_failures: dict[str, tuple[float | None, str]] = field(default_factory=dict)
     blamed: tuple[str, float, float | None, str] | None = None
+    # ... and, in this run, the host each first line was blamed on, and the lines that are the script's.
+    blamed_lines: dict[str, str] = field(default_factory=dict)
+    script_lines: set[str] = field(default_factory=set)
     # Derived indexes, rebuilt on restore, so that no join costs O(nodes):
     counts: Counter[tuple[Role, Liveness]] = field(default_factory=Counter)
     # Pending nodes whose join_timeout runs, in joined_at order (join_timed_out is O(timed out)):
@@ -426,6 +433,7 @@ class Job:
         self.members, self.world, self.uniform_nproc, self.closed_at = [], 0, False, None
         self.restarts, self.restart_round, self.closed_cause = 0, -1, ""  # a fresh run has its whole budget
         self.opened_by, self.round_failures = None, {}  # rule 8: a fresh run's first round has no cause
+        self.blamed_lines, self.script_lines = {}, set()  # rule 10: a fresh run, a fresh script
         self.runs += 1
         self._open_next_round(now)
         return self._join_open(now, node_id, offer, None)
@@ -485,12 +493,19 @@ class Job:
         order = sorted((t, n) for n, (t, _) in timed.items())
         (first_at, first_id), others = order[0], order[1:]
         message = timed[first_id][1]
-        if len(timed) >= len(members) and all(m == message for _, m in timed.values()):
-            return None  # every node, the same error: the script
-        lead = others[0][0] - first_at if others else None
         node = self.nodes.get(first_id)
-        if node is None or (lead is not None and lead <= 0):
+        if message in self.script_lines or node is None:
             return None
+        shared = any(m == message for n, (_, m) in timed.items() if n != first_id)
+        if shared or self.blamed_lines.get(message, node.addr) != node.addr:
+            if len(self.script_lines) < MAX_SCRIPT_LINES:
+                self.script_lines.add(message)  # two nodes, one error: the script
+            return None
+        lead = others[0][0] - first_at if others else None
+        if lead is not None and lead <= 0:
+            return None
+        if len(self.blamed_lines) < MAX_SCRIPT_LINES:
+            self.blamed_lines.setdefault(message, node.addr)
         return node.addr, first_at, lead, message
 
     def _round_ends(self, cause: Cause, node_id: str) -> None:
@@ -966,6 +981,8 @@ class Job:
             "opened_by": None if self.opened_by is None else list(self.opened_by),
             "round_failures": [[n, t, m] for n, (t, m) in self.round_failures.items()],
             "blamed": None if self.blamed is None else list(self.blamed),
+            "blamed_lines": list(self.blamed_lines.items()),
+            "script_lines": sorted(self.script_lines),
             "timeline": self.timeline.to_snapshot(),
         }
 
@@ -995,6 +1012,8 @@ class Job:
         job.round_failures = {n: (t, m) for n, t, m in data.get("round_failures", ())}
         blamed = data.get("blamed")
         job.blamed = None if blamed is None else (blamed[0], blamed[1], blamed[2], blamed[3])
+        job.blamed_lines = {line: host for line, host in data.get("blamed_lines", ())}
+        job.script_lines = set(data.get("script_lines", ()))
         if "timeline" in data:
             job.timeline = Timeline.from_snapshot(data["timeline"])
         for node in sorted(job.nodes.values(), key=lambda n: (n.joined_at, n.arrival)):
@@ -1042,6 +1061,9 @@ _NODE_TRANSITIONS: dict[NodeStatus, frozenset[NodeStatus]] = {
         for liveness in Liveness
     },
 }
+
+#: Rule 10: the first lines a run remembers (blamed, or the script's): a job's few errors, bounded.
+MAX_SCRIPT_LINES = 64
 
 #: How many passes :meth:`Job.settle` may take; three suffice (see its docstring).
 MAX_SETTLE_PASSES = 8

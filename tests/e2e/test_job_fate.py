@@ -31,17 +31,19 @@ HERE = Path(__file__).parent
 CUDA_ERROR = "RuntimeError: CUDA error: an illegal memory access was encountered"
 
 
-def start_node(cluster: Cluster, server: Any, name: str, job: str, fate_dir: Path) -> Any:
+def start_node(
+    cluster: Cluster, server: Any, name: str, job: str, fate_dir: Path, *, addr: str = "127.0.0.1",
+    env: dict[str, str] | None = None,
+) -> Any:
     workdir = cluster.tmp_path / "nodes" / name
     cmd = [
         *torchrun_command(), "--rdzv-backend=rdzv-server", f"--rdzv-endpoint={server.endpoint}", f"--rdzv-id={job}",
-        "--nnodes=2", "--nproc-per-node=1", "--local-addr=127.0.0.1", "--monitor-interval=0.1", "--max-restarts=2",
+        "--nnodes=2", "--nproc-per-node=1", f"--local-addr={addr}", "--monitor-interval=0.1", "--max-restarts=2",
         f"--log-dir={workdir / 'torchelastic'}",
         "--rdzv-conf=last_call_timeout=1,keep_alive_interval=0.5,keep_alive_max_attempt=4,join_timeout=60",
         str(HERE / "fate_worker.py"),
     ]  # fmt: skip
-    env = {"LOGLEVEL": "INFO", "FATE_DIR": str(fate_dir), "FAIL_RANK": "1"}
-    return cluster.launch(name, server, cmd, env)
+    return cluster.launch(name, server, cmd, {"LOGLEVEL": "INFO", "FATE_DIR": str(fate_dir), **(env or {"FAIL_RANK": "1"})})
 
 
 def rdzvctl(endpoint: str, *args: str) -> str:
@@ -198,3 +200,56 @@ def test_a_server_older_than_failure_reports_still_gets_the_close_without_one(se
         assert handler.shutdown() and result.is_failed()
         assert [c.get("failure") is not None for c in old.closes] == [True, False]
         assert client.job(job)["state"] == "closed"
+
+
+# -- failures that follow a host (part 4) ----------------------------------------------------------
+
+
+@pytest.fixture
+def quarantining_server(tmp_path: Path) -> Any:
+    """A server of its own that cordons a host after 2 host-local failures (3 by default)."""
+    from server_process import ServerProcess
+
+    (tmp_path / "server").mkdir()
+    srv = ServerProcess(tmp_path / "server", durable=False, args=("--quarantine-failures", "2"))
+    srv.start()
+    yield srv
+    srv.close()
+
+
+def test_host_local_failures_cordon_the_host_and_failures_on_every_node_cordon_none(
+    quarantining_server: Any, cluster: Cluster, tmp_path: Path
+) -> None:
+    """Nodes tell hosts apart by ``--local-addr`` (loopback addresses of this one machine). Each
+    job fails twice, then its third round succeeds (``--max-restarts=2``)."""
+    server = quarantining_server
+    # Every node's workers fail at the same moment with the same error: the script, not a host.
+    script_dir = tmp_path / "script"
+    script_dir.mkdir()
+    together = {"FAIL_HERE": "1", "FAIL_TOGETHER": "1", "FAIL_STARTS": "2"}
+    script = [start_node(cluster, server, n, "fate-script", script_dir, addr=a, env=together)
+              for n, a in (("s1", "127.0.0.4"), ("s2", "127.0.0.5"))]  # fmt: skip
+    assert cluster.wait_all(150, script) == {"s1": 0, "s2": 0}
+    with Client(server.endpoint, token=server.token) as client:
+        failed = [e for e in client.events("fate-script")["events"] if e["kind"] == "workers_failed"]
+    assert sorted(e["addr"] for e in failed) == ["127.0.0.4", "127.0.0.4", "127.0.0.5", "127.0.0.5"], failed
+    # Node h2's workers fail alone, twice: its host is cordoned once the round after the second forms.
+    local_dir = tmp_path / "local"
+    local_dir.mkdir()
+    hosts = {"h1": ("127.0.0.2", {"FAIL_STARTS": "2"}), "h2": ("127.0.0.3", {"FAIL_HERE": "1", "FAIL_STARTS": "2"})}
+    local = [start_node(cluster, server, n, "fate-host", local_dir, addr=a, env=e) for n, (a, e) in hosts.items()]
+    assert cluster.wait_all(150, local) == {"h1": 0, "h2": 0}  # a cordon does not stop a running member
+    with Client(server.endpoint, token=server.token) as client:
+        since = 0
+        while True:  # the cordon follows the third round's formation: wait for it on the timeline
+            page = client.events("fate-host", since=since, wait=20.0)
+            assert page["events"], "no host_cordoned on job fate-host's timeline"
+            cordoned = [e for e in page["events"] if e["kind"] == "host_cordoned"]
+            if cordoned:
+                break
+            since = page["next_seq"] - 1
+        assert (cordoned[0]["cause"], cordoned[0]["host"]) == ("workers_failed", "127.0.0.3"), cordoned
+        # Applied after the script job's rounds were judged: a cordon of theirs would be listed.
+        [cordon] = client.cordons()["cordons"]
+    assert (cordon["host"], cordon["by"]) == ("127.0.0.3", "workers_failed"), cordon
+    assert cordon["reason"].endswith(CUDA_ERROR), cordon

@@ -298,3 +298,21 @@ def test_failures_outside_the_window_do_not_add_up() -> None:
     twin = StateMachine(max_value_bytes=1024, job_ttl=1000.0)
     twin.restore(log.sm.to_snapshot())
     assert twin.cordons.failures_within("b.host", 6001.0, 3600.0, 5.0) == [CUDA, CUDA]
+
+
+def test_a_line_blamed_on_another_host_of_the_run_is_the_scripts_and_never_blamed_again() -> None:
+    log = Log()
+    log.formed()
+    bug = "KeyError: 'lr'"
+    restart(log, 100.0, None, report((3, 1, 1, 0.5, bug)))  # a restarted for b before its own failure showed
+    assert log.sm.job(JOB).blamed == ("b.host", 99.5, None, bug)
+    log.join("a", 200.0, report((1, 1, 1, 0.5, bug)))  # next time a's agent was first: the same line
+    log.join("b", 200.5)
+    assert log.sm.job(JOB).blamed is None
+    restart(log, 300.0, None, report((3, 1, 1, 0.5, bug)))  # b alone again: the script's line all the same
+    assert log.sm.job(JOB).blamed is None
+    restart(log, 400.0, None, report((3, 1, 1, 0.5, CUDA)))  # another line: b's own
+    assert log.sm.job(JOB).blamed == ("b.host", 399.5, None, CUDA)
+    twin = StateMachine(max_value_bytes=1024, job_ttl=1000.0)
+    twin.restore(log.sm.to_snapshot())
+    assert twin.job(JOB).script_lines == {bug} and twin.job(JOB).blamed_lines == {bug: "b.host", CUDA: "b.host"}
