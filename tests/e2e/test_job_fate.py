@@ -8,6 +8,10 @@ round succeeds and both agents exit 0. Then the job's events (the API), ``rdzvct
 the job page in Chromium and ``/metrics`` all say: node rank 1 (its node_id), rank 1, exit
 code 1 and the message; the next round's ``round_formed`` says it formed after
 ``workers_failed`` on that node.
+
+Also here: the handler's final close carries its report (and a server older than reports
+gets the close without one), in this process; and part 4 with real agents: a node whose
+workers fail alone gets its host cordoned, while one error on every node cordons nobody.
 """
 
 from __future__ import annotations
@@ -217,29 +221,31 @@ def quarantining_server(tmp_path: Path) -> Any:
     srv.close()
 
 
+@pytest.mark.timeout(400)  # two jobs of three rounds each, four agents at once on a shared machine
 def test_host_local_failures_cordon_the_host_and_failures_on_every_node_cordon_none(
     quarantining_server: Any, cluster: Cluster, tmp_path: Path
 ) -> None:
-    """Nodes tell hosts apart by ``--local-addr`` (loopback addresses of this one machine). Each
-    job fails twice, then its third round succeeds (``--max-restarts=2``)."""
+    """Nodes tell hosts apart by ``--local-addr`` (loopback addresses of this one machine). Two
+    jobs at once, each failing twice, then succeeding in its third round (``--max-restarts=2``):
+    in one, every node's workers fail at the same moment with the same error (the script, not a
+    host); in the other, node h2's fail alone."""
     server = quarantining_server
-    # Every node's workers fail at the same moment with the same error: the script, not a host.
-    script_dir = tmp_path / "script"
+    script_dir, local_dir = tmp_path / "script", tmp_path / "local"
     script_dir.mkdir()
+    local_dir.mkdir()
     together = {"FAIL_HERE": "1", "FAIL_TOGETHER": "1", "FAIL_STARTS": "2"}
-    script = [start_node(cluster, server, n, "fate-script", script_dir, addr=a, env=together)
-              for n, a in (("s1", "127.0.0.4"), ("s2", "127.0.0.5"))]  # fmt: skip
-    assert cluster.wait_all(150, script) == {"s1": 0, "s2": 0}
+    nodes = {
+        "s1": ("fate-script", script_dir, "127.0.0.4", together),
+        "s2": ("fate-script", script_dir, "127.0.0.5", together),
+        "h1": ("fate-host", local_dir, "127.0.0.2", {"FAIL_STARTS": "2"}),
+        "h2": ("fate-host", local_dir, "127.0.0.3", {"FAIL_HERE": "1", "FAIL_STARTS": "2"}),
+    }
+    started = [start_node(cluster, server, n, job, d, addr=a, env=e) for n, (job, d, a, e) in nodes.items()]
+    # A cordon does not stop a running member: every agent ends with its third round.
+    assert cluster.wait_all(300, started) == {"s1": 0, "s2": 0, "h1": 0, "h2": 0}
     with Client(server.endpoint, token=server.token) as client:
         failed = [e for e in client.events("fate-script")["events"] if e["kind"] == "workers_failed"]
-    assert sorted(e["addr"] for e in failed) == ["127.0.0.4", "127.0.0.4", "127.0.0.5", "127.0.0.5"], failed
-    # Node h2's workers fail alone, twice: its host is cordoned once the round after the second forms.
-    local_dir = tmp_path / "local"
-    local_dir.mkdir()
-    hosts = {"h1": ("127.0.0.2", {"FAIL_STARTS": "2"}), "h2": ("127.0.0.3", {"FAIL_HERE": "1", "FAIL_STARTS": "2"})}
-    local = [start_node(cluster, server, n, "fate-host", local_dir, addr=a, env=e) for n, (a, e) in hosts.items()]
-    assert cluster.wait_all(150, local) == {"h1": 0, "h2": 0}  # a cordon does not stop a running member
-    with Client(server.endpoint, token=server.token) as client:
+        assert sorted(e["addr"] for e in failed) == ["127.0.0.4", "127.0.0.4", "127.0.0.5", "127.0.0.5"], failed
         since = 0
         while True:  # the cordon follows the third round's formation: wait for it on the timeline
             page = client.events("fate-host", since=since, wait=20.0)
@@ -249,7 +255,8 @@ def test_host_local_failures_cordon_the_host_and_failures_on_every_node_cordon_n
                 break
             since = page["next_seq"] - 1
         assert (cordoned[0]["cause"], cordoned[0]["host"]) == ("workers_failed", "127.0.0.3"), cordoned
-        # Applied after the script job's rounds were judged: a cordon of theirs would be listed.
+        # A round's quarantine is applied as its record becomes durable, seconds before its agents
+        # end: once they all exited, a cordon for the script job's hosts would be listed.
         [cordon] = client.cordons()["cordons"]
     assert (cordon["host"], cordon["by"]) == ("127.0.0.3", "workers_failed"), cordon
     assert cordon["reason"].endswith(CUDA_ERROR), cordon
