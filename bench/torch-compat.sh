@@ -25,11 +25,13 @@ BASE="${RDZV_COMPAT_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/rdzv-torch-compat}"
 PYTHON="${PYTHON:-python3}"
 # The tests that touch torch: real torchrun agents, the Store, the handler (tests/e2e), the
 # backend's registration and rdzv-torchrun (test_plugin), torch's exit-barrier keys the server
-# watches (test_torch_exit_barrier), the handler's TLS options.
+# watches (test_torch_exit_barrier), the handler's TLS options, and what the failure report
+# relies on in torch's agent (test_failure_report: docs/torch-compat.md).
 TORCH_TESTS=(
   tests/e2e
   tests/unit/test_plugin.py
   tests/unit/test_torch_exit_barrier.py
+  tests/unit/test_failure_report.py
   tests/integration/test_server_tls.py::test_the_torchrun_handlers_client_options_come_from_rdzv_conf
 )
 JOB_TIMEOUT=300   # seconds for one two-node job; a clean one takes a few

@@ -508,6 +508,7 @@ class AsyncClient:
         host: str = "",
         topology: str = "",
         step: int | None = None,
+        failure: wire.FailureWire | None = None,
     ) -> wire.Assignment:
         """Join the job's next round and wait (up to ``timeout`` s) for it to form.
 
@@ -517,6 +518,8 @@ class AsyncClient:
         carries node rank 0's. ``host``: the node's host name when it is not ``addr`` (cordons
         match either); ``topology``: its topology path (node ranks follow it). ``step``: the
         highest step this node's workers reported in the round it leaves (the crash-loop rule).
+        ``failure``: why this node joins again, when its workers failed
+        (``FailureReport.to_wire``): the job's timeline records it as ``workers_failed``.
 
         Raises :class:`HostCordonedError` (the node's host is cordoned),
         :class:`JoinTimeoutError` (the job's ``join_timeout`` passed on the server),
@@ -538,6 +541,7 @@ class AsyncClient:
             host=host,
             topology=topology,
             step=step,
+            failure=failure,
         )
         reply: dict[str, Any] | None = None  # None: (re)send the join itself
         round_ = -1
@@ -596,10 +600,13 @@ class AsyncClient:
         """``node_id`` leaves the job gracefully: the other nodes do not restart for it."""
         await self.request(rdzv_id, wire.LeaveRequest(rdzv_id, node_id=node_id))
 
-    async def close_job(self, rdzv_id: str, *, cause: str = "") -> None:
+    async def close_job(
+        self, rdzv_id: str, *, cause: str = "", node_id: str = "", failure: wire.FailureWire | None = None
+    ) -> None:
         """Close the job: later joins fail with :class:`JobClosedError`. ``cause`` (one of
-        ``wire.CLOSE_CAUSES``) tells the job's timeline who closed it."""
-        await self.request(rdzv_id, wire.CloseRequest(rdzv_id, cause=cause))
+        ``wire.CLOSE_CAUSES``) tells the job's timeline who closed it; ``node_id`` which node's
+        agent, and ``failure`` what failed in its workers (their run ended by it)."""
+        await self.request(rdzv_id, wire.CloseRequest(rdzv_id, cause=cause, node_id=node_id, failure=failure))
 
     async def refuse(
         self, rdzv_id: str, *, node_id: str, addr: str, cause: str, detail: str = "", host: str = "",

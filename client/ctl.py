@@ -408,13 +408,37 @@ def format_events(events: Sequence[Mapping[str, Any]], server_now: float, *, hea
     rows = []
     for e in events:
         when = time.time() - (server_now - float(e.get("time", server_now)))
-        detail = " ".join(f"{k}={v}" for k, v in e.items() if k not in _EVENT_FIELDS)
+        detail = event_detail(e)
         rows.append(
             [str(e.get("seq")), time.strftime("%H:%M:%S", time.localtime(when)), str(e.get("round")),
              _cell(e.get("kind")), _cell(e.get("cause")), _cell(e.get("node_id")), _cell(e.get("addr")), detail]
         )
     lines = format_table(EVENT_HEADERS, rows)
     return "\n".join(lines if headers else lines[1:])
+
+
+def event_detail(event: Mapping[str, Any]) -> str:
+    """An event's own fields as ``key=value`` words; a ``workers_failed`` event's failures as
+    sentences (``rank 1 (local 1) exit code 1: RuntimeError: ...``), its summary only when it
+    lists none (``workers failed (no detail)``)."""
+    words = []
+    failures = event.get("failures")
+    for key, value in event.items():
+        if key in _EVENT_FIELDS or key == "failures" or (key == "summary" and failures):
+            continue
+        words.append(f"{key}={value}")
+    if isinstance(failures, list):
+        words += [failure_text(f) + ";" for f in failures if isinstance(f, Mapping)]
+    return " ".join(words).rstrip(";")
+
+
+def failure_text(failure: Mapping[str, Any]) -> str:
+    """One failed worker of a ``workers_failed`` event, as the report words it."""
+    code = failure.get("exit_code")
+    how = failure.get("signal") or f"exit code {code}"
+    line = f"rank {failure.get('global_rank')} (local {failure.get('local_rank')}) {how}"
+    message = failure.get("message")
+    return f"{line}: {message}" if message and message != how else line
 
 
 def _print_events(client: Client, job: str, since: int, follow: bool, as_json: bool, out: TextIO) -> None:

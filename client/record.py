@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import re
-from collections.abc import Callable
+import signal
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeGuard
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+~-]{0,199}$")
 # Keys are torch store keys (paths of short names); 4 KiB leaves room for deep prefixes.
@@ -295,6 +297,160 @@ def keys_ok(keys: tuple[bytes, ...]) -> None:
         key_ok("key", k)
 
 
+# -- a node's failure report: what failed in its workers (rdzv_client.failure builds it) --
+
+# A report names a few workers, not a node's 8 GPUs times N: the first failures explain a
+# restart, the rest are usually their echo (peers killed, collectives timing out).
+MAX_REPORTED_WORKERS = 8
+# One line of an exception fits; a traceback or a dump does not.
+MAX_MESSAGE_CHARS = 512
+NO_DETAIL = "workers failed (no detail)"
+
+
+def signal_name(exit_code: int) -> str:
+    """The signal that ended a process torch reports with ``exit_code`` (negative: killed by
+    that signal), e.g. ``SIGKILL`` for -9; ``""`` for an exit code of 0 or more."""
+    if exit_code >= 0:
+        return ""
+    try:
+        return signal.Signals(-exit_code).name
+    except ValueError:
+        return f"signal {-exit_code}"
+
+
+def exit_signature(exit_code: int) -> str:
+    """How a process ended, in the words of a report: ``SIGKILL`` for one killed by a signal,
+    ``exit code 3`` otherwise."""
+    return signal_name(exit_code) or f"exit code {exit_code}"
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """One failed worker: where it ran, how it ended, when, and why in one line."""
+
+    global_rank: int
+    local_rank: int
+    exit_code: int  # negative: killed by signal -exit_code (torch's convention)
+    failed_at: float  # seconds on the holder's clock (the node's, or the server's); on the wire, an age
+    message: str
+
+    @property
+    def signal(self) -> str:
+        return signal_name(self.exit_code)
+
+    @property
+    def exit_signature(self) -> str:
+        return exit_signature(self.exit_code)
+
+
+@dataclass(frozen=True)
+class FailureReport:
+    """What failed in one node's workers in one round: at most :data:`MAX_REPORTED_WORKERS`
+    failures, earliest first, and how many workers failed in all (0 when not known).
+
+    On the wire (a re-join's or a close's ``failure`` field) it is the map :meth:`to_wire`
+    makes, each time an age (the server is the only clock); the server places the ages on
+    its own clock when it applies the command (:meth:`from_wire` with its ``now``), so a
+    replayed log makes the same events."""
+
+    failures: tuple[WorkerFailure, ...]
+    failed_workers: int
+
+    @classmethod
+    def no_detail(cls) -> FailureReport:
+        """The report of a restart whose failures could not be found."""
+        return cls((), 0)
+
+    @property
+    def detail(self) -> bool:
+        return bool(self.failures)
+
+    def summary(self) -> str:
+        """One line for a log or an error message, e.g. ``rank 1 (local 1) exit code 1:
+        RuntimeError: boom; 3 more failed``."""
+        if not self.failures:
+            return NO_DETAIL
+        first = self.failures[0]
+        line = f"rank {first.global_rank} (local {first.local_rank}) {first.exit_signature}"
+        if first.message != first.exit_signature:
+            line += f": {first.message}"
+        others = max(self.failed_workers, len(self.failures)) - 1
+        return line + (f"; {others} more failed" if others else "")
+
+    def to_wire(self, now: float) -> dict[str, Any]:
+        """The report as a map of str/int/float, each failure's time as ``age_s`` (seconds
+        before ``now``, the sender's clock; never negative)."""
+        return {
+            "failed_workers": self.failed_workers,
+            "failures": [
+                {
+                    "global_rank": f.global_rank,
+                    "local_rank": f.local_rank,
+                    "exit_code": f.exit_code,
+                    "age_s": max(0.0, now - f.failed_at),
+                    "message": f.message,
+                }
+                for f in self.failures
+            ],
+        }
+
+    @classmethod
+    def from_wire(cls, body: object, now: float) -> FailureReport:
+        """The report :meth:`to_wire` made, each time placed on the receiver's clock
+        (``now - age_s``). Raises ValueError for a body that breaks the bounds or the types."""
+        if not isinstance(body, Mapping) or set(body) != {"failed_workers", "failures"}:
+            raise ValueError("a failure report is a map of failed_workers and failures")
+        total, entries = body["failed_workers"], body["failures"]
+        if not is_int(total) or total < 0 or not isinstance(entries, (list, tuple)):
+            raise ValueError("failed_workers must be a count and failures a list")
+        if len(entries) > MAX_REPORTED_WORKERS:
+            raise ValueError(f"a failure report names at most {MAX_REPORTED_WORKERS} workers")
+        if total < len(entries):
+            raise ValueError("failed_workers counts every failure the report names")
+        return cls(tuple(_failure_from_wire(e, now) for e in entries), total)
+
+
+_FAILURE_FIELDS = {"global_rank", "local_rank", "exit_code", "age_s", "message"}
+
+
+def _failure_from_wire(entry: object, now: float) -> WorkerFailure:
+    if not isinstance(entry, Mapping) or set(entry) != _FAILURE_FIELDS:
+        raise ValueError(f"a failure is a map of {sorted(_FAILURE_FIELDS)}")
+    age, message = entry["age_s"], entry["message"]
+    ints = (entry["global_rank"], entry["local_rank"], entry["exit_code"])
+    if not all(is_int(v) and -(2**31) <= v < 2**31 for v in ints):
+        raise ValueError("a failure's ranks and exit code must be integers")
+    if not is_number(age) or age < 0:
+        raise ValueError("a failure's age_s must be a number of seconds, 0 or more")
+    if not isinstance(message, str) or len(message) > MAX_MESSAGE_CHARS:
+        raise ValueError(f"a failure's message is a string of at most {MAX_MESSAGE_CHARS} characters")
+    return WorkerFailure(ints[0], ints[1], ints[2], now - float(age), message)
+
+
+#: A failure report as a request carries it: the map :meth:`FailureReport.to_wire` makes.
+FailureWire = dict[str, Any]
+
+
+def failure_wire(value: object) -> FailureWire:
+    """A request's ``failure`` field, checked (:meth:`FailureReport.from_wire`) and spelled
+    the one way the log keeps it (ages as floats, lists). Raises :class:`WireError`."""
+    try:
+        report = FailureReport.from_wire(value, 0.0)
+    except ValueError as exc:
+        raise WireError(f"field 'failure': {exc}") from exc
+    return report.to_wire(0.0)
+
+
+def is_int(value: object) -> TypeGuard[int]:
+    """An int that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> TypeGuard[float]:
+    """A finite int or float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 # --------------------------------------------------------------------------- write requests
 
 
@@ -395,6 +551,8 @@ class Kind(str, enum.Enum):
     # The server ended torch's exit barrier of a round for its finished nodes: the round lost a
     # member that had not finished, so the barrier could never complete (a mixed finish)
     EXIT_BARRIER_RELEASED = "exit_barrier_released"
+    # Job fate (README "Job fate"):
+    WORKERS_FAILED = "workers_failed"  # a node's workers failed: its report (ranks, exit codes, messages)
 
 
 class Cause(str, enum.Enum):
@@ -425,6 +583,7 @@ class Cause(str, enum.Enum):
     CORDONED = "cordoned"  # the node's host is cordoned (node_refused; node_departed: taken out of line)
     # host_cordoned, host_uncordoned: OPERATOR (rdzvctl), or
     FLAPPING = "flapping"  # the server quarantined a host whose nodes kept dying
+    # (or WORKERS_FAILED: the server quarantined a host whose workers kept failing there alone)
     # restart_counted
     MEMBER_DIED = "member_died"  # a member of the formed round died
     WORKERS_FAILED = "workers_failed"  # a member re-joined its formed round: its workers failed
@@ -444,6 +603,10 @@ class Cause(str, enum.Enum):
     # job_closed, exit_barrier_released: a mixed finish (the server; docs/job-fate.md)
     WORKERS_FAILED_AFTER_FINISH = "workers_failed_after_finish"  # a member re-joined after others had finished
     MEMBER_DEPARTED_AFTER_FINISH = "member_departed_after_finish"  # a member died or left after others had finished
+    # round_formed's opened_by (why the round before it gave way): WORKERS_FAILED, MEMBER_DIED, or
+    MEMBER_LEFT = "member_left"  # a member left (its agent finished) and the round re-formed without it
+    SCALE_UP = "scale_up"  # a node arrived after the round formed (waiting): the running nodes restart for it
+    # workers_failed: REJOINED (the report came with the node's re-join), AGENT (with its agent's final close)
 
 
 #: Who closes a job, as its timeline records it ("": not said).
@@ -581,6 +744,9 @@ class JoinRequest(Command):
     #: The highest step the node's workers reported (``rdzv_client.progress``) in the round it
     #: leaves by this re-join (None: none reported). Logged, so the crash-loop rule replays.
     step: int | None = optional(None)
+    #: What failed in the node's workers, when it re-joins because they failed (a
+    #: :meth:`FailureReport.to_wire` map; None: nothing failed, or a client that does not say).
+    failure: FailureWire | None = optional(None)
 
     def validate(self) -> None:
         check_id("node_id", self.node_id)
@@ -617,10 +783,19 @@ class CloseRequest(Command):
     op: ClassVar[str] = "close"
     cause: str = ""
     rid: Rid = wire_only(None)
+    #: The node whose agent closes the job (its shutdown), when it says.
+    node_id: str = optional("")
+    #: What failed in that node's workers, when its run ended by their failure (an agent's
+    #: shutdown after its last restart): the job's timeline records it before the close.
+    failure: FailureWire | None = optional(None)
 
     def validate(self) -> None:
         if self.cause not in CLOSE_CAUSES:
             raise WireError(f"cause must be one of {', '.join(map(repr, CLOSE_CAUSES))}, got {self.cause[:32]!r}")
+        if self.node_id:
+            check_id("node_id", self.node_id)
+        elif self.failure is not None:
+            raise WireError("a close that reports a failure must name its node_id")
 
 
 #: Why a node refuses itself before joining (``refuse``): its health check failed.
@@ -653,8 +828,9 @@ class RefuseRequest(Command):
         self.settings.validate()
 
 
-#: Who cordons a host: an operator (rdzvctl), or the server for flapping (automatic quarantine).
-CORDON_BY = (Cause.OPERATOR.value, Cause.FLAPPING.value)
+#: Who cordons a host: an operator (rdzvctl), or the server for flapping or for its workers'
+#: failures that were its own (automatic quarantine).
+CORDON_BY = (Cause.OPERATOR.value, Cause.FLAPPING.value, Cause.WORKERS_FAILED.value)
 
 
 @dataclass(frozen=True)

@@ -504,6 +504,7 @@ class Client:
         host: str = "",
         topology: str = "",
         step: int | None = None,
+        failure: wire.FailureWire | None = None,
     ) -> wire.Assignment:
         """Join the job's next round and wait (up to ``timeout`` s) for it to form.
 
@@ -513,6 +514,8 @@ class Client:
         carries node rank 0's. ``host``: the node's host name when it is not ``addr`` (cordons
         match either); ``topology``: its topology path (node ranks follow it). ``step``: the
         highest step this node's workers reported in the round it leaves (the crash-loop rule).
+        ``failure``: why this node joins again, when its workers failed
+        (``FailureReport.to_wire``): the job's timeline records it as ``workers_failed``.
 
         Raises :class:`HostCordonedError` (the node's host is cordoned),
         :class:`JoinTimeoutError` (the job's ``join_timeout`` passed on the server),
@@ -534,6 +537,7 @@ class Client:
             host=host,
             topology=topology,
             step=step,
+            failure=failure,
         )
         reply: dict[str, Any] | None = None  # None: (re)send the join itself
         round_ = -1
@@ -592,10 +596,13 @@ class Client:
         """``node_id`` leaves the job gracefully: the other nodes do not restart for it."""
         self.request(rdzv_id, wire.LeaveRequest(rdzv_id, node_id=node_id))
 
-    def close_job(self, rdzv_id: str, *, cause: str = "") -> None:
+    def close_job(
+        self, rdzv_id: str, *, cause: str = "", node_id: str = "", failure: wire.FailureWire | None = None
+    ) -> None:
         """Close the job: later joins fail with :class:`JobClosedError`. ``cause`` (one of
-        ``wire.CLOSE_CAUSES``) tells the job's timeline who closed it."""
-        self.request(rdzv_id, wire.CloseRequest(rdzv_id, cause=cause))
+        ``wire.CLOSE_CAUSES``) tells the job's timeline who closed it; ``node_id`` which node's
+        agent, and ``failure`` what failed in its workers (their run ended by it)."""
+        self.request(rdzv_id, wire.CloseRequest(rdzv_id, cause=cause, node_id=node_id, failure=failure))
 
     def refuse(
         self, rdzv_id: str, *, node_id: str, addr: str, cause: str, detail: str = "", host: str = "",

@@ -9,6 +9,9 @@ What it owns: the torch boundary, and only that.
   is the torch-free ``plugin.register``, which calls it) from the node's settings, read
   once from torch's parameters (:class:`rdzv_client.conf.NodeConf`);
 - translating the client's errors into torch's (:func:`_torch_error`);
+- finding what failed in torch's agent (:func:`find_failure_report`), the one place where the
+  plug-in leans on how the agent keeps its failures (see "What the failure report relies on"
+  in docs/torch-compat.md), and sending it with the node's re-join and its agent's close;
 - :func:`register_backend` and :func:`run_torchrun`, for torch 2.4 and 2.5, which never read
   entry points: ``rdzv-torchrun`` (:mod:`rdzv_client.launcher`) registers the backend, then
   runs torchrun's own ``main``.
@@ -39,21 +42,44 @@ Errors at the torch boundary are torch's: ``RendezvousTimeoutError``,
 (chained ``from`` ours); store timeouts raise ``torch.distributed.DistStoreError`` like
 TCPStore's.
 
+Why a node re-joins: torch hands a handler nothing about a failure. After a worker failure
+with restarts left, ``SimpleElasticAgent._invoke_run`` calls ``_restart_workers`` ->
+``_initialize_workers`` -> ``_rendezvous`` -> ``next_rendezvous()`` with no argument, and
+after the last failure ``launch_agent`` calls ``shutdown()`` from its ``finally``. In both
+places the agent's latest ``RunResult`` (``state``, ``failures``: global rank ->
+``ProcessFailure``) is a local variable of a frame below the handler's (``run_result`` in
+``_invoke_run``, ``result`` in ``launch_agent``; read in torch 2.4.1, 2.13, 2.14.1 and 2.15.0).
+The rules of :func:`find_failure_report`:
+- The nearest ``RunResult`` on the calling thread's stack (at most :data:`MAX_FRAMES` frames
+  up) is the agent's latest. Its type is what is looked for, not a variable's name or a
+  method's, so a renamed local or an agent subclass with its own run loop is still found.
+- A result whose state is FAILED or UNHEALTHY gives a report (with no failures in it:
+  :data:`~rdzv_client.failure.NO_DETAIL`); any other state, or no result (the agent's first
+  rendezvous), gives None. Nothing found is None too: the handler decides with
+  :class:`~rdzv_client.failure.RendezvousEntries` whether that entry follows a failure, and
+  then reports "workers failed (no detail)".
+- Never raises, never writes to torch's objects, never patches torch: reading frames is all
+  it does. It runs on the thread torch called the handler on.
+
 What it must not know: the node loop's threads, the port reservation, how ``--rdzv-conf``
-is read (:mod:`rdzv_client.node`, :mod:`rdzv_client.conf`, both torch-free).
+is read, how a report is built and bounded (:mod:`rdzv_client.node`, :mod:`rdzv_client.conf`,
+:mod:`rdzv_client.failure`, all torch-free).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Collection, Sequence
 from datetime import timedelta
-from typing import Any
+from types import FrameType
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
@@ -68,13 +94,16 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
     rendezvous_handler_registry,
 )
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from . import health, wire
 from .client import Client
 from .conf import DEFAULT_STORE_TIMEOUT, NodeConf
 from .conf import client_options as client_options  # (the handler's options, for tools that build a client alike)
+from .credential import CredentialError, find_token
 from .error import (
+    BadRequestError,
     ConflictError,
     HostCordonedError,
     JobClosedError,
@@ -83,10 +112,13 @@ from .error import (
     RdzvError,
     RdzvTimeoutError,
 )
+from .failure import FailureReport, RendezvousEntries, build_report, report_for
 from .node import NodeLoop, PortReservation, node_client, shared_client
 from .progress import PROGRESS_DIR_ENV, clear, node_step
 
 log = logging.getLogger("rdzv_client")
+
+T = TypeVar("T")
 
 BACKEND = "rdzv-server"
 # Read by torch's agent right after next_rendezvous() (``_assign_worker_ranks``): "1" computes
@@ -235,6 +267,11 @@ class RdzvServerHandler(RendezvousHandler):
         # Where this node's workers write their steps (rdzv_client.progress): the workers find
         # it in RDZV_PROGRESS_DIR, which next_rendezvous() sets before the agent starts them.
         self._progress_dir = tempfile.mkdtemp(prefix="rdzv-progress-")
+        # Why the agent enters next_rendezvous(): a failure, when nothing asked it to restart.
+        self._entries = RendezvousEntries()
+        self._round = -1  # the last round this node was placed in (-1: none yet)
+        # Masked wherever a failure's message quotes them (a worker that printed its environment).
+        self._secrets = _token_of(conf)
         #: The node's watch and beat threads, and what they saw (``closed``, ``num_waiting``).
         self.node = NodeLoop(
             self._client, conf.run_id, conf.node_id,
@@ -268,13 +305,17 @@ class RdzvServerHandler(RendezvousHandler):
         (the job closed), ``RendezvousGracefulExitError`` (the job closed while this node was a
         standby or waiting node: it was no part of the run), ``RendezvousConnectionError``.
         """
+        failure = report_for(self._entries.entered(), find_failure_report(self._secrets))
+        if failure is not None:
+            log.warning("Node %s of job %s: its workers failed in round %d: %s; it joins again, reporting it.",
+                        self._node_id, self._run_id, self._round, failure.summary())
         self.node.stop()
         self._check_health()
         # Offered in case this node becomes node rank 0: the server hands node rank 0's addr
         # and port to every node in its assignment (no store exchange after the round forms).
         self._reservation = PortReservation()
         try:
-            return self._rendezvous(self._reservation.port)
+            return self._rendezvous(self._reservation.port, failure)
         finally:
             # Just before the agent starts the workers: node rank 0's worker binds the port next.
             self._reservation.release()
@@ -311,7 +352,7 @@ class RdzvServerHandler(RendezvousHandler):
                 f"node {self._node_id} failed {name} and does not join job {self._run_id}: {result.detail}"
             )
 
-    def _rendezvous(self, port: int) -> RendezvousInfo:
+    def _rendezvous(self, port: int, failure: FailureReport | None) -> RendezvousInfo:
         conf = self._conf
         log.info(
             "Node %s joins job %s at %s (nnodes %d:%d, nproc_per_node %d, master port %d offered).",
@@ -328,17 +369,21 @@ class RdzvServerHandler(RendezvousHandler):
             # No deadline of our own: the server ends the wait of a node that can time out (its
             # join_timeout, as JoinTimeoutError), a standby waits as long as the job runs, and
             # the client's retry budget ends it when no server answers.
-            a = self._client.join(
-                self._run_id,
-                node_id=self._node_id,
-                addr=conf.addr,
-                nproc_per_node=self._nproc,
-                settings=conf.settings,
-                master_port=port,
-                timeout=math.inf,
-                host=conf.host,
-                topology=conf.topology,
-                step=step,
+            a = self._sent_with_failure(
+                failure,
+                lambda sent: self._client.join(
+                    self._run_id,
+                    node_id=self._node_id,
+                    addr=conf.addr,
+                    nproc_per_node=self._nproc,
+                    settings=conf.settings,
+                    master_port=port,
+                    timeout=math.inf,
+                    host=conf.host,
+                    topology=conf.topology,
+                    step=step,
+                    failure=sent,
+                ),
             )
         except RdzvError as exc:
             if isinstance(exc, RdzvTimeoutError):
@@ -351,6 +396,7 @@ class RdzvServerHandler(RendezvousHandler):
                          self._node_id, self._run_id)
             raise _torch_error(exc, f"node {self._node_id} could not join job {self._run_id}") from exc
         self.node.watch(a.round)
+        self._round = a.round
         self._worker_ranks_without_exchange(a.uniform_nproc)
         store = RdzvStore(self._client, self._run_id, round=a.round, timeout=timedelta(seconds=conf.store_timeout))
         if a.master_port:
@@ -366,6 +412,20 @@ class RdzvServerHandler(RendezvousHandler):
             bootstrap.master_addr, bootstrap.master_port,
         )
         return RendezvousInfo(store, a.node_rank, a.num_nodes, bootstrap)
+
+    def _sent_with_failure(self, failure: FailureReport | None, send: Callable[[wire.FailureWire | None], T]) -> T:
+        """``send(report)`` with ``failure`` as the wire carries it (ages on the node's wall
+        clock, which torch's failure times are on); a server older than failure reports refuses
+        the unknown field (``bad_request``, nothing applied): then once more without it, so a
+        new plug-in still re-joins an old server."""
+        if failure is None:
+            return send(None)
+        try:
+            return send(failure.to_wire(time.time()))
+        except BadRequestError as exc:
+            log.warning("Node %s: the server of job %s did not take its failure report (%s); sending without it.",
+                        self._node_id, self._run_id, exc)
+            return send(None)
 
     def _worker_ranks_without_exchange(self, uniform: bool) -> None:
         """In a round of uniform nodes, spare the agent torch's worker-rank exchange.
@@ -404,7 +464,9 @@ class RdzvServerHandler(RendezvousHandler):
 
     def num_nodes_waiting(self) -> int:
         # Kept current by the watch thread's long-poll: the agent calls this every 0.1 s.
-        return self.node.num_waiting
+        waiting = self.node.num_waiting
+        self._entries.answered_waiting(waiting)  # the agent's next entry is a restart for them, not a failure
+        return waiting
 
     def shutdown(self) -> bool:
         """The agent is done (its run succeeded or failed for good): close the job, then leave.
@@ -428,8 +490,17 @@ class RdzvServerHandler(RendezvousHandler):
             self.node.closed = True
             self._leave_quietly()  # a member cordoned mid-round leaves its place (a no-op for a new node)
             return True
+        failure = find_failure_report(self._secrets)  # the run ended by its workers' failure, or None
+        if failure is not None:
+            log.warning("Node %s of job %s: its workers failed in round %d and it has no restart left: %s.",
+                        self._node_id, self._run_id, self._round, failure.summary())
         try:
-            self._client.close_job(self._run_id, cause="agent")
+            self._sent_with_failure(
+                failure,
+                lambda sent: self._client.close_job(
+                    self._run_id, cause="agent", node_id=self._node_id if sent is not None else "", failure=sent
+                ),
+            )
             self._client.leave(self._run_id, self._node_id)
             return True
         except RdzvError as exc:
@@ -452,6 +523,50 @@ class RdzvServerHandler(RendezvousHandler):
     def use_agent_store(self) -> bool:
         # Workers build their own TCPStore at MASTER_ADDR:MASTER_PORT (worker rank 0 hosts it).
         return False
+
+def _token_of(conf: NodeConf) -> tuple[str, ...]:
+    """The node's token (as its client found it), to mask in failure messages; none if unreadable."""
+    token_file = conf.client_options.get("token_file")
+    try:
+        token = find_token(None, token_file)
+    except CredentialError:
+        return ()
+    return (token,) if token else ()
+
+
+# The handler's call sits a handful of frames above the agent's loop (torch's @prof wrappers
+# add one per method); 64 covers that with room for a launcher of our own, and bounds the cost.
+MAX_FRAMES = 64
+FAILED_STATES = frozenset({WorkerState.FAILED, WorkerState.UNHEALTHY})
+
+
+def find_failure_report(secrets: Collection[str] = ()) -> FailureReport | None:
+    """The report of the failure that brought the agent into this call, or None when the
+    agent holds no failed result (its first rendezvous, a membership change, a clean end) or
+    none can be found. ``secrets`` are masked in messages (see :func:`build_report`).
+    Never raises (the module's rules)."""
+    try:
+        result = latest_run_result(inspect.currentframe())
+        if result is None or result.state not in FAILED_STATES:
+            return None
+        return build_report(result.failures, secrets)
+    except Exception:  # a torch we have not read: the caller reports no detail
+        log.debug("The agent's failures could not be read.", exc_info=True)
+        return None
+
+
+def latest_run_result(frame: FrameType | None) -> RunResult | None:
+    """The nearest ``RunResult`` held in a local variable of ``frame`` or a frame below it
+    (its callers), looking at most :data:`MAX_FRAMES` frames."""
+    for _ in range(MAX_FRAMES):
+        if frame is None:
+            return None
+        for value in list(frame.f_locals.values()):
+            if isinstance(value, RunResult):
+                return value
+        frame = frame.f_back
+    return None
+
 
 def exchange_master_address(node_rank: int, store: Store, addr: str, port: int) -> RendezvousStoreInfo:
     """MASTER_ADDR / MASTER_PORT through the round's store: node rank 0 publishes its own addr

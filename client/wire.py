@@ -74,7 +74,23 @@ from .record import CORDON_BY as CORDON_BY
 from .record import REFUSE_CAUSES as REFUSE_CAUSES
 from .record import MAX_REASON_CHARS as MAX_REASON_CHARS
 from .record import MAX_CORDON_S as MAX_CORDON_S
-from .record import INLINE_KEY, REQUIRED_KEY, WIRE_KEY, key_ok, keys_ok, nonnegative, optional, spelled, step_ok
+from .record import FailureReport as FailureReport
+from .record import FailureWire as FailureWire
+from .record import WorkerFailure as WorkerFailure
+from .record import NO_DETAIL as NO_DETAIL
+from .record import signal_name as signal_name
+from .record import (
+    INLINE_KEY,
+    REQUIRED_KEY,
+    WIRE_KEY,
+    failure_wire,
+    key_ok,
+    keys_ok,
+    nonnegative,
+    optional,
+    spelled,
+    step_ok,
+)
 
 CONTENT_TYPE_MSGPACK = "application/msgpack"
 CONTENT_TYPE_JSON = "application/json"
@@ -553,7 +569,11 @@ def _checked_rid(value: object) -> tuple[Any, ...] | None:
 
 
 # Fields whose check is more than their type: every write's request id (`rid`) has one shape.
-_FIELD_CONVERTERS: dict[str, Convert] = {"rid": lambda _name, value: _convert_rid(value)}
+# A failure report (a join's or a close's `failure`) is a small map of its own: rdzv_client.record checks it.
+_FIELD_CONVERTERS: dict[str, Convert] = {
+    "rid": lambda _name, value: _convert_rid(value),
+    "failure": lambda _name, value: failure_wire(value),
+}
 
 
 @dataclasses.dataclass(frozen=True)

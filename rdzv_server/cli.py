@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="s over which a host's deaths count (default %(default)s)")
     p.add_argument("--quarantine-for", type=float, default=_env("quarantine_for", _DEFAULTS.quarantine_for),
                    help="s an automatically quarantined host stays cordoned (default %(default)s)")
+    p.add_argument("--quarantine-failures", type=int, default=_env("quarantine_failures", _DEFAULTS.quarantine_failures),
+                   help="cordon a host whose node's workers failed first in their round this many times within "
+                        "--quarantine-window (0: never; default %(default)s)")
+    p.add_argument("--quarantine-failure-lead", type=float,
+                   default=_env("quarantine_failure_lead", _DEFAULTS.quarantine_failure_lead),
+                   help="s a node's failure must come before any other node's of its round to count "
+                        "(default %(default)s)")
     p.add_argument("--snapshot-every", type=int, default=_env("snapshot_every", None),
                    help=f"log records between snapshots (default {_DEFAULTS.snapshot_every}; with --etcd {DEFAULT_ETCD_SNAPSHOT_EVERY})")
     p.add_argument(
@@ -151,6 +158,8 @@ def parse(argv: Sequence[str] | None = None) -> ServerConfig:
             quarantine_after=int(args.quarantine_after),
             quarantine_window=float(args.quarantine_window),
             quarantine_for=float(args.quarantine_for),
+            quarantine_failures=int(args.quarantine_failures),
+            quarantine_failure_lead=float(args.quarantine_failure_lead),
             snapshot_every=int(args.snapshot_every) if args.snapshot_every is not None else (
                 DEFAULT_ETCD_SNAPSHOT_EVERY if etcd else _DEFAULTS.snapshot_every
             ),

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .core import command as c
 from .core.error import LogQueueFull, RecordTooLarge, ShuttingDown
+from .core.event import Kind
 from .core.machine import Outcome
 from .storage import (
     Log,
@@ -65,6 +66,7 @@ class Pipeline:
         # The rooms above this one, as :meth:`wire` gives them: told of each durable command
         # (the timer), of an append that failed (the lifecycle: end the term, or stop for good).
         self._applied: Callable[[c.Command], None] = lambda command: None
+        self._round_formed: Callable[[str], None] = lambda rdzv_id: None
         self._step_down: Callable[[str], None] = lambda reason: None
         self._fatal: Callable[[BaseException], None] = lambda exc: None
         self.log: Log = MemoryLog()
@@ -77,12 +79,14 @@ class Pipeline:
         self,
         *,
         applied: Callable[[c.Command], None],
+        round_formed: Callable[[str], None],
         step_down: Callable[[str], None],
         fatal: Callable[[BaseException], None],
     ) -> None:
         """Connect the rooms above: ``applied`` is told of each command once durable,
+        ``round_formed`` of each job whose round formed (host-local failures are judged then),
         ``step_down`` ends a replica's term and ``fatal`` stops the one server when an append fails."""
-        self._applied, self._step_down, self._fatal = applied, step_down, fatal
+        self._applied, self._round_formed, self._step_down, self._fatal = applied, round_formed, step_down, fatal
 
     # -- the log in use ----------------------------------------------------------------------
 
@@ -230,6 +234,8 @@ class Pipeline:
         self._applied(command)
         if outcome.events:
             svc.on_events(outcome.events)
+            if any(e.kind is Kind.ROUND_FORMED for e in outcome.events):  # (rare: once per round)
+                self._round_formed(command.rdzv_id)
         self._maybe_snapshot()
 
     async def sync(self) -> None:

@@ -39,6 +39,19 @@ DEFAULT_QUARANTINE_WINDOW = 3600.0
 # looks, and lets a transient problem (a reboot, a driver reload) heal without an operator;
 # `rdzvctl uncordon` ends it earlier, `rdzvctl cordon` without --for keeps it out for good.
 DEFAULT_QUARANTINE_FOR = 3600.0
+# Host-local failures (README "Job fate"): a host whose node's workers failed first in its round
+# this many times within --quarantine-window is cordoned for --quarantine-for. Three, as for
+# deaths: one is bad luck, two can be one job's bad data shard read twice (a script bug that
+# follows a rank, not a host, lands on the same node when ranks are stable); a third in an hour
+# is the pattern of a bad GPU or link, and the reason quotes the messages for the person who
+# looks. 0 turns it off.
+DEFAULT_QUARANTINE_FAILURES = 3
+# ... counting a failure only when it came this many seconds before any other node's of the
+# same round (or no other node failed). torch stamps failures in whole seconds; a peer's
+# collective notices a dead rank within about a second (gloo, NCCL with async error handling),
+# so 5 s separates "one node failed, the others were then stopped or timed out" from "every
+# node hit the same bug at the same step" without waiting for NCCL's long timeouts.
+DEFAULT_QUARANTINE_FAILURE_LEAD = 5.0
 # A window longer than a year would count deaths no one remembers.
 MAX_QUARANTINE_WINDOW_S = 366 * 86400.0
 # -- limits (README "Limits"): nothing a client sends grows the server without bound. --
@@ -248,6 +261,8 @@ class ServerConfig:
     quarantine_after: int = DEFAULT_QUARANTINE_AFTER  # deaths of one host's nodes (0: off)
     quarantine_window: float = DEFAULT_QUARANTINE_WINDOW  # ... within this many seconds
     quarantine_for: float = DEFAULT_QUARANTINE_FOR  # cordon it this long
+    quarantine_failures: int = DEFAULT_QUARANTINE_FAILURES  # host-local failures within the window (0: off)
+    quarantine_failure_lead: float = DEFAULT_QUARANTINE_FAILURE_LEAD  # ... each ahead of the others' by this
     # Recovery keeps the records before damage in the log and sets the damaged files aside,
     # instead of refusing to start (storage/recovery.py); an operator's decision, so off.
     truncate_corrupt_log: bool = False
@@ -333,6 +348,14 @@ _DURATIONS = ("max_hold", "disconnect_grace", "job_ttl", "idle_timeout", "read_t
 
 #: Every rule a ServerConfig keeps, in the order they are checked (the first broken one is
 #: reported). A new flag adds its row here.
+
+def _quarantine_failure_lead(config: ServerConfig) -> str | None:
+    value = config.quarantine_failure_lead
+    return None if 0 <= value <= MAX_QUARANTINE_WINDOW_S else (
+        f"--quarantine-failure-lead must be 0..{MAX_QUARANTINE_WINDOW_S:.0f} s, got {value}"
+    )
+
+
 CHECKS: tuple[Check, ...] = (
     _in_range("port", 0, 65535),
     _one_of("fsync", FSYNC_POLICIES),
@@ -352,6 +375,8 @@ CHECKS: tuple[Check, ...] = (
     _in_range("quarantine_after", 0, MAX_DEATHS_PER_HOST),
     _span("quarantine_window", MAX_QUARANTINE_WINDOW_S),
     _span("quarantine_for", MAX_CORDON_S),
+    _in_range("quarantine_failures", 0, MAX_DEATHS_PER_HOST),
+    _quarantine_failure_lead,
     _auth_or_none,
     _etcd_or_local_log,
     _etcd_urls,

@@ -72,7 +72,9 @@ class Service(ServiceState):
         self.timer = timer = Timer(self, pipeline)
         self.liveness = liveness = Liveness(self, pipeline, timer)
         self.lifecycle = lifecycle = Lifecycle(self, pipeline, timer, liveness)
-        pipeline.wire(applied=timer.applied, step_down=lifecycle.step_down, fatal=lifecycle.fatal)
+        pipeline.wire(
+            applied=timer.applied, round_formed=timer.round_formed, step_down=lifecycle.step_down, fatal=lifecycle.fatal
+        )
         self.part = Single(pipeline.log_index)  # the part it plays (start() may take another)
 
         # The facade: each room's own methods, bound here so a request pays no extra call.

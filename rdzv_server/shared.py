@@ -53,7 +53,8 @@ class ServiceState:
         self.machine = self.new_machine()
         self.waiters = Waiters(clock)
         self.quarantine_policy = decision.QuarantinePolicy(
-            config.quarantine_after, config.quarantine_window, config.quarantine_for
+            config.quarantine_after, config.quarantine_window, config.quarantine_for,
+            config.quarantine_failures, config.quarantine_failure_lead,
         )
         self.ready = False  # serving operations (the leader, or the one server)
         self.recovered = False  # a state machine is installed (a replica may follow)

@@ -3,7 +3,8 @@
 What it owns: the deadline timer (its schedule is :mod:`.deadline`'s), the ticker a leader
 runs, and :meth:`Timer.execute`, which applies a command the server decided itself (an
 expiry, a last call, a collection, a quarantine's cordon), logs it for the operator, and
-applies what core decides follows from it (:func:`.core.decision.quarantine` after deaths).
+applies what core decides follows from it (:func:`.core.decision.quarantine` after deaths,
+:func:`.core.decision.failure_quarantine` after a round formed: :meth:`Timer.round_formed`).
 
 Rules:
 - The timer only detects: :meth:`.core.machine.StateMachine.due` says what is due at ``now``;
@@ -74,7 +75,7 @@ def _log_collect(command: c.Collect, result: dict[str, Any]) -> None:
 def _log_quarantine(command: c.Cordon) -> None:
     log.warning(
         "Host %s is quarantined for %g s: %s (last in job %s).", command.host, command.duration, command.reason,
-        command.rdzv_id, extra={"job": command.rdzv_id, "host": command.host, "cause": Cause.FLAPPING.value},
+        command.rdzv_id, extra={"job": command.rdzv_id, "host": command.host, "cause": command.by},
     )
 
 
@@ -190,6 +191,20 @@ class Timer:
                 log.debug("A tick was not logged: %s", exc)
 
     # -- carrying out the server's own decisions ----------------------------------------------
+
+    def round_formed(self, rdzv_id: str) -> None:
+        """A round of ``rdzv_id`` formed (its record is durable): apply the quarantine core
+        decides for the host whose failure ended the round before (rule 12 of rendezvous.py)."""
+        svc = self._svc
+        for cordon in decision.failure_quarantine(svc.machine, rdzv_id, svc.now(), svc.quarantine_policy):
+            _log_quarantine(cordon)
+            self._pipeline.spawn(self._cordon(cordon), f"Quarantining host {cordon.host}")
+
+    async def _cordon(self, cordon: c.Cordon) -> None:
+        try:
+            await self._pipeline.write(cordon)
+        except RdzvError as exc:
+            log.warning("Host %s could not be quarantined: %s", cordon.host, exc)
 
     async def execute(self, command: c.Command, dying: tuple[str, ...] = ()) -> dict[str, Any] | None:
         """Apply ``command``, decided by the server, and say so in the log; then apply the

@@ -14,11 +14,14 @@ from __future__ import annotations
 import bisect
 import importlib.metadata
 import itertools
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
+
+from rdzv_client.wire import signal_name
 
 from ..core.event import JobEvent, Kind
 from ..service import Service
@@ -86,6 +89,7 @@ class Metrics:
         self._refusals: dict[str, int] = {}  # node_refused, by cause: health_check_failed, cordoned
         self._restarts: dict[str, int] = {}  # restart_counted, by cause: member_died, workers_failed
         self._closures: dict[str, int] = {}  # job_closed, by cause (restart_budget_exhausted among them)
+        self._worker_failures: dict[str, int] = {}  # failed workers of workers_failed events, by failure_kind
         self._formation = _Histogram(FORMATION_BUCKETS)  # by reason
         self._detection = _Histogram(DETECTION_BUCKETS)  # by cause
         svc.on_events = self.events_applied
@@ -124,6 +128,27 @@ class Metrics:
                 self._restarts[cause] = self._restarts.get(cause, 0) + 1
             elif event.kind is Kind.JOB_CLOSED:
                 self._closures[cause] = self._closures.get(cause, 0) + 1
+            elif event.kind is Kind.WORKERS_FAILED:
+                for kind in failure_kinds(event.detail.get("failures", ())):
+                    self._worker_failures[kind] = self._worker_failures.get(kind, 0) + 1
+
+
+def failure_kind(exit_code: int) -> str:
+    """A failed worker's metric label: a few exit code classes and the signal names, a bounded
+    set (no job, no rank): exit 1 is Python's uncaught exception, 2-125 a program's own codes,
+    126-255 a shell's (not executable, not found, 128+N: killed by signal N)."""
+    if exit_code < 0:
+        name = signal_name(exit_code)
+        return name if name.startswith("SIG") else "signal_other"
+    if exit_code <= 1:
+        return f"exit_{exit_code}"
+    return "exit_2_125" if exit_code <= 125 else "exit_126_255"
+
+
+def failure_kinds(failures: Iterable[dict[str, Any]]) -> list[str]:
+    """The labels of a workers_failed event's failures; a report with none is one ``no_detail``."""
+    kinds = [failure_kind(int(f["exit_code"])) for f in failures]
+    return kinds or ["no_detail"]
 
 
 class _OperationCollector:
@@ -159,6 +184,8 @@ class _OperationCollector:
              m._restarts),
             ("rdzv_jobs_closed", "Jobs closed, by cause (restart_budget_exhausted: the server stopped it).", "cause",
              m._closures),
+            ("rdzv_worker_failures", "Failed workers the nodes reported (workers_failed), by how they ended: the "
+             "signal, exit_1, exit_2_125, exit_126_255, or no_detail.", "kind", m._worker_failures),
         ):
             family = CounterMetricFamily(name, doc, labels=[label])
             for value, n in sorted(counts.items()):

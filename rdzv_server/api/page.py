@@ -14,7 +14,9 @@ Rules:
   adds ``page`` (``offset``, ``limit``, ``total``) and ``counts``. Without paging parameters
   the document is unchanged.
 - A lane's cell is the node's state in one round: ``member``, ``joining`` (a candidate, or
-  waiting for the next round), ``standby``, ``left`` (left, or timed out in line), ``cordoned``,
+  waiting for the next round), ``standby``, ``left`` (left, or timed out in line), ``failed``
+  (its workers failed in that round: a ``workers_failed`` event; the cell's cause is the
+  report's summary, the first failure's rank, exit code or signal and message), ``cordoned``,
   ``refused``, ``dead``. When a node was in several states in one round the last one shown is
   the strongest (:data:`STATES`, weakest first): a member that died in round 3 is ``dead``
   there. A cell is ``None`` where the node was not in the job, or where nothing kept says.
@@ -42,7 +44,7 @@ from typing import Any
 from ..core.event import Cause, Kind
 
 #: A lane's cell states, weakest first: within one round the strongest wins.
-STATES = ("joining", "standby", "member", "left", "cordoned", "refused", "dead")
+STATES = ("joining", "standby", "member", "left", "failed", "cordoned", "refused", "dead")
 _STRENGTH = {state: i for i, state in enumerate(STATES)}
 #: Rounds drawn: the newest this many (a job that re-formed more often shows its recent past).
 MAX_ROUNDS = 48
@@ -113,7 +115,8 @@ class _Replay:
         info = self.rounds.get(round_)
         if info is None:
             info = self.rounds[round_] = {"round": round_, "formed_at": None, "cause": None, "num_nodes": None,
-                                          "world_size": None, "formation_s": None, "notes": []}  # fmt: skip
+                                          "world_size": None, "formation_s": None, "notes": [],
+                                          "opened_by": None, "opened_by_node": None}  # fmt: skip
         return info
 
     def apply(self, e: dict[str, Any]) -> None:
@@ -121,7 +124,8 @@ class _Replay:
         info = self.round_info(round_)
         if kind == Kind.ROUND_FORMED.value:
             info.update(formed_at=e["time"], cause=cause, num_nodes=e.get("num_nodes"), world_size=e.get("world_size"),
-                        formation_s=e.get("formation_s"))  # fmt: skip
+                        formation_s=e.get("formation_s"), opened_by=e.get("opened_by"),
+                        opened_by_node=e.get("opened_by_node"))  # fmt: skip
             for nid, state in self.current.items():
                 if state == "joining":
                     self.current[nid] = state = "member"
@@ -129,6 +133,9 @@ class _Replay:
             return
         if kind == Kind.JOB_CREATED.value:
             return  # the start of the story: the first lane says it
+        if kind == Kind.WORKERS_FAILED.value and node_id is not None:
+            self.lane(e).mark(round_, "failed", str(e.get("summary") or cause))  # the round it failed in
+            return
         if node_id is None or (kind not in _NODE_KINDS and kind != Kind.HOST_CORDONED.value):
             note = {"kind": kind, "cause": cause, "time": e["time"]}
             if node_id is not None:

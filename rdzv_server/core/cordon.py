@@ -18,6 +18,12 @@ Rules:
   itself is core's decision (:func:`.decision.quarantine`), applied by the service as an
   ordinary ``cordon`` command with ``by="flapping"``, so the flags may change between
   restarts without replay diverging.
+- Host-local failures (a node's workers failed first in its round, see
+  ``rendezvous.Job.blamed``) are kept per host likewise, each with its time, its lead (how
+  many seconds before any other node of the round failed; None: no other failed) and its
+  first line: :meth:`failures_within` is what ``--quarantine-failures K`` (with
+  ``--quarantine-failure-lead L`` and the same window) reads, in core's decision
+  (:func:`.decision.failure_quarantine`), applied as a ``cordon`` with ``by="workers_failed"``.
 - Everything here changes only through the apply path (``machine.StateMachine``), from the
   command and its ``now``; it travels in the snapshot.
 
@@ -53,16 +59,29 @@ class Cordon:
 
     def describe(self) -> str:
         """The cordon in words, as a refused node's error and its timeline show it."""
-        who = "an operator" if self.by == Cause.OPERATOR.value else "the server (automatic quarantine: its nodes kept dying)"
+        who = _CORDONED_BY.get(self.by, "the server (automatic quarantine: its nodes kept dying)")
         reason = f": {self.reason}" if self.reason else ""
         return f"host {self.host} is cordoned by {who}{reason}"
 
+
+
+_CORDONED_BY = {
+    Cause.OPERATOR.value: "an operator",
+    Cause.WORKERS_FAILED.value: (
+        "the server (automatic quarantine: workers failed on it while the other nodes' did not)"
+    ),
+}
+
+#: A host-local failure: when (server clock), its lead in seconds (None: no other node of its
+#: round failed), and its first line.
+HostFailure = tuple[float, float | None, str]
 
 
 class CordonTable:
     def __init__(self) -> None:
         self.cordons: dict[str, Cordon] = {}
         self.deaths: OrderedDict[str, deque[float]] = OrderedDict()  # least recent death first
+        self.failures: OrderedDict[str, deque[HostFailure]] = OrderedDict()  # least recent failure first
         self.next_end: float | None = None  # no timed cordon ends before it (prune is O(1) until then)
 
     def __len__(self) -> int:
@@ -128,12 +147,33 @@ class CordonTable:
         """A host quarantined for its deaths starts afresh: the same deaths do not cordon it again."""
         self.deaths.pop(host, None)
 
+    def record_failure(self, host: str, now: float, lead: float | None, message: str) -> None:
+        """A round gave way because ``host``'s node failed first (by ``lead`` s, None: alone)."""
+        kept = self.failures.get(host)
+        if kept is None:
+            kept = self.failures[host] = deque(maxlen=MAX_DEATHS_PER_HOST)
+        kept.append((now, lead, message))
+        self.failures.move_to_end(host)
+        while len(self.failures) > MAX_HOSTS:
+            self.failures.popitem(last=False)
+
+    def failures_within(self, host: str, now: float, window: float, lead: float) -> list[str]:
+        """The first lines of ``host``'s failures in ``(now - window, now]`` that led every other
+        node of their round by at least ``lead`` s (or that no other node shared), oldest first."""
+        kept = self.failures.get(host, ())
+        return [m for t, led, m in kept if now - window < t <= now and (led is None or led >= lead)]
+
+    def forget_failures(self, host: str) -> None:
+        """A host quarantined for its failures starts afresh, as :meth:`forget_deaths`."""
+        self.failures.pop(host, None)
+
     # -- snapshot -------------------------------------------------------------------------
 
     def to_snapshot(self) -> dict[str, Any]:
         return {
             "cordons": [[c.host, c.since, c.until, c.reason, c.by] for c in self.cordons.values()],
             "deaths": [[host, list(times)] for host, times in self.deaths.items()],
+            "failures": [[host, [list(f) for f in kept]] for host, kept in self.failures.items()],
         }
 
     @classmethod
@@ -145,4 +185,6 @@ class CordonTable:
             table.next_end = min((c.until for c in table.cordons.values() if c.until is not None), default=None)
             for host, times in data["deaths"]:
                 table.deaths[host] = deque(times, maxlen=MAX_DEATHS_PER_HOST)
+            for host, kept in data.get("failures", ()):  # (snapshots before issue 27 have none)
+                table.failures[host] = deque(((t, lead, m) for t, lead, m in kept), maxlen=MAX_DEATHS_PER_HOST)
         return table

@@ -5,7 +5,9 @@ the time and a policy that returns what to apply (as :meth:`.machine.StateMachin
 already was for the timer):
 
 - :func:`quarantine`: which hosts automatic quarantine cordons after deaths of their nodes
-  (``--quarantine-after K --quarantine-window W --quarantine-for D``, :class:`QuarantinePolicy`);
+  (``--quarantine-after K --quarantine-window W --quarantine-for D``, :class:`QuarantinePolicy`),
+  and :func:`failure_quarantine`, after failures that were a host's own (``--quarantine-failures
+  K --quarantine-failure-lead L``, rule 12 of ``rendezvous.py``);
 - :func:`refusal`: what a refused join leaves on its job's timeline (the job itself if the
   refused node was its first; the refusal, once per repeated refusal), and
   :func:`self_refusal`, the same for a node whose health check failed;
@@ -29,6 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from rdzv_client.record import MAX_REASON_CHARS
+
 from . import command as c
 from .error import HostCordoned, RdzvError, SettingsConflict
 from .event import Cause
@@ -50,6 +54,11 @@ class QuarantinePolicy:
     after: int
     window: float
     duration: float
+    # Host-local failures (README "Job fate"): this many within ``window`` cordon the host (0:
+    # never), each counted when its node's workers failed at least ``failure_lead`` s before
+    # any other node's of the same round, or alone.
+    failures: int = 0
+    failure_lead: float = 0.0
 
 
 class Dying(NamedTuple):
@@ -93,6 +102,34 @@ def quarantine(
         reason = f"{deaths} deaths of its nodes within {policy.window:g} s (--quarantine-after {policy.after})"
         out.append(c.Cordon(rdzv_id, host=host, reason=reason, duration=policy.duration, by=Cause.FLAPPING.value))
     return out
+
+
+#: How much of each failure's first line a quarantine's reason quotes (a reason is at most 500 characters).
+QUOTED_CHARS = 120
+
+
+def failure_quarantine(machine: StateMachine, rdzv_id: str, now: float, policy: QuarantinePolicy) -> list[c.Cordon]:
+    """The cordon automatic quarantine applies at ``now``, after a round of job ``rdzv_id``
+    formed: its host blamed for the round before (rule 12 of ``rendezvous.py``), once it has
+    ``policy.failures`` failures within ``policy.window`` that led the others by
+    ``policy.failure_lead`` s, and is not cordoned already. Its reason quotes the failures'
+    first lines (``by="workers_failed"``). Nothing when nobody was blamed."""
+    entry = machine.jobs.get(rdzv_id)
+    if policy.failures <= 0 or entry is None or entry.job.blamed is None:
+        return []
+    host = entry.job.blamed[0]
+    cordons = machine.cordons
+    lines = cordons.failures_within(host, now, policy.window, policy.failure_lead)
+    if len(lines) < policy.failures or cordons.active(host, now) is not None:
+        return []
+    printable = ("".join(ch if ch.isprintable() else " " for ch in line[:QUOTED_CHARS]) for line in reversed(lines))
+    quoted = "; ".join(dict.fromkeys(printable))  # newest first, each once: a reason is one printable line
+    reason = (
+        f"workers failed on it first {len(lines)} times within {policy.window:g} s "
+        f"(--quarantine-failures {policy.failures}): {quoted}"
+    )
+    return [c.Cordon(rdzv_id, host=host, reason=reason[:MAX_REASON_CHARS], duration=policy.duration,
+                     by=Cause.WORKERS_FAILED.value)]  # fmt: skip
 
 
 def refusal(machine: StateMachine, join: c.Join, exc: RdzvError) -> list[c.Command] | None:

@@ -53,6 +53,8 @@ from rdzv_client.record import (
     EXIT_BARRIER_LAST_MEMBER_KEY,
     EXIT_BARRIER_RELEASE_VALUE,
     Assignment,
+    FailureReport,
+    FailureWire,
     JobSettings,
 )
 
@@ -146,6 +148,12 @@ class WatchView(NamedTuple):
             "closed": self.closed,
             "cause": self.cause,
         }
+
+
+def failure_report(wire: FailureWire | None, now: float) -> FailureReport | None:
+    """A command's failure report (checked when it was decoded) with its ages placed on the
+    server clock at ``now``: the same on every replay, as ``now`` is logged with it."""
+    return None if wire is None else FailureReport.from_wire(wire, now)
 
 
 def key_topic(rdzv_id: str, scope: int | None, key: bytes) -> Hashable:
@@ -355,12 +363,13 @@ class StateMachine:
         entry = self.jobs.get(cmd.rdzv_id)
         if entry is None:
             entry = self._new_job(cmd.rdzv_id, settings, now, Cause.JOIN)
+        failure = failure_report(cmd.failure, now)
         return self._membership_change(
             entry,
             lambda job: {
                 "round": job.join(
                     cmd.node_id, cmd.addr, cmd.nproc_per_node, settings, now, cmd.master_port, cmd.host, cmd.topology,
-                    cmd.step,
+                    cmd.step, failure,
                 )
             },
         )
@@ -372,7 +381,8 @@ class StateMachine:
 
     def _close(self, cmd: c.Close, now: float) -> Outcome:
         def close(job: Job) -> dict[str, Any]:
-            job.close(now, Cause(cmd.cause) if cmd.cause else Cause.CLOSED)
+            cause = Cause(cmd.cause) if cmd.cause else Cause.CLOSED
+            job.close(now, cause, cmd.node_id, failure_report(cmd.failure, now))
             return {}
 
         return self._membership_change(self._entry(cmd.rdzv_id), close)
@@ -433,6 +443,8 @@ class StateMachine:
         cordon = self.cordons.cordon(cmd.host, now, cmd.duration, cmd.reason, cmd.by)
         if cmd.by == Cause.FLAPPING.value:
             self.cordons.forget_deaths(cmd.host)  # its next quarantine counts deaths after this one
+        elif cmd.by == Cause.WORKERS_FAILED.value:
+            self.cordons.forget_failures(cmd.host)  # ... and failures after this one
         detail = {"host": cordon.host, "reason": cordon.reason, "until": cordon.until}
         outcome = self._host_event(cmd.rdzv_id, cmd.host, now, Kind.HOST_CORDONED, Cause(cmd.by), detail)
         # Nodes of the host still in line (no workers yet) leave the line now: each one's poll
@@ -516,6 +528,8 @@ class StateMachine:
             wakes.append(watch_topic(job.rdzv_id))
         if job.state is JobState.COMPLETE and (job.state, job.round) != before_round:
             entry.kv.drop_rounds_before(job.round - 1)
+            if job.blamed is not None:  # rule 12 of rendezvous.py: what quarantine counts by host
+                self.cordons.record_failure(*job.blamed)
         return Outcome(result, tuple(wakes))
 
     # -- exactly-once window ----------------------------------------------------------------

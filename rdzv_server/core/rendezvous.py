@@ -100,6 +100,35 @@ Rules:
    after that close at once too (the failing node was refused: it never finishes). When
    every node finishes, torch's own last ``add`` sets the key and nothing of this acts.
 
+10. Why a round gave way (``opened_by``, on the next ``round_formed``). While a round runs
+   (COMPLETE), the first of these names the next round's cause and its node: a member's
+   workers failed (``workers_failed``: its re-join carried a failure report, or rule 7's
+   re-join), a live member died (``member_died``), a node arrived to wait for the next
+   round (``scale_up``); a member's graceful leave (``member_left``) names it only until
+   one of the others happens (a finished node leaving ends nothing by itself). A spare
+   that takes a dead member's place is named by the death (and shows as
+   ``standby_promoted``). The first round, and a fresh run's, has no such cause.
+11. Every failure report a member brings (with its re-join, or with its agent's final
+   close) is one ``workers_failed`` event of the round its workers ran in (the last
+   formed round), made in the same apply as the re-join and before anything it causes
+   (``restart_counted``, the next ``round_formed``). A re-join that rule 7 calls a failure
+   without a report (a client that does not send one) is a ``workers_failed`` with no
+   detail. The report's times are ages on the wire; they are placed on the server clock
+   (``now - age``) when applied, so a replay makes the same event.
+
+12. Failures that follow a host. When the next round forms, the failures of the round that
+   gave way (rule 11, first failure per node) are judged: the node whose workers failed first
+   is ``blamed`` (its address, when it failed, how many seconds it led the next node's failure (None: no
+   other node failed), its first line) unless the round had fewer than two nodes, a failure
+   has no time (no detail), two nodes failed at the same time, or its first line is the
+   script's: another node of the round failed with it too, or this run blamed another host
+   for it before (a node whose agent restarts for a peer's re-join before it notices its own
+   workers' failure reports nothing, so one round of a script's bug can look host-local; the
+   next such round, on another host, shows it is not). Such lines are remembered per run
+   (``script_lines``, at most ``MAX_SCRIPT_LINES``) and never blamed again in it. Whether that counts against the host is core's
+   decision with the server's flags (``--quarantine-failure-lead``, ``--quarantine-failures``:
+   ``decision.failure_quarantine``), so the flags never change what a replay rebuilds.
+
 Invariants (checked by the property tests): in a formed round node ranks are exactly
 0..n-1 and global ranks are disjoint, contiguous per node and cover 0..world_size-1;
 members that survive into the next round keep their node rank where it still exists (``rank.place``); num_nodes_waiting
@@ -119,7 +148,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rdzv_client.record import Assignment, JobSettings
+from rdzv_client.record import Assignment, FailureReport, JobSettings
 
 from .error import (
     IllegalNodeTransition,
@@ -308,6 +337,16 @@ class Job:
     # the barrier's key in the round's store).
     exit_barrier: ExitBarrier | None = None
     exit_barrier_releases: int = 0
+    # Rule 10: why the formed round gives way (cause, node_id), for the next round_formed; None
+    # while nothing made it (and once that round formed).
+    opened_by: tuple[str, str] | None = None
+    # Rule 12: the first failure of each node of the formed round (failed_at, None: no detail;
+    # first line), and the host blamed for the last round that gave way (address, when, lead, line).
+    round_failures: dict[str, tuple[float | None, str]] = field(default_factory=dict)
+    blamed: tuple[str, float, float | None, str] | None = None
+    # ... and, in this run, the host each first line was blamed on, and the lines that are the script's.
+    blamed_lines: dict[str, str] = field(default_factory=dict)
+    script_lines: set[str] = field(default_factory=set)
     # Derived indexes, rebuilt on restore, so that no join costs O(nodes):
     counts: Counter[tuple[Role, Liveness]] = field(default_factory=Counter)
     # Pending nodes whose join_timeout runs, in joined_at order (join_timed_out is O(timed out)):
@@ -332,7 +371,7 @@ class Job:
 
     def join(
         self, node_id: str, addr: str, nproc_per_node: int, settings: JobSettings, now: float, master_port: int = 0,
-        host: str = "", topology: str = "", step: int | None = None,
+        host: str = "", topology: str = "", step: int | None = None, failure: FailureReport | None = None,
     ) -> int:
         """A node asks for a place in the next round. Returns the round it is in line for.
 
@@ -340,13 +379,15 @@ class Job:
         become node rank 0: the assignment hands node rank 0's addr and port to every node,
         so no node has to publish them through the store after the round forms. ``host`` and
         ``topology`` are the node's host name and topology path (rank placement, cordons).
-        ``step``: the highest step its workers reported in the round it leaves (rule 8)."""
+        ``step``: the highest step its workers reported in the round it leaves (rule 8).
+        ``failure``: what failed in the node's workers, its times on the server clock (rule 11)."""
         if not (self.state is JobState.CLOSED and not self.idle()):
             self.adopt_settings(settings, f"node {node_id}")  # a closed, live job refuses it anyway
         node = self.nodes.get(node_id)
         if step is not None and self.state is not JobState.CLOSED and node is not None and node.role is Role.MEMBER:
             self.progress.report(step)  # before the join: rule 8 judges the round it ends with it
-        round_: int = self._dispatch(Event.JOIN, now, node_id, (addr, nproc_per_node, master_port, host, topology))
+        offer = (addr, nproc_per_node, master_port, host, topology)
+        round_: int = self._dispatch(Event.JOIN, now, node_id, offer, failure)
         return round_
 
     def depart(self, node_id: str, why: Departure, now: float, cause: Cause | None = None) -> bool:
@@ -369,7 +410,14 @@ class Job:
         formed: bool = self._dispatch(Event.LAST_CALL, now)
         return formed
 
-    def close(self, now: float, cause: Cause = Cause.CLOSED) -> None:
+    def close(
+        self, now: float, cause: Cause = Cause.CLOSED, node_id: str = "", failure: FailureReport | None = None
+    ) -> None:
+        """Close the job (a no-op when it is closed). ``failure``: what failed in the workers of
+        ``node_id``, whose agent closes it (rule 11), recorded first, even in a closed job."""
+        node = self.nodes.get(node_id)
+        if failure is not None and node is not None and node.role is Role.MEMBER:
+            self._workers_failed(now, node, failure, Cause.AGENT)
         if self.state is JobState.CLOSED:
             return
         self._dispatch(Event.CLOSE, now, cause)
@@ -383,22 +431,27 @@ class Job:
 
     # -- handlers ------------------------------------------------------------------------
 
-    def _join_open(self, now: float, node_id: str, offer: Offer) -> int:
+    def _join_open(self, now: float, node_id: str, offer: Offer, failure: FailureReport | None) -> int:
         node = self.nodes.get(node_id)
         if node is None:
             self._add_node(node_id, offer, Role.CANDIDATE, now)
         elif node.role is Role.MEMBER:
+            if failure is not None:  # rule 11: the round it failed in gave way already
+                self._workers_failed(now, node, failure, Cause.REJOINED)
             # A member of the previous round comes back: it keeps its old node_rank as priority.
             self._rejoin(node, offer, now)
         return self.round
 
-    def _join_complete(self, now: float, node_id: str, offer: Offer) -> int:
+    def _join_complete(self, now: float, node_id: str, offer: Offer, failure: FailureReport | None) -> int:
         node = self.nodes.get(node_id)
         if node is not None and node.pending:
             return self.round + 1  # already in line (a retried join)
-        if node is not None and node.liveness is Liveness.ALIVE and not self.num_nodes_waiting(self.round):
-            # Rule 7: a live member re-joins its formed round and nothing made it restart (no
-            # node waiting, no member dead): its workers failed.
+        # Rule 7: a live member re-joins its formed round and nothing made it restart (no
+        # node waiting, no member dead): its workers failed.
+        failed = node is not None and node.liveness is Liveness.ALIVE and not self.num_nodes_waiting(self.round)
+        if node is not None and (failure is not None or failed):
+            self._workers_failed(now, node, failure or FailureReport.no_detail(), Cause.REJOINED)  # rule 11
+        if failed:
             if not self._spend_restart(now, Cause.WORKERS_FAILED, node_id):
                 return self.round + 1  # the budget is spent: the job closed (its poll says so)
             if not self._judge_round(now, node_id):
@@ -406,12 +459,14 @@ class Job:
         if node is not None or not self._alive_members():
             # Rule 3: opened before the node is added, so that its join is in the new round.
             self._open_next_round(now)
-            return self._join_open(now, node_id, offer)
+            return self._join_open(now, node_id, offer, None)
         full = self._alive_members() + self._count(Role.WAITING) >= self.settings.max_nodes
         self._add_node(node_id, offer, Role.STANDBY if full else Role.WAITING, now)
+        if not full:
+            self._round_ends(Cause.SCALE_UP, node_id)  # rule 10: the running nodes restart for it
         return self.round + 1
 
-    def _join_closed(self, now: float, node_id: str, offer: Offer) -> int:
+    def _join_closed(self, now: float, node_id: str, offer: Offer, failure: FailureReport | None) -> int:
         if not self.idle():
             node = self.nodes.get(node_id)
             if node is not None and node.role in (Role.STANDBY, Role.WAITING):
@@ -425,9 +480,11 @@ class Job:
         self.members, self.world, self.uniform_nproc, self.closed_at = [], 0, False, None
         self.restarts, self.restart_round, self.closed_cause = 0, -1, ""  # a fresh run has its whole budget
         self.progress = RoundLog()  # ... and counts its own fast failures (rule 8)
+        self.opened_by, self.round_failures = None, {}  # rule 10: a fresh run's first round has no cause
+        self.blamed_lines, self.script_lines = {}, set()  # rule 12: a fresh run, a fresh script
         self.runs += 1
         self._open_next_round(now)
-        return self._join_open(now, node_id, offer)
+        return self._join_open(now, node_id, offer, None)
 
     def _depart(self, now: float, node_id: str, why: Departure, cause: Cause) -> None:
         node = self.nodes[node_id]
@@ -437,6 +494,8 @@ class Job:
         if node.node_rank is not None:  # in self.members: keep it there, marked
             alive_member = node.role is Role.MEMBER and node.liveness is Liveness.ALIVE
             self._set(node, Role.MEMBER, Liveness.LEFT if why is Departure.LEFT else Liveness.DEAD)
+            if alive_member:  # rule 10
+                self._round_ends(Cause.MEMBER_LEFT if why is Departure.LEFT else Cause.MEMBER_DIED, node_id)
             if alive_member and why is Departure.DEAD and self.state is JobState.COMPLETE:
                 self._spend_restart(now, Cause.MEMBER_DIED, node_id)  # rule 7: the survivors restart for it
         else:
@@ -455,6 +514,56 @@ class Job:
         self.state = JobState.CLOSED
         self.closed_at = now
         self.closed_cause = cause.value
+
+    def _workers_failed(self, now: float, node: Node, failure: FailureReport, cause: Cause) -> None:
+        """Rule 11: ``node``'s workers failed in the last formed round, as its report says."""
+        round_ = self.round if self.state is not JobState.OPEN else self.round - 1
+        failures = [
+            {"global_rank": f.global_rank, "local_rank": f.local_rank, "exit_code": f.exit_code, "signal": f.signal,
+             "failed_at": f.failed_at, "message": f.message}
+            for f in failure.failures
+        ]  # fmt: skip
+        self.timeline.add(
+            now, Kind.WORKERS_FAILED, cause, round_, node.node_id, node.addr, node_rank=node.node_rank,
+            failed_workers=max(failure.failed_workers, len(failures)), failures=failures, summary=failure.summary(),
+        )  # fmt: skip
+        self._round_ends(Cause.WORKERS_FAILED, node.node_id)
+        first = failure.failures[0] if failure.failures else None
+        self.round_failures.setdefault(  # rule 12: its first failure of the round
+            node.node_id, (None, failure.summary()) if first is None else (first.failed_at, first.message)
+        )
+
+    def _blame(self) -> tuple[str, float, float | None, str] | None:
+        """Rule 12: the host whose node failed first in the round that gave way, if any."""
+        members = self.members
+        timed = {n: (t, m) for n, (t, m) in self.round_failures.items() if t is not None}
+        if len(members) < 2 or not timed or len(timed) < len(self.round_failures):
+            return None
+        order = sorted((t, n) for n, (t, _) in timed.items())
+        (first_at, first_id), others = order[0], order[1:]
+        message = timed[first_id][1]
+        node = self.nodes.get(first_id)
+        if message in self.script_lines or node is None:
+            return None
+        shared = any(m == message for n, (_, m) in timed.items() if n != first_id)
+        if shared or self.blamed_lines.get(message, node.addr) != node.addr:
+            if len(self.script_lines) < MAX_SCRIPT_LINES:
+                self.script_lines.add(message)  # two nodes, one error: the script
+            return None
+        lead = others[0][0] - first_at if others else None
+        if lead is not None and lead <= 0:
+            return None
+        if len(self.blamed_lines) < MAX_SCRIPT_LINES:
+            self.blamed_lines.setdefault(message, node.addr)
+        return node.addr, first_at, lead, message
+
+    def _round_ends(self, cause: Cause, node_id: str) -> None:
+        """Rule 10: note why the formed round gives way, unless something before did (a
+        member's leave is noted until something else happens)."""
+        if self.state is not JobState.COMPLETE:
+            return
+        if self.opened_by is None or self.opened_by[0] == Cause.MEMBER_LEFT.value:
+            self.opened_by = (cause.value, node_id)
 
     def _spend_restart(self, now: float, cause: Cause, node_id: str) -> bool:
         """Rule 7: count the formed round's first failure against the job's restart budget.
@@ -750,6 +859,7 @@ class Job:
             self._start_clock(self.nodes[node_id], now)
 
     def _form_round(self, now: float, reason: Cause) -> None:
+        self.blamed, self.round_failures = self._blame(), {}  # rule 12, before the members change
         previous = set(self.members)
         candidates = []
         for node in self.nodes.values():
@@ -797,9 +907,13 @@ class Job:
         self.uniform_nproc = len({p.nproc_per_node for p in placements}) == 1
         self.state = JobState.COMPLETE
         self.progress.formed(self.round, now)
+        opened_by = {}
+        if self.opened_by is not None:
+            opened_by = {"opened_by": self.opened_by[0], "opened_by_node": self.opened_by[1]}
+        self.opened_by = None  # rule 10: this round's own end is still to come
         self.timeline.add(
             now, Kind.ROUND_FORMED, reason, self.round, num_nodes=len(self.members), world_size=self.world,
-            formation_s=round(now - self.opened_at, 6), standby=self._count(Role.STANDBY),
+            formation_s=round(now - self.opened_at, 6), standby=self._count(Role.STANDBY), **opened_by,
         )
 
     def _remember_departure(self, node_id: str, why: Departure) -> None:
@@ -1025,6 +1139,11 @@ class Job:
             "restarts": self.restarts,
             "restart_round": self.restart_round,
             "closed_cause": self.closed_cause,
+            "opened_by": None if self.opened_by is None else list(self.opened_by),
+            "round_failures": [[n, t, m] for n, (t, m) in self.round_failures.items()],
+            "blamed": None if self.blamed is None else list(self.blamed),
+            "blamed_lines": list(self.blamed_lines.items()),
+            "script_lines": sorted(self.script_lines),
             "timeline": self.timeline.to_snapshot(),
             "progress": self.progress.to_snapshot(),
             "exit_barrier": None if self.exit_barrier is None else self.exit_barrier.to_snapshot(),
@@ -1051,6 +1170,13 @@ class Job:
         job.restarts = data.get("restarts", 0)
         job.restart_round = data.get("restart_round", -1)
         job.closed_cause = data.get("closed_cause", "")
+        opened_by = data.get("opened_by")
+        job.opened_by = None if opened_by is None else (opened_by[0], opened_by[1])
+        job.round_failures = {n: (t, m) for n, t, m in data.get("round_failures", ())}
+        blamed = data.get("blamed")
+        job.blamed = None if blamed is None else (blamed[0], blamed[1], blamed[2], blamed[3])
+        job.blamed_lines = {line: host for line, host in data.get("blamed_lines", ())}
+        job.script_lines = set(data.get("script_lines", ()))
         if "timeline" in data:
             job.timeline = Timeline.from_snapshot(data["timeline"])
         if "progress" in data:  # (snapshots before rule 8: no round judged yet)
@@ -1106,6 +1232,9 @@ _NODE_TRANSITIONS: dict[NodeStatus, frozenset[NodeStatus]] = {
         for liveness in Liveness
     },
 }
+
+#: Rule 12: the first lines a run remembers (blamed, or the script's): a job's few errors, bounded.
+MAX_SCRIPT_LINES = 64
 
 #: How many passes :meth:`Job.settle` may take; three suffice (see its docstring).
 MAX_SETTLE_PASSES = 8

@@ -684,7 +684,9 @@ def test_the_lanes_draw_each_node_across_rounds_standby_refused_dead_and_member(
     cell = page.dom.by_id("lanes").find("tr", **{"data-node-id": "lane-b"})[0].find("td")[0]
     assert cell.attrs["title"] == "lane-b, round 0: dead (connection_closed)"
     legend = [span.text for span in page.dom.by_id("legend").find("span")]
-    assert legend == ["member", "joining or waiting", "standby", "left", "cordoned", "refused", "dead"]
+    assert legend == [
+        "member", "joining or waiting", "standby", "left", "workers failed", "cordoned", "refused", "dead"
+    ]  # fmt: skip
     assert page.dom.by_id("pager").attrs.get("hidden") is not None  # 4 lanes: one page
     assert ranks["lane-a"] in (0, 1)
 

@@ -108,7 +108,8 @@ def test_a_graceful_leave_is_left_not_dead_and_an_open_round_shows_who_joined_it
     run.at(13.0).join("node-1")  # round 1 opens: node-1 is in line, nobody else yet
     answer = run.lanes()
     assert answer["state"] == "open" and [r["round"] for r in answer["rounds"]] == [0, 1]
-    assert cells(answer) == {"node-1": ["member", "joining"], "node-2": ["left", None]}
+    # node-1 came back with nothing asking it to (rule 7): its workers failed, with no report.
+    assert cells(answer) == {"node-1": ["failed", "joining"], "node-2": ["left", None]}
     assert answer["rounds"][1]["formed_at"] is None  # still forming
 
 
@@ -178,7 +179,8 @@ def test_only_the_newest_rounds_are_drawn() -> None:
     answer = run.lanes()
     rounds = [r["round"] for r in answer["rounds"]]
     assert len(rounds) == page.MAX_ROUNDS and rounds[-1] == answer["round"] == page.MAX_ROUNDS + 4
-    assert cells(answer)["node-1"] == ["member"] * page.MAX_ROUNDS
+    # Each re-join with nothing asking for it is a failure of the round before (rule 7, no report).
+    assert cells(answer)["node-1"] == ["failed"] * (page.MAX_ROUNDS - 1) + ["member"]
 
 
 def test_a_document_page_cuts_its_lists_in_one_order_and_counts_them() -> None:
@@ -202,3 +204,21 @@ def test_a_document_page_cuts_its_lists_in_one_order_and_counts_them() -> None:
     assert {k: v for k, v in first.items() if k not in (*page.NODE_LISTS, "page", "counts")} == {
         k: v for k, v in document.items() if k not in page.NODE_LISTS
     }
+
+
+def test_a_nodes_failed_workers_mark_its_lane_in_the_round_they_ran_in_with_the_message() -> None:
+    run = Run()
+    run.at(1.0).join("node-1")
+    run.join("node-2")
+    cuda = "RuntimeError: CUDA error: an illegal memory access was encountered"
+    failure = {"failed_workers": 1,
+               "failures": [{"global_rank": 1, "local_rank": 0, "exit_code": 1, "age_s": 0.5, "message": cuda}]}
+    run.sm.apply(c.Join(JOB, "node-2", "10.0.0.2", 1, run.settings, failure=failure), 5.0)
+    run.at(5.5).join("node-1")  # round 1 forms at max_nodes
+    answer = run.lanes()
+    assert cells(answer) == {"node-1": ["member", "member"], "node-2": ["failed", "member"]}
+    by_node = {lane["node_id"]: lane for lane in answer["lanes"]}
+    assert by_node["node-2"]["causes"][0] == f"rank 1 (local 0) exit code 1: {cuda}"
+    assert answer["summary"][0] == {"member": 1, "failed": 1}
+    formed = answer["rounds"][1]
+    assert (formed["opened_by"], formed["opened_by_node"]) == ("workers_failed", "node-2")

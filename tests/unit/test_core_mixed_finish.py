@@ -93,6 +93,7 @@ def test_a_member_that_re_joins_after_another_finished_releases_the_barrier_and_
     assert key_topic(JOB, 0, EXIT_BARRIER_LAST_MEMBER_KEY) in outcome.wakes  # a's wait returns now
     assert j.events() == [
         *FORMED,
+        ("workers_failed", "rejoined", "b"),  # rule 11: a re-join with nothing waiting, no detail
         ("node_joined", "rejoined", "b"),
         ("exit_barrier_released", "workers_failed_after_finish", "b"),
         ("job_closed", "workers_failed_after_finish", "b"),

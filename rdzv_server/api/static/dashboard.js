@@ -26,7 +26,7 @@ const TIMELINE_ROWS = 2000; // rows kept on the page (the server keeps about 1,0
 const PAGE = 100; // nodes (and lanes) drawn at once; the pager shows the others
 const STATE_WORDS = {
   member: 'member', joining: 'joining or waiting', standby: 'standby', left: 'left',
-  cordoned: 'cordoned', refused: 'refused', dead: 'dead',
+  failed: 'workers failed', cordoned: 'cordoned', refused: 'refused', dead: 'dead',
 };
 // A round's notes (events about the job, not one node), in a word under the round.
 const NOTE_WORDS = { job_closed: 'closed', server_restarted: 'restart', host_cordoned: 'cordon', host_uncordoned: 'uncordon',
@@ -34,7 +34,7 @@ const NOTE_WORDS = { job_closed: 'closed', server_restarted: 'restart', host_cor
 const STOP_STATUSES = new Set([401, 403, 404]);
 const NODE_HEADS = ['node rank', 'node id', 'host/addr', 'nproc', 'global ranks', 'status', 'heartbeat age'];
 const KINDS = new Set(['job_created', 'job_closed', 'node_joined', 'round_formed', 'standby_promoted', 'node_departed',
-  'join_refused', 'node_refused', 'host_cordoned', 'fast_failure']);
+  'join_refused', 'node_refused', 'host_cordoned', 'fast_failure', 'workers_failed']);
 const EVENT_FIELDS = new Set(['seq', 'time', 'kind', 'cause', 'round', 'node_id', 'addr']);
 
 // The job this page shows: /jobs/ID, or none on /.
@@ -402,6 +402,7 @@ function roundTitle(r, now, receivedAt) {
   if (typeof r.formed_at === 'number') {
     parts.push(`formed at ${wallTime(r.formed_at, now, receivedAt)} in ${seconds(r.formation_s)} (${r.cause}): `
       + `${r.num_nodes} nodes, world size ${r.world_size}`);
+    if (r.opened_by) parts.push(`after ${r.opened_by} on ${r.opened_by_node}`);
   }
   for (const n of r.notes) parts.push(`${n.kind} (${n.cause}) at ${wallTime(n.time, now, receivedAt)}`);
   return parts.join('\n');
@@ -491,7 +492,12 @@ function details(e) {
   const rest = Object.keys(e).filter(k => !EVENT_FIELDS.has(k));
   if (e.kind === 'round_formed') {
     return `${e.num_nodes} nodes, world size ${e.world_size}, formed in ${seconds(e.formation_s)}`
-      + (e.standby ? `, ${e.standby} standby` : '');
+      + (e.standby ? `, ${e.standby} standby` : '') + (e.opened_by ? `, after ${e.opened_by} on ${e.opened_by_node}` : '');
+  }
+  if (e.kind === 'workers_failed') { // each failed worker as the report words it
+    const failures = (e.failures || []).map(f => `rank ${f.global_rank} (local ${f.local_rank}) `
+      + (f.signal || `exit code ${f.exit_code}`) + (f.message && f.message !== (f.signal || `exit code ${f.exit_code}`) ? `: ${f.message}` : ''));
+    return `node rank ${e.node_rank}, ${e.failed_workers} failed: ` + (failures.join('; ') || e.summary);
   }
   return rest.map(k => `${k}=${typeof e[k] === 'object' ? JSON.stringify(e[k]) : e[k]}`).join(' ');
 }
