@@ -11,6 +11,7 @@ server first is left to scheduling, and both orders must end the same way.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -23,8 +24,14 @@ Node = Any
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 # The feature's bound (the issue's "within 15 s"): without it node 0's agent waits out torch's
-# 300 s exit barrier. Counted from node 0's worker's end, which both agents see within 0.1 s.
-EXIT_WITHIN_S = 15.0
+# 300 s exit barrier. Held on torch's own measure of the wait, node 0's agent's "Done waiting for
+# other agents. Elapsed: S seconds" (from the barrier's start: the end of its workers), which
+# does not count what the agents' teardown costs a loaded machine. Their exits are bounded
+# further off, still far inside the 300 s the barrier would take: the full suite on 2 cores
+# has seen an agent take over 10 s to exit after its barrier ended in 1 s.
+BARRIER_WITHIN_S = 15.0
+EXIT_WITHIN_S = 60.0
+BARRIER_DONE = re.compile(r"Done waiting for other agents\. Elapsed: ([0-9.]+) seconds")
 SHORT = {"STEPS": "3"}
 
 
@@ -40,7 +47,10 @@ def finish_mixed(server: Any, cluster: Cluster, job: str, max_restarts: int) -> 
     fail = {**SHORT, "EXIT_AT_END": "3", "EXIT_AFTER_RESULTS": str(n0.result_dir)}
     n1 = cluster.start("n1", server, job, nnodes="2", nproc=1, max_restarts=max_restarts, env=fail)
     cluster.wait_for(lambda: n0.results() or None, 120, "node 0's worker to finish")
-    return n0, n1, cluster.wait_all(EXIT_WITHIN_S)
+    codes = cluster.wait_all(EXIT_WITHIN_S)
+    waited = [float(s) for s in BARRIER_DONE.findall(n0.log_text())]
+    assert waited and waited[0] < BARRIER_WITHIN_S, f"node 0 waited {waited} s in torch's exit barrier"
+    return n0, n1, codes
 
 
 def node_id_of(server: Any, job: str, node: Node) -> str:
