@@ -49,7 +49,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 # Test files too long for one worker (paths from the tests folder), and in how many parts.
-SPREAD_FILES = frozenset({"e2e/test_torchrun_e2e.py"})
+SPREAD_FILES = frozenset({"e2e/test_torchrun_e2e.py", "e2e/test_job_fate.py"})
 SPREAD_PARTS = 3
 TESTS_DIR = Path(__file__).resolve().parent
 
