@@ -105,21 +105,16 @@ def test_a_worker_failure_is_on_the_timeline_in_rdzvctl_on_the_page_and_in_the_m
 
     # (d) the job page in Chromium: the failing node's lane is "failed" in round 0, the
     # message on hover; the timeline's row says it in words.
-    from integration.test_dashboard_browser import CHROMIUM, Browser, assert_page_ran_clean, lanes
+    from integration.test_dashboard_browser import job_page_in_chromium, lanes
 
-    if not CHROMIUM.exists():
-        pytest.skip("the job page part needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium)")
-    profile = tmp_path / "chromium-profile"
-    profile.mkdir()
-    browser = Browser(profile, window=(1200, 800))
-    try:
-        shot = browser.render(
-            f"{server.url}/jobs/{job}?token={server.token}",
-            "[...document.querySelectorAll('#lanes td')].some(td => td.dataset.state === 'failed')"
-            " && [...document.querySelectorAll('#timeline tbody tr')].some(r => r.cells[2].textContent === 'workers_failed')",
-            "the failure on the job page",
-        )
-        assert_page_ran_clean(shot)
+    with job_page_in_chromium(
+        server,
+        job,
+        tmp_path,
+        "[...document.querySelectorAll('#lanes td')].some(td => td.dataset.state === 'failed')"
+        " && [...document.querySelectorAll('#timeline tbody tr')].some(r => r.cells[2].textContent === 'workers_failed')",
+        "the failure on the job page",
+    ) as (browser, shot):
         drawn = lanes(shot)
         assert drawn[failing_node][0] == "failed", drawn
         assert "failed" not in [cells[0] for node_id, cells in drawn.items() if node_id != failing_node], drawn
@@ -132,8 +127,6 @@ def test_a_worker_failure_is_on_the_timeline_in_rdzvctl_on_the_page_and_in_the_m
         assert shown[6] == f"node rank 1, 1 failed: rank 1 (local 0) exit code 1: {CUDA_ERROR}", shown
         round_title = browser.evaluate("document.querySelector('#lanes thead th:nth-child(3)').title")
         assert f"after workers_failed on {failing_node}" in round_title, round_title
-    finally:
-        browser.close()
 
 
 # -- the handler's final close, in this process against the real server ----------------------------

@@ -581,23 +581,18 @@ def test_a_nodes_death_and_the_next_round_are_in_the_jobs_events(server: Any, cl
     assert f"formation_s={reformed['formation_s']}" in formed_row[5:], lines
 
     # (c) the job page in a browser.
-    from integration.test_dashboard_browser import CHROMIUM, Browser, assert_page_ran_clean, lanes
+    from integration.test_dashboard_browser import job_page_in_chromium, lanes
 
-    if not CHROMIUM.exists():
-        pytest.skip("the job page part needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium)")
-    profile = tmp_path / "chromium-profile"
-    profile.mkdir()
-    browser = Browser(profile, window=(1200, 800))
-    try:
-        shot = browser.render(
-            f"{server.url}/jobs/{job}?token={server.token}",
-            "document.querySelectorAll('#rounds tbody tr').length >= 2"
-            " && [...document.querySelectorAll('#timeline tbody tr')].some(r => r.cells[2].textContent === 'node_departed')"
-            " && document.querySelectorAll('#members-nodes tr.node').length === 2"
-            " && [...document.querySelectorAll('#lanes td')].some(td => td.dataset.state === 'dead')",
-            "the death and the next round on the job page",
-        )
-        assert_page_ran_clean(shot)
+    with job_page_in_chromium(
+        server,
+        job,
+        tmp_path,
+        "document.querySelectorAll('#rounds tbody tr').length >= 2"
+        " && [...document.querySelectorAll('#timeline tbody tr')].some(r => r.cells[2].textContent === 'node_departed')"
+        " && document.querySelectorAll('#members-nodes tr.node').length === 2"
+        " && [...document.querySelectorAll('#lanes td')].some(td => td.dataset.state === 'dead')",
+        "the death and the next round on the job page",
+    ) as (browser, shot):
         # The lanes: the victim's ends red; the survivors' are members of the re-formed round.
         drawn = lanes(shot)
         assert "dead" in drawn[victim_entry["node_id"]], drawn
@@ -628,8 +623,6 @@ def test_a_nodes_death_and_the_next_round_are_in_the_jobs_events(server: Any, cl
         assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         if os.environ.get("UPDATE_DOCS_SCREENSHOT") == "1":
             shutil.copyfile(image, DOCS / "job-page.png")
-    finally:
-        browser.close()
 
     codes = cluster.wait_all(90, survivors)
     assert all(rc == 0 for rc in codes.values()), codes

@@ -44,6 +44,7 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -317,6 +318,26 @@ def assert_page_ran_clean(page: Rendered) -> None:
     console = page.console.splitlines()
     for word in ("Content Security Policy", "Uncaught", "pwned"):
         assert not [line for line in console if word in line], console
+
+
+@contextmanager
+def job_page_in_chromium(
+    server: ServerProcess, job: str, tmp_path: Path, ready: str, what: str
+) -> Iterator[tuple[Browser, Rendered]]:
+    """The end-to-end tests' look at a job's page: rendered until ``ready`` holds, checked to
+    have run clean, with the browser for further questions; skipped where Debian's chromium is
+    not installed (.ci/run installs it)."""
+    if not CHROMIUM.exists():
+        pytest.skip("the job page part needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium)")
+    profile = tmp_path / "chromium-profile"
+    profile.mkdir()
+    browser = Browser(profile, window=(1200, 800))
+    try:
+        shot = browser.render(f"{server.url}/jobs/{job}?token={server.token}", ready, what)
+        assert_page_ran_clean(shot)
+        yield browser, shot
+    finally:
+        browser.close()
 
 
 # The job page's first render: its nodes and its timeline are in.
