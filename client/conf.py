@@ -15,6 +15,9 @@ The ``--rdzv-conf`` keys: ``join_timeout``, ``last_call_timeout`` (the job's, as
 ``health_check_timeout``, ``gpu_check``, ``topology_env``) and the client's credentials and
 TLS (``token_file``, ``tls``, ``ca_file``, ``cert_file``, ``key_file``).
 
+A job policy on the server wins over all of these where it names a key
+(:meth:`NodeConf.with_policy`; when the node asks: :mod:`rdzv_client.nodepolicy`).
+
 What it must not know: torch (``RendezvousParameters`` is read through the :class:`RdzvParams`
 protocol, so this module imports no torch), the client's transports, the server.
 """
@@ -128,6 +131,46 @@ class NodeConf:
             topology=health.topology_path(params.get("topology_env")),
             client_options=client_options(params),
         )
+
+    def with_policy(self, policy: Mapping[str, Any]) -> NodeConf:
+        """These settings with every key of ``policy`` (the keys a job policy sets, as the
+        server's effective policy names them) in place of the node's own; keys the plug-in
+        does not know are left out.
+
+        A policy wins over the node. The server applies the job-side keys itself, whatever
+        the node proposes (nodes whose own values differ do not conflict on a covered key);
+        the node proposes the policy's values too, so that its log and its refusals say what
+        the job runs with. Where a policy sets one end of ``--nnodes`` and the node's other
+        end would cross it, the other end follows: ``min_nodes=4`` over torchrun's default
+        ``--nnodes=1`` proposes 4:4. The node-side keys (``health_check``,
+        ``health_check_timeout``, ``gpu_check``) are the node's to run.
+        """
+        job = {key: _job_value(key, value) for key, value in policy.items() if key in JOB_KEYS}
+        settings = dataclasses.replace(self.settings, **job)
+        if settings.min_nodes > settings.max_nodes:  # the policy set one end only: the other follows it
+            if "min_nodes" in job:
+                settings = dataclasses.replace(settings, max_nodes=settings.min_nodes)
+            else:
+                settings = dataclasses.replace(settings, min_nodes=settings.max_nodes)
+        node: dict[str, Any] = {}
+        if "health_check" in policy:
+            node["health_check"] = str(policy["health_check"] or "")
+        if "health_check_timeout" in policy:
+            node["health_check_timeout"] = float(policy["health_check_timeout"])
+        if "gpu_check" in policy:
+            node["gpu_check"] = bool(policy["gpu_check"])
+        return dataclasses.replace(self, settings=settings, **node)
+
+
+#: The job-side keys of a job policy: the fields of the job's settings, which the server applies.
+JOB_KEYS = tuple(f.name for f in dataclasses.fields(wire.JobSettings))
+
+
+def _job_value(key: str, value: Any) -> Any:
+    """``value`` as :class:`JobSettings` types ``key`` (JSON and msgpack give 30 for 30.0)."""
+    if value is None:
+        return None
+    return float(value) if isinstance(getattr(_DEFAULTS, key), float) else int(value)
 
 
 def client_options(params: RdzvParams) -> dict[str, Any]:

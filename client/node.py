@@ -105,6 +105,10 @@ class NodeLoop:
             self._watching = (round_, self._generation)
             self._cv.notify_all()
 
+    def use_heartbeat_ttl(self, ttl: float) -> None:
+        """Beat for a TTL of ``ttl`` from the next watched round on (a job policy's heartbeat_ttl)."""
+        self._heartbeat_ttl = ttl
+
     def stop(self, *, for_good: bool = False) -> None:
         """Stop watching; ``for_good``: the threads end. The watch thread drops its current
         long-poll's answer; nothing waits for that poll to end (it ends at once when this
