@@ -245,6 +245,36 @@ function fleetWords(j) {
   return words;
 }
 
+// The job's effective settings and where each comes from (README "Job policy"): a policy
+// (`policy PATTERN`), the nodes' own --nnodes / --rdzv-conf (`node`), or the default. Hidden
+// for a server that does not say (no settings_source).
+const SETTING_ORDER = ['min_nodes', 'max_nodes', 'last_call_timeout', 'join_timeout', 'heartbeat_ttl', 'max_restarts',
+  'min_round_seconds', 'max_fast_failures'];
+
+function settingText(v) {
+  if (v === null || v === undefined) return v === null ? 'none' : '-';
+  if (typeof v === 'boolean') return v ? '1' : '0';
+  return String(v);
+}
+
+function showSettings(j) {
+  const section = document.getElementById('settings-section');
+  const sources = j.settings_source && typeof j.settings_source === 'object' ? j.settings_source : null;
+  section.hidden = !sources;
+  if (!sources) return;
+  const keys = SETTING_ORDER.filter(k => k in j || k in sources)
+    .concat(Object.keys(sources).filter(k => !SETTING_ORDER.includes(k)).sort());
+  const byPolicy = keys.filter(k => String(sources[k] || '').startsWith('policy'));
+  setText(document.getElementById('settings-note'),
+    byPolicy.length ? `${byPolicy.length} from a policy: ${byPolicy.join(', ')}` : 'none from a policy');
+  document.querySelector('#settings tbody').replaceChildren(...keys.map(k => {
+    const tr = row([k, k in j ? settingText(j[k]) : '-', sources[k] || '']);
+    tr.dataset.setting = k;
+    if (String(sources[k] || '').startsWith('policy')) tr.lastChild.className = 'src-policy';
+    return tr;
+  }));
+}
+
 function showJob(j) {
   const summary = document.getElementById('summary');
   summary.replaceChildren(
@@ -260,6 +290,7 @@ function showJob(j) {
   tables.waiting.update(j.waiting, false, counts.waiting);
   tables.standby.update(j.standby, false, counts.standby);
   showProgress(j);
+  showSettings(j);
   document.getElementById('updated').textContent = 'live, updated ' + new Date().toLocaleTimeString();
 }
 
