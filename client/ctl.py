@@ -311,25 +311,33 @@ def _by(value: object) -> str:
     return _cell(value or None)
 
 
-def format_policies(policies: Sequence[Mapping[str, Any]]) -> str:
-    """``rdzvctl policy show``: one row per policy, its keys as ``key=value`` words, when and
-    by whom it last changed (Unix times: a policy's ``changed_at`` is the server's wall clock)."""
+def _changed_at(value: object, server_now: float | None) -> str:
+    """A policy's ``changed_at`` (server clock) as a local wall-clock time; "-" without the
+    server's ``now`` to place it."""
+    if server_now is None or not isinstance(value, (int, float)) or isinstance(value, bool):
+        return "-"
+    return _local_time(value + time.time() - server_now)
+
+
+def format_policies(policies: Sequence[Mapping[str, Any]], server_now: float | None = None) -> str:
+    """``rdzvctl policy show``: one row per policy (the server's order: most specific first),
+    its keys as ``key=value`` words, when and by whom it last changed (``server_now``: the
+    server's clock, which ``changed_at`` is on)."""
     if not policies:
         return "no policies (rdzvctl policy set PATTERN KEY=VALUE... makes one)"
     rows = [
-        [_cell(p.get("pattern")), _settings_words(p.get("settings") or {}), _local_time(p.get("changed_at")),
+        [_cell(p.get("pattern")), _settings_words(p.get("settings") or {}), _changed_at(p.get("changed_at"), server_now),
          _by(p.get("changed_by"))]
         for p in policies
     ]  # fmt: skip
     return "\n".join(format_table(["PATTERN", "SETTINGS", "CHANGED", "BY"], rows))
 
 
-def format_policy(policy: Mapping[str, Any]) -> str:
+def format_policy(policy: Mapping[str, Any], server_now: float | None = None) -> str:
     """``rdzvctl policy show PATTERN``: a header line, then one row per key."""
     settings: Mapping[str, Any] = policy.get("settings") or {}
-    lines = [
-        f"policy {policy.get('pattern')}  changed {_local_time(policy.get('changed_at'))} by {_by(policy.get('changed_by'))}"
-    ]
+    changed = _changed_at(policy.get("changed_at"), server_now)
+    lines = [f"policy {policy.get('pattern')}  changed {changed} by {_by(policy.get('changed_by'))}"]
     rows = [[key, setting_text(value)] for key, value in sorted(settings.items())]
     lines += format_table(["KEY", "VALUE"], rows) if rows else ["(no keys)"]
     return "\n".join(lines)

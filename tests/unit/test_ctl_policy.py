@@ -64,8 +64,12 @@ def test_policy_set_with_a_bad_word_is_a_usage_error_that_sends_nothing(capsys: 
     assert info.value.code == ctl.EXIT_USAGE
 
 
+NOW = 5000.0  # the server's clock (monotonic, any origin) when it answered
+
+
 def _at(text: str) -> float:
-    return time.mktime(time.strptime(text, "%Y-%m-%d %H:%M:%S"))
+    """The server-clock time of local wall-clock ``text``, for an answer given now at :data:`NOW`."""
+    return time.mktime(time.strptime(text, "%Y-%m-%d %H:%M:%S")) - time.time() + NOW
 
 
 POLICIES: list[dict[str, Any]] = [
@@ -77,16 +81,18 @@ POLICIES: list[dict[str, Any]] = [
 
 
 def test_policy_show_lists_each_policy_with_its_keys_and_who_changed_it_when() -> None:
-    assert ctl.format_policies(POLICIES).splitlines() == [
+    assert ctl.format_policies(POLICIES, NOW).splitlines() == [
         "PATTERN  SETTINGS                                         CHANGED              BY",
         "llm-*    last_call_timeout=30 max_restarts=1 min_nodes=2  2026-11-28 01:55:02  operator",
         "llm-7    gpu_check=0 health_check=/opt/check.sh           2026-11-28 02:10:40  -",
     ]
     assert ctl.format_policies([]) == "no policies (rdzvctl policy set PATTERN KEY=VALUE... makes one)"
+    # A server that does not say its clock: when is unknown.
+    assert ctl.format_policies(POLICIES[:1]).splitlines()[1].split()[-2:] == ["-", "operator"]
 
 
 def test_policy_show_of_one_pattern_lists_its_keys() -> None:
-    assert ctl.format_policy(POLICIES[0]).splitlines() == [
+    assert ctl.format_policy(POLICIES[0], NOW).splitlines() == [
         "policy llm-*  changed 2026-11-28 01:55:02 by operator",
         "KEY                VALUE",
         "last_call_timeout  30",
