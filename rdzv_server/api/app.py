@@ -284,6 +284,67 @@ async def uncordon_host(request: web.Request) -> web.Response:
     return encode(request, await request.app[SERVICE].write(c.Uncordon("", host=req.host)))
 
 
+def _policy_writer(request: web.Request, what: str) -> None:
+    """A policy concerns every job it matches: only a write token for every job may change one (403)."""
+    grant = _grant(request)
+    if not grant.allows(True) or grant.job_prefix:
+        request.app[METRICS].auth_failed("forbidden")
+        raise Forbidden(f"this token may not {what}: policies need a write token for every job")
+
+
+async def list_policies(request: web.Request) -> web.Response:
+    """``GET /v1/policies``: every policy, most specific first (any token may read them)."""
+    return encode(request, {"policies": [p.entry() for p in await request.app[SERVICE].policies()]})
+
+
+async def show_policy(request: web.Request) -> web.Response:
+    """``GET /v1/policies/{pattern}``: one policy (404 ``no_such_policy``)."""
+    pattern = wire.pattern_ok(request.match_info["pattern"])
+    return encode(request, (await request.app[SERVICE].policy(pattern)).entry())
+
+
+async def set_policy(request: web.Request) -> web.Response:
+    """``PUT /v1/policies/{pattern}`` ``{"settings": {KEY: VALUE}}``: merge them into the policy
+    (made if new); answers the policy. A bad key or value: 400 ``bad_policy`` naming it."""
+    _policy_writer(request, "set a policy")
+    svc = request.app[SERVICE]
+    pattern = wire.pattern_ok(request.match_info["pattern"])
+    body = await decode(request, svc.config.max_body_bytes)
+    if not isinstance(body, dict) or set(body) != {"settings"}:
+        raise wire.bad_policy('a policy is set by {"settings": {KEY: VALUE, ...}} and nothing else')
+    settings = wire.policy_settings(body["settings"])
+    return encode(request, await svc.write(c.SetPolicy("", pattern=pattern, settings=settings)))
+
+
+async def unset_policy(request: web.Request) -> web.Response:
+    """``DELETE /v1/policies/{pattern}`` (optional ``{"keys": [KEY...]}``): remove those keys, or
+    the whole policy; answers ``{"pattern", "removed"}`` (404 ``no_such_policy``)."""
+    _policy_writer(request, "unset a policy")
+    svc = request.app[SERVICE]
+    pattern = wire.pattern_ok(request.match_info["pattern"])
+    body = await decode(request, svc.config.max_body_bytes) if request.body_exists else {}
+    keys = body.get("keys", []) if isinstance(body, dict) and set(body) <= {"keys"} else None
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise wire.bad_policy('a policy\'s keys are unset by {"keys": [KEY, ...]} (or no body: the whole policy)')
+    req = c.UnsetPolicy("", pattern=pattern, keys=tuple(keys))
+    req.validate()  # an unknown key: 400 bad_policy naming it
+    return encode(request, await svc.write(req))
+
+
+async def effective_policy(request: web.Request) -> web.Response:
+    """``GET /v1/policy?job=ID``: the keys the policies set for job ID (which need not exist
+    yet), each with its source, and the policy version (it moves at every change)."""
+    svc = request.app[SERVICE]
+    rdzv_id = wire.check_id("job", request.query.get("job"))
+    winning, version = await svc.effective_policy(rdzv_id)
+    return encode(request, {
+        "job": rdzv_id,
+        "settings": {k: v for k, (v, _) in winning.items()},
+        "sources": {k: f"policy {pattern}" for k, (_, pattern) in winning.items()},
+        "version": version,
+    })
+
+
 def _query_number(request: web.Request, name: str, default: T, kind: Callable[[str], T], low: T, high: T) -> T:
     raw = request.query.get(name)
     if raw is None:
@@ -394,6 +455,11 @@ def create_app(svc: Service, tokens: TokenTable) -> web.Application:
             web.get("/v1/cordons", list_cordons),
             web.post("/v1/cordons", cordon_host),
             web.delete("/v1/cordons/{host}", uncordon_host),
+            web.get("/v1/policies", list_policies),
+            web.get("/v1/policies/{pattern}", show_policy),
+            web.put("/v1/policies/{pattern}", set_policy),
+            web.delete("/v1/policies/{pattern}", unset_policy),
+            web.get("/v1/policy", effective_policy),
             web.get("/v1/jobs", list_jobs),
             web.get("/v1/jobs/{rdzv_id}", show_job),
             web.get("/v1/jobs/{rdzv_id}/events", job_events),

@@ -46,6 +46,10 @@ def job_document(view: JobView) -> dict[str, Any]:
         "max_restarts": settings.max_restarts,
         "closed_cause": view.closed_cause or None,
         **_progress_fields(view),
+        # Job policy (README "Job policy"): the node-side keys a policy sets for the job, and
+        # where each effective setting comes from ("policy PATTERN", "node", "default").
+        **view.node_settings,
+        "settings_source": dict(view.settings_source),
     }
 
 
