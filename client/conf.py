@@ -145,7 +145,7 @@ class NodeConf:
         ``--nnodes=1`` proposes 4:4. The node-side keys (``health_check``,
         ``health_check_timeout``, ``gpu_check``) are the node's to run.
         """
-        job = {key: _job_value(key, value) for key, value in policy.items() if key in JOB_KEYS}
+        job = {key: _job_value(key, value) for key, value in policy.items() if key in wire.POLICY_JOB_KEYS}
         settings = dataclasses.replace(self.settings, **job)
         if settings.min_nodes > settings.max_nodes:  # the policy set one end only: the other follows it
             if "min_nodes" in job:
@@ -160,10 +160,6 @@ class NodeConf:
         if "gpu_check" in policy:
             node["gpu_check"] = bool(policy["gpu_check"])
         return dataclasses.replace(self, settings=settings, **node)
-
-
-#: The job-side keys of a job policy: the fields of the job's settings, which the server applies.
-JOB_KEYS = tuple(f.name for f in dataclasses.fields(wire.JobSettings))
 
 
 def _job_value(key: str, value: Any) -> Any:

@@ -221,74 +221,29 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise ValueError
-    return value
-
-
-def _seconds(text: str) -> float:
-    """``30``, ``30s``, ``1.5m``, ``2h`` as seconds (>= 0: a last call of 0 is a real setting)."""
-    raw = text.strip().lower()
-    unit = _UNITS.get(raw[-1:], None)
-    seconds = float(raw[:-1] if unit is not None else raw) * (unit or 1.0)
-    if not 0 <= seconds < float("inf"):  # also NaN
-        raise ValueError
-    return seconds
-
-
-_FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
-
-
-def _flag(text: str) -> bool:
-    return _FLAGS[text.strip().lower()]
-
-
-def _command(text: str) -> str:
-    return text
-
-
-#: The keys ``rdzvctl policy set`` takes, with how each value is read and what it must look
-#: like (for the message when it does not). The ranges are the server's to check: it answers
-#: ``bad_policy`` naming the key.
-POLICY_KEYS: dict[str, tuple[Any, str]] = {
-    "min_nodes": (_count, "a node count"),
-    "max_nodes": (_count, "a node count"),
-    "last_call_timeout": (_seconds, "seconds (30, 30s, 2m)"),
-    "join_timeout": (_seconds, "seconds (600, 10m)"),
-    "heartbeat_ttl": (_seconds, "seconds (15, 15s)"),
-    "max_restarts": (_count, "a count of restarts"),
-    "min_round_seconds": (_seconds, "seconds (60, 2m)"),
-    "max_fast_failures": (_count, "a count (0 turns the crash-loop rule off)"),
-    "health_check": (_command, "a shell command (quote it)"),
-    "health_check_timeout": (_seconds, "seconds (60, 1m)"),
-    "gpu_check": (_flag, "1 or 0 (true/false, yes/no, on/off)"),
-}
-
-
 def parse_policy_settings(words: Sequence[str]) -> dict[str, object]:
-    """``["min_nodes=2", "last_call_timeout=30s"]`` -> ``{"min_nodes": 2, "last_call_timeout": 30.0}``.
+    """``["min_nodes=2", "last_call_timeout=30"]`` -> ``{"min_nodes": 2, "last_call_timeout": 30.0}``:
+    the words of ``rdzvctl policy set``, typed and checked as the server will
+    (:func:`rdzv_client.wire.policy_settings`), so that nothing wrong is sent.
 
-    Raises ValueError naming the word, the key or the value that is wrong, and what it
-    should be: no ``=``, a key :data:`POLICY_KEYS` lacks, a key given twice, a value that
-    does not read as the key's kind."""
-    settings: dict[str, object] = {}
+    Raises ValueError naming the word, the key or the value that is wrong: no ``=``, a key
+    the server does not know (the message lists the keys), a key given twice, a value the key
+    cannot take."""
+    raw: dict[str, str] = {}
     for word in words:
         key, eq, text = word.partition("=")
         key = key.strip()
         if not eq or not key:
             raise ValueError(f"{word!r} is not KEY=VALUE (e.g. min_nodes=2)")
-        if key not in POLICY_KEYS:
-            raise ValueError(f"{key!r} is not a policy key; the keys are {', '.join(POLICY_KEYS)}")
-        if key in settings:
+        if key not in wire.POLICY_KEYS:
+            raise ValueError(f"{key!r} is not a policy key; the keys are {', '.join(wire.POLICY_KEYS)}")
+        if key in raw:
             raise ValueError(f"{key} is given twice")
-        read, kind = POLICY_KEYS[key]
-        try:
-            settings[key] = read(text)
-        except (ValueError, KeyError):
-            raise ValueError(f"{key}={text!r}: the value must be {kind}") from None
-    return settings
+        raw[key] = text
+    try:
+        return wire.policy_settings(raw)
+    except wire.WireError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def setting_text(value: object) -> str:
@@ -311,32 +266,36 @@ def _by(value: object) -> str:
     return _cell(value or None)
 
 
-def _changed_at(value: object, server_now: float | None) -> str:
-    """A policy's ``changed_at`` (server clock) as a local wall-clock time; "-" without the
-    server's ``now`` to place it."""
+def _changed_at(value: object, server_now: float | None, wall_now: float | None) -> str:
+    """A policy's ``changed_at`` (server clock) as a local wall-clock time, placed by the
+    server's ``now`` and this host's (default: the time now); "-" without the server's."""
     if server_now is None or not isinstance(value, (int, float)) or isinstance(value, bool):
         return "-"
-    return _local_time(value + time.time() - server_now)
+    return _local_time(value + (time.time() if wall_now is None else wall_now) - server_now)
 
 
-def format_policies(policies: Sequence[Mapping[str, Any]], server_now: float | None = None) -> str:
+def format_policies(
+    policies: Sequence[Mapping[str, Any]], server_now: float | None = None, wall_now: float | None = None
+) -> str:
     """``rdzvctl policy show``: one row per policy (the server's order: most specific first),
     its keys as ``key=value`` words, when and by whom it last changed (``server_now``: the
-    server's clock, which ``changed_at`` is on)."""
+    server's clock, which ``changed_at`` is on, when this host's clock read ``wall_now``)."""
     if not policies:
         return "no policies (rdzvctl policy set PATTERN KEY=VALUE... makes one)"
     rows = [
-        [_cell(p.get("pattern")), _settings_words(p.get("settings") or {}), _changed_at(p.get("changed_at"), server_now),
+        [_cell(p.get("pattern")), _settings_words(p.get("settings") or {}), _changed_at(p.get("changed_at"), server_now, wall_now),
          _by(p.get("changed_by"))]
         for p in policies
     ]  # fmt: skip
     return "\n".join(format_table(["PATTERN", "SETTINGS", "CHANGED", "BY"], rows))
 
 
-def format_policy(policy: Mapping[str, Any], server_now: float | None = None) -> str:
+def format_policy(
+    policy: Mapping[str, Any], server_now: float | None = None, wall_now: float | None = None
+) -> str:
     """``rdzvctl policy show PATTERN``: a header line, then one row per key."""
     settings: Mapping[str, Any] = policy.get("settings") or {}
-    changed = _changed_at(policy.get("changed_at"), server_now)
+    changed = _changed_at(policy.get("changed_at"), server_now, wall_now)
     lines = [f"policy {policy.get('pattern')}  changed {changed} by {_by(policy.get('changed_by'))}"]
     rows = [[key, setting_text(value)] for key, value in sorted(settings.items())]
     lines += format_table(["KEY", "VALUE"], rows) if rows else ["(no keys)"]
@@ -355,13 +314,6 @@ def format_effective_policy(doc: Mapping[str, Any]) -> str:
     return "\n".join(lines + format_table(["KEY", "VALUE", "SOURCE"], rows))
 
 
-#: The job settings the membership document carries, in the order ``rdzvctl show`` lists them.
-SHOWN_SETTINGS = (
-    "min_nodes", "max_nodes", "last_call_timeout", "join_timeout", "heartbeat_ttl", "max_restarts",
-    "min_round_seconds", "max_fast_failures",
-)  # fmt: skip
-
-
 def format_settings(doc: Mapping[str, Any]) -> list[str]:
     """The job's effective settings, each with its source (``policy PATTERN``, ``node`` or
     ``default``), from the document's ``settings_source``; nothing from a server without it.
@@ -370,7 +322,8 @@ def format_settings(doc: Mapping[str, Any]) -> list[str]:
     sources: Mapping[str, Any] = doc.get("settings_source") or {}
     if not sources:
         return []
-    keys = [k for k in SHOWN_SETTINGS if k in doc or k in sources] + sorted(k for k in sources if k not in SHOWN_SETTINGS)
+    keys = [k for k in wire.POLICY_KEYS if k in sources or (k in doc and k in wire.POLICY_JOB_KEYS)]
+    keys += sorted(k for k in sources if k not in wire.POLICY_KEYS)  # keys of a newer server
     rows = [[key, setting_text(doc[key]) if key in doc else "-", _cell(sources.get(key))] for key in keys]
     return ["settings:", *("  " + line for line in format_table(["KEY", "VALUE", "SOURCE"], rows))]
 
@@ -537,7 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("cordons", help="list the cordoned hosts: since, until, reason, by whom")
     policy = sub.add_parser("policy", help="the jobs' settings, kept on the server: set, show, unset")
     policy_sub = policy.add_subparsers(dest="policy_command", required=True, metavar="POLICY_COMMAND")
-    keys = ", ".join(POLICY_KEYS)
+    keys = ", ".join(wire.POLICY_KEYS)
     policy_set = policy_sub.add_parser(
         "set", help="set keys of the policy of PATTERN (made if new); a running job takes them at once",
         description=f"Set KEY=VALUE in the policy of PATTERN (a job id, or a glob such as 'llm-*': quote it). "
@@ -822,7 +775,7 @@ def _policy_hint(exc: RdzvError) -> str:
     if isinstance(exc, NotFoundError):
         return "`rdzvctl policy show` lists the policies; `rdzvctl policy set PATTERN KEY=VALUE` makes one"
     if isinstance(exc, BadRequestError):
-        return f"the keys are {', '.join(POLICY_KEYS)} (see `rdzvctl policy set --help`)"
+        return f"the keys are {', '.join(wire.POLICY_KEYS)} (see `rdzvctl policy set --help`)"
     return ""
 
 
