@@ -551,16 +551,27 @@ def format_events(events: Sequence[Mapping[str, Any]], server_now: float, *, hea
 def event_detail(event: Mapping[str, Any]) -> str:
     """An event's own fields as ``key=value`` words; a ``workers_failed`` event's failures as
     sentences (``rank 1 (local 1) exit code 1: RuntimeError: ...``), its summary only when it
-    lists none (``workers failed (no detail)``)."""
+    lists none (``workers failed (no detail)``); a ``policy_changed`` event's changes as
+    ``key=old->new (source)``."""
     words = []
     failures = event.get("failures")
+    changes = event.get("changes")
     for key, value in event.items():
         if key in _EVENT_FIELDS or key == "failures" or (key == "summary" and failures):
+            continue
+        if key == "changes" and isinstance(changes, Mapping):  # policy_changed: each key, old -> new
+            words += [policy_change_text(k, c) for k, c in changes.items() if isinstance(c, Mapping)]
             continue
         words.append(f"{key}={value}")
     if isinstance(failures, list):
         words += [failure_text(f) + ";" for f in failures if isinstance(f, Mapping)]
     return " ".join(words).rstrip(";")
+
+
+def policy_change_text(key: str, change: Mapping[str, Any]) -> str:
+    """One key of a ``policy_changed`` event: ``max_restarts=1->2 (policy pol-1)``."""
+    text = f"{key}={setting_text(change.get('old'))}->{setting_text(change.get('new'))}"
+    return f"{text} ({change['source']})" if change.get("source") else text
 
 
 def failure_text(failure: Mapping[str, Any]) -> str:

@@ -6,7 +6,9 @@ What it owns:
 - :class:`NodePolicy`: when a node fetches the policy. Before its first join it always does
   (``effective_policy``); before a later join only when the ``policy_version`` the server
   last reported (a join's answer) differs from the version it took, so a re-formation of a
-  job whose policy did not change costs no request at all.
+  job whose policy did not change costs no request at all. Each time the keys it takes
+  change, one line (a warning: it is what the agent's log shows) names them and their
+  patterns.
 
 Rules it keeps:
 - A policy wins over the node (:meth:`NodeConf.with_policy <rdzv_client.conf.NodeConf.with_policy>`
@@ -106,10 +108,14 @@ class NodePolicy:
         version = doc.get("version")
         self._taken = self._latest = int(version) if isinstance(version, int) else 0
         merged = own.with_policy(policy_keys(doc))
-        if first or merged != self.conf:
-            words = describe(doc)
-            log.info("Node %s of job %s: %s.", own.node_id, own.run_id,
-                     f"settings {words} (over its own --nnodes / --rdzv-conf)" if words
-                     else "no policy covers the job; its own --nnodes / --rdzv-conf apply")
+        words = describe(doc)
+        if words and (first or merged != self.conf):
+            # A warning, not info: the agent's log shows the plug-in's warnings (torch sets up
+            # its own loggers only), and a node that does not do what its command line says
+            # must say why where its operator looks.
+            log.warning("Node %s of job %s takes settings %s (over its own --nnodes / --rdzv-conf).",
+                        own.node_id, own.run_id, words)
+        elif first:
+            log.info("Node %s: no policy covers job %s; its own --nnodes / --rdzv-conf apply.", own.node_id, own.run_id)
         self.conf = merged
         return merged

@@ -90,7 +90,7 @@ def test_the_node_asks_before_its_first_join_and_again_only_after_the_version_mo
     with caplog.at_level(logging.INFO, logger="rdzv_client"):
         first = policy.before_join(client)  # type: ignore[arg-type]
     assert (client.asked, first.settings.min_nodes, first.settings.max_nodes) == (1, 2, 2)
-    assert "settings min_nodes=2, max_nodes=2 from policy pol-* (over its own --nnodes / --rdzv-conf)" in caplog.text
+    assert "takes settings min_nodes=2, max_nodes=2 from policy pol-* (over its own --nnodes / --rdzv-conf)" in caplog.text
     for _ in range(3):  # re-formations: the joins' answers say version 1, nothing is asked
         policy.seen(1)
         assert policy.before_join(client) is first  # type: ignore[arg-type]
@@ -107,7 +107,7 @@ def test_a_node_whose_job_no_policy_covers_says_so_and_keeps_its_own(caplog: pyt
     node = own(2, 4)
     with caplog.at_level(logging.INFO, logger="rdzv_client"):
         assert NodePolicy(node).before_join(client) == node  # type: ignore[arg-type]
-    assert "no policy covers the job; its own --nnodes / --rdzv-conf apply" in caplog.text
+    assert "no policy covers job pol-a; its own --nnodes / --rdzv-conf apply" in caplog.text
 
 
 def test_a_server_without_policies_is_asked_once_and_a_failed_fetch_keeps_the_last_settings() -> None:

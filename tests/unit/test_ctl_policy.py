@@ -153,3 +153,13 @@ def test_show_of_a_server_without_settings_sources_prints_no_settings_table() ->
 @pytest.mark.parametrize(("value", "text"), [(None, "none"), (True, "1"), (False, "0"), (30.0, "30"), (0.5, "0.5"), (3, "3")])
 def test_a_setting_prints_as_one_would_type_it(value: object, text: str) -> None:
     assert ctl.setting_text(value) == text
+
+
+def test_a_policy_changed_event_reads_as_each_key_old_to_new_and_its_source() -> None:
+    event = {"seq": 10, "time": 7.6, "kind": "policy_changed", "cause": "operator", "round": 1, "node_id": None,
+             "addr": None, "pattern": "pol-1", "by": "operator",
+             "changes": {"max_restarts": {"old": 1, "new": 2, "source": "policy pol-1"},
+                         "health_check": {"old": None, "new": "/opt/check.sh", "source": "policy pol-*"}}}  # fmt: skip
+    assert ctl.event_detail(event) == (
+        "pattern=pol-1 by=operator max_restarts=1->2 (policy pol-1) health_check=none->/opt/check.sh (policy pol-*)"
+    )

@@ -34,7 +34,7 @@ const NOTE_WORDS = { job_closed: 'closed', server_restarted: 'restart', host_cor
 const STOP_STATUSES = new Set([401, 403, 404]);
 const NODE_HEADS = ['node rank', 'node id', 'host/addr', 'nproc', 'global ranks', 'status', 'heartbeat age'];
 const KINDS = new Set(['job_created', 'job_closed', 'node_joined', 'round_formed', 'standby_promoted', 'node_departed',
-  'join_refused', 'node_refused', 'host_cordoned', 'fast_failure', 'workers_failed']);
+  'join_refused', 'node_refused', 'host_cordoned', 'fast_failure', 'workers_failed', 'policy_changed']);
 const EVENT_FIELDS = new Set(['seq', 'time', 'kind', 'cause', 'round', 'node_id', 'addr']);
 
 // The job this page shows: /jobs/ID, or none on /.
@@ -529,6 +529,10 @@ function details(e) {
     const failures = (e.failures || []).map(f => `rank ${f.global_rank} (local ${f.local_rank}) `
       + (f.signal || `exit code ${f.exit_code}`) + (f.message && f.message !== (f.signal || `exit code ${f.exit_code}`) ? `: ${f.message}` : ''));
     return `node rank ${e.node_rank}, ${e.failed_workers} failed: ` + (failures.join('; ') || e.summary);
+  }
+  if (e.kind === 'policy_changed' && e.changes && typeof e.changes === 'object') { // each key: old -> new, and from where
+    return `policy ${e.pattern} by ${e.by}: ` + Object.entries(e.changes)
+      .map(([k, c]) => `${k} ${settingText(c.old)} \u2192 ${settingText(c.new)}` + (c.source ? ` (${c.source})` : '')).join(', ');
   }
   return rest.map(k => `${k}=${typeof e[k] === 'object' ? JSON.stringify(e[k]) : e[k]}`).join(' ');
 }
