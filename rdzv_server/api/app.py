@@ -60,7 +60,7 @@ from ..service import Service
 from . import page
 from .auth import OPEN, Grant, TokenTable, bearer_token
 from .codec import decode, encode
-from .document import cordon_entry, event_entry, events_document, job_document, job_summary
+from .document import cordon_entry, event_entry, events_document, job_document, job_summary, policy_entry
 from .error import error_middleware
 from .header import security_headers
 from .metric import Metrics
@@ -294,13 +294,15 @@ def _policy_writer(request: web.Request, what: str) -> None:
 
 async def list_policies(request: web.Request) -> web.Response:
     """``GET /v1/policies``: every policy, most specific first (any token may read them)."""
-    return encode(request, {"policies": [p.entry() for p in await request.app[SERVICE].policies()]})
+    found, now = await request.app[SERVICE].policies()
+    return encode(request, {"policies": [policy_entry(p, now) for p in found], "now": now})
 
 
 async def show_policy(request: web.Request) -> web.Response:
     """``GET /v1/policies/{pattern}``: one policy (404 ``no_such_policy``)."""
     pattern = wire.pattern_ok(request.match_info["pattern"])
-    return encode(request, (await request.app[SERVICE].policy(pattern)).entry())
+    policy, now = await request.app[SERVICE].policy(pattern)
+    return encode(request, {**policy_entry(policy, now), "now": now})
 
 
 async def set_policy(request: web.Request) -> web.Response:
@@ -313,7 +315,7 @@ async def set_policy(request: web.Request) -> web.Response:
     if not isinstance(body, dict) or set(body) != {"settings"}:
         raise wire.bad_policy('a policy is set by {"settings": {KEY: VALUE, ...}} and nothing else')
     settings = wire.policy_settings(body["settings"])
-    return encode(request, await svc.write(c.SetPolicy("", pattern=pattern, settings=settings)))
+    return encode(request, {**await svc.write(c.SetPolicy("", pattern=pattern, settings=settings)), "age_s": 0.0})
 
 
 async def unset_policy(request: web.Request) -> web.Response:
