@@ -307,6 +307,16 @@ def test_a_policy_the_nodes_counts_break_is_held_and_the_event_says_so() -> None
     assert log.changed()[-1]["changes"]["min_nodes"] == {"old": 1, "new": 6, "source": "policy llm-*"}
 
 
+def test_a_new_job_that_a_policy_and_its_nodes_break_together_says_so_at_its_creation() -> None:
+    log = Log()
+    log.set("llm-*", 0.0, min_nodes=2)
+    log.join("a", 1.0, min_nodes=1, max_nodes=1)  # torchrun's default --nnodes=1:1
+    job = log.sm.job(JOB)
+    assert (job.settings.min_nodes, job.settings_source()["min_nodes"]) == (1, "node")
+    created = job.timeline.since(0)[0]
+    assert created.kind.value == "job_created" and "min_nodes=2 (policy llm-*), max_nodes=1 (node)" in created.detail["held"]["min_nodes"]
+
+
 def test_a_fresh_run_takes_its_new_nodes_settings_under_the_same_policies() -> None:
     log = Log()
     log.set(JOB, 0.0, max_restarts=7)
