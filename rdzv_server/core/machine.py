@@ -509,7 +509,7 @@ class StateMachine:
             if winning == job.policy:
                 continue
             seen = job.timeline.next_seq - 1
-            change = self._membership_change(
+            change = self._membership_change(  # (calls the lambda at once: this pass's winning)
                 entry, lambda job: {"moved": job.apply_policy(winning, now, pattern, by)}
             )
             if job.timeline.next_seq - 1 > seen:
