@@ -650,7 +650,8 @@ class AsyncClient:
 
     async def policies(self) -> list[dict[str, Any]]:
         """Every job policy, most specific first: each a map with ``pattern``, ``settings``
-        (``{KEY: VALUE}``), ``changed_at`` (Unix seconds, the server's clock) and ``changed_by``."""
+        (``{KEY: VALUE}``), ``changed_at`` (the server's clock), ``age_s`` (how long ago that
+        was) and ``changed_by``."""
         body = await self._get_json("/v1/policies", "listing policies")
         found = reply_field(body, "policies", list, "policies")
         if not all(isinstance(p, dict) for p in found):
@@ -659,7 +660,7 @@ class AsyncClient:
 
     async def policy(self, pattern: str) -> dict[str, Any]:
         """The policy of ``pattern`` (a job id or a glob over job ids), as :meth:`policies` gives
-        each. Raises :class:`NotFoundError` (``no_such_policy``)."""
+        each, with the server's ``now``. Raises :class:`NotFoundError` (``no_such_policy``)."""
         _check_pattern(pattern)
         body = await self._get_json(f"/v1/policies/{urllib.parse.quote(pattern, safe='')}", f"reading policy {pattern}")
         if not isinstance(body, dict):

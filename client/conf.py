@@ -15,7 +15,8 @@ The ``--rdzv-conf`` keys: ``join_timeout``, ``last_call_timeout`` (the job's, as
 ``health_check_timeout``, ``gpu_check``, ``topology_env``) and the client's credentials and
 TLS (``token_file``, ``tls``, ``ca_file``, ``cert_file``, ``key_file``).
 
-A job policy on the server wins over all of these where it names a key
+A job policy on the server wins over the job's settings and the node-side checks where it
+names a key: the server applies the job's, the node runs the checks a policy gives it
 (:meth:`NodeConf.with_policy`; when the node asks: :mod:`rdzv_client.nodepolicy`).
 
 What it must not know: torch (``RendezvousParameters`` is read through the :class:`RdzvParams`
@@ -133,25 +134,14 @@ class NodeConf:
         )
 
     def with_policy(self, policy: Mapping[str, Any]) -> NodeConf:
-        """These settings with every key of ``policy`` (the keys a job policy sets, as the
-        server's effective policy names them) in place of the node's own; keys the plug-in
-        does not know are left out.
+        """These settings with the node-side keys of ``policy`` (the keys a job policy sets, as
+        the server's effective policy names them: ``health_check``, ``health_check_timeout``,
+        ``gpu_check``) in place of the node's own; the node runs them before its joins.
 
-        A policy wins over the node. The server applies the job-side keys itself, whatever
-        the node proposes (nodes whose own values differ do not conflict on a covered key);
-        the node proposes the policy's values too, so that its log and its refusals say what
-        the job runs with. Where a policy sets one end of ``--nnodes`` and the node's other
-        end would cross it, the other end follows: ``min_nodes=4`` over torchrun's default
-        ``--nnodes=1`` proposes 4:4. The node-side keys (``health_check``,
-        ``health_check_timeout``, ``gpu_check``) are the node's to run.
-        """
-        job = {key: _job_value(key, value) for key, value in policy.items() if key in wire.POLICY_JOB_KEYS}
-        settings = dataclasses.replace(self.settings, **job)
-        if settings.min_nodes > settings.max_nodes:  # the policy set one end only: the other follows it
-            if "min_nodes" in job:
-                settings = dataclasses.replace(settings, max_nodes=settings.min_nodes)
-            else:
-                settings = dataclasses.replace(settings, min_nodes=settings.max_nodes)
+        The job-side keys are not laid over :attr:`settings`, which stay what the node's own
+        ``--nnodes`` / ``--rdzv-conf`` propose: the server applies a policy's value itself
+        whatever a node proposes, and keeps the node's own as the job's (the value a job falls
+        back to when the policy is unset)."""
         node: dict[str, Any] = {}
         if "health_check" in policy:
             node["health_check"] = str(policy["health_check"] or "")
@@ -159,14 +149,7 @@ class NodeConf:
             node["health_check_timeout"] = float(policy["health_check_timeout"])
         if "gpu_check" in policy:
             node["gpu_check"] = bool(policy["gpu_check"])
-        return dataclasses.replace(self, settings=settings, **node)
-
-
-def _job_value(key: str, value: Any) -> Any:
-    """``value`` as :class:`JobSettings` types ``key`` (JSON and msgpack give 30 for 30.0)."""
-    if value is None:
-        return None
-    return float(value) if isinstance(getattr(_DEFAULTS, key), float) else int(value)
+        return dataclasses.replace(self, **node)
 
 
 def client_options(params: RdzvParams) -> dict[str, Any]:

@@ -11,10 +11,13 @@ What it owns:
   patterns.
 
 Rules it keeps:
-- A policy wins over the node (:meth:`NodeConf.with_policy <rdzv_client.conf.NodeConf.with_policy>`
-  lays it over the node's own settings). The node-side keys (``health_check``,
-  ``health_check_timeout``, ``gpu_check``) apply at the node's next join; ``heartbeat_ttl``
-  sets its beat interval (a third of the TTL) from its next round on.
+- A policy wins over the node. The server applies the job-side keys whatever the node
+  proposes (the node proposes its own ``--nnodes`` / ``--rdzv-conf``, which stay the job's own:
+  what it falls back to when the policy is unset). The node-side keys (``health_check``,
+  ``health_check_timeout``, ``gpu_check``) are the node's to run: :meth:`NodeConf.with_policy
+  <rdzv_client.conf.NodeConf.with_policy>` lays them over its own, and they apply at its next
+  join. A policy's ``heartbeat_ttl`` is the job's TTL: the node beats within it (a third of
+  it) from its next round on (:attr:`NodePolicy.heartbeat_ttl`).
 - A server without policies (404 ``not_found`` from ``/v1/policy``) is asked once: the node
   runs on its own settings. Any other failure to fetch leaves the node on the settings it
   last took (the join that follows reports a server that is really gone) and it asks again
@@ -68,6 +71,9 @@ class NodePolicy:
     def __init__(self, own: NodeConf) -> None:
         self.own = own  # the node's own settings: every policy is laid over these
         self.conf = own
+        #: The job's heartbeat TTL as far as the node knows: the policy's, else its own.
+        self.heartbeat_ttl = own.settings.heartbeat_ttl
+        self._keys: dict[str, Any] = {}  # the keys taken from a policy
         self._taken: int | None = None  # the version taken (None: none yet)
         self._latest: int | None = None  # the latest version the server reported
         self._unsupported = False  # the server has no policies: never ask again
@@ -107,9 +113,13 @@ class NodePolicy:
         first = self._taken is None
         version = doc.get("version")
         self._taken = self._latest = int(version) if isinstance(version, int) else 0
-        merged = own.with_policy(policy_keys(doc))
+        keys = policy_keys(doc)
+        merged = own.with_policy(keys)
+        ttl = keys.get("heartbeat_ttl")
+        self.heartbeat_ttl = float(ttl) if isinstance(ttl, (int, float)) and ttl > 0 else own.settings.heartbeat_ttl
         words = describe(doc)
-        if words and (first or merged != self.conf):
+        changed, self._keys = keys != self._keys, keys
+        if words and (first or changed):
             # A warning, not info: the agent's log shows the plug-in's warnings (torch sets up
             # its own loggers only), and a node that does not do what its command line says
             # must say why where its operator looks.

@@ -255,7 +255,7 @@ class RdzvServerHandler(RendezvousHandler):
     :func:`create_handler`; ``client``: the node's (default: a :func:`node_client`)."""
 
     def __init__(self, conf: NodeConf, nproc_per_node: int, client: Client | None = None) -> None:
-        self._conf = conf  # the node's own settings, then with the job's policy laid over them (_take_policy)
+        self._conf = conf  # the node's own settings, then with the job policy's node-side keys (_take_policy)
         self._policy = NodePolicy(conf)
         self._run_id = conf.run_id
         self._node_id = conf.node_id
@@ -328,7 +328,7 @@ class RdzvServerHandler(RendezvousHandler):
         first join and again only when the server reported a new ``policy_version``
         (:class:`~rdzv_client.nodepolicy.NodePolicy`); the beats follow its ``heartbeat_ttl``."""
         self._conf = self._policy.before_join(self._client)
-        self.node.use_heartbeat_ttl(self._conf.settings.heartbeat_ttl)
+        self.node.use_heartbeat_ttl(self._policy.heartbeat_ttl)
 
     def _check_health(self) -> None:
         """Before each join: the built-in GPU check, then ``health_check``. A failure is

@@ -203,18 +203,18 @@ class Service(ServiceState):
 
         return await self.read(view)
 
-    async def policies(self) -> list[Policy]:
-        """Every policy, most specific first (``GET /v1/policies``)."""
-        return await self.read(self.machine.policies.listing)
+    async def policies(self) -> tuple[list[Policy], float]:
+        """Every policy, most specific first (``GET /v1/policies``), and the server's ``now``."""
+        return await self.read(lambda: (self.machine.policies.listing(), self.now()))
 
-    async def policy(self, pattern: str) -> Policy:
-        """The policy of ``pattern``. Raises NoSuchPolicy, or as :meth:`read`."""
+    async def policy(self, pattern: str) -> tuple[Policy, float]:
+        """The policy of ``pattern``, and the server's ``now``. Raises NoSuchPolicy, or as :meth:`read`."""
 
-        def view() -> Policy:
+        def view() -> tuple[Policy, float]:
             policy = self.machine.policies.get(pattern)
             if policy is None:
                 raise NoSuchPolicy(f"no policy has the pattern {pattern} (`rdzvctl policy show` lists them)")
-            return policy
+            return policy, self.now()
 
         return await self.read(view)
 

@@ -60,7 +60,7 @@ from ..service import Service
 from . import page
 from .auth import OPEN, Grant, TokenTable, bearer_token
 from .codec import decode, encode
-from .document import cordon_entry, event_entry, events_document, job_document, job_summary
+from .document import cordon_entry, event_entry, events_document, job_document, job_summary, policy_entry
 from .error import error_middleware
 from .header import security_headers
 from .metric import Metrics
@@ -256,12 +256,13 @@ async def list_cordons(request: web.Request) -> web.Response:
     return encode(request, {"cordons": [cordon_entry(one, now) for one in cordons], "now": now})
 
 
-def _fleet_writer(request: web.Request, what: str) -> None:
-    """A cordon concerns every job: only a write token for every job may change one (403)."""
+def _fleet_writer(request: web.Request, what: str, tables: str = "cordons") -> None:
+    """A cordon (or a policy: ``tables``) concerns every job: only a write token for every job
+    may change one (403)."""
     grant = _grant(request)
     if not grant.allows(True) or grant.job_prefix:
         request.app[METRICS].auth_failed("forbidden")
-        raise Forbidden(f"this token may not {what}: cordons need a write token for every job")
+        raise Forbidden(f"this token may not {what}: {tables} need a write token for every job")
 
 
 async def cordon_host(request: web.Request) -> web.Response:
@@ -284,42 +285,36 @@ async def uncordon_host(request: web.Request) -> web.Response:
     return encode(request, await request.app[SERVICE].write(c.Uncordon("", host=req.host)))
 
 
-def _policy_writer(request: web.Request, what: str) -> None:
-    """A policy concerns every job it matches: only a write token for every job may change one (403)."""
-    grant = _grant(request)
-    if not grant.allows(True) or grant.job_prefix:
-        request.app[METRICS].auth_failed("forbidden")
-        raise Forbidden(f"this token may not {what}: policies need a write token for every job")
-
-
 async def list_policies(request: web.Request) -> web.Response:
     """``GET /v1/policies``: every policy, most specific first (any token may read them)."""
-    return encode(request, {"policies": [p.entry() for p in await request.app[SERVICE].policies()]})
+    found, now = await request.app[SERVICE].policies()
+    return encode(request, {"policies": [policy_entry(p, now) for p in found], "now": now})
 
 
 async def show_policy(request: web.Request) -> web.Response:
     """``GET /v1/policies/{pattern}``: one policy (404 ``no_such_policy``)."""
     pattern = wire.pattern_ok(request.match_info["pattern"])
-    return encode(request, (await request.app[SERVICE].policy(pattern)).entry())
+    policy, now = await request.app[SERVICE].policy(pattern)
+    return encode(request, {**policy_entry(policy, now), "now": now})
 
 
 async def set_policy(request: web.Request) -> web.Response:
     """``PUT /v1/policies/{pattern}`` ``{"settings": {KEY: VALUE}}``: merge them into the policy
     (made if new); answers the policy. A bad key or value: 400 ``bad_policy`` naming it."""
-    _policy_writer(request, "set a policy")
+    _fleet_writer(request, "set a policy", "policies")
     svc = request.app[SERVICE]
     pattern = wire.pattern_ok(request.match_info["pattern"])
     body = await decode(request, svc.config.max_body_bytes)
     if not isinstance(body, dict) or set(body) != {"settings"}:
         raise wire.bad_policy('a policy is set by {"settings": {KEY: VALUE, ...}} and nothing else')
     settings = wire.policy_settings(body["settings"])
-    return encode(request, await svc.write(c.SetPolicy("", pattern=pattern, settings=settings)))
+    return encode(request, {**await svc.write(c.SetPolicy("", pattern=pattern, settings=settings)), "age_s": 0.0})
 
 
 async def unset_policy(request: web.Request) -> web.Response:
     """``DELETE /v1/policies/{pattern}`` (optional ``{"keys": [KEY...]}``): remove those keys, or
     the whole policy; answers ``{"pattern", "removed"}`` (404 ``no_such_policy``)."""
-    _policy_writer(request, "unset a policy")
+    _fleet_writer(request, "unset a policy", "policies")
     svc = request.app[SERVICE]
     pattern = wire.pattern_ok(request.match_info["pattern"])
     body = await decode(request, svc.config.max_body_bytes) if request.body_exists else {}

@@ -353,10 +353,13 @@ class StateMachine:
                 "(finished jobs are collected after --job-ttl; or raise --max-jobs)"
             )
         job = Job(rdzv_id, settings, idle_since=now, opened_at=now)
+        held: dict[str, Any] = {}
         if self.policies:  # rule 13 of rendezvous.py: a new job runs with the policies that match it
             job.policy = self.policies.winning(rdzv_id)
-            job.settings, job.sources, _ = resolve(settings, job.policy, settings, {})
-        job.timeline.add(now, Kind.JOB_CREATED, cause, job.round)
+            job.settings, job.sources, why = resolve(settings, job.policy, settings, {})
+            if why:  # a policy's node count its nodes' own break: the timeline says it was held
+                held["held"] = why
+        job.timeline.add(now, Kind.JOB_CREATED, cause, job.round, **held)
         entry = self.jobs[rdzv_id] = Entry(job, self._new_store(), last_used=now)
         return entry
 
@@ -506,7 +509,7 @@ class StateMachine:
             if winning == job.policy:
                 continue
             seen = job.timeline.next_seq - 1
-            change = self._membership_change(
+            change = self._membership_change(  # (calls the lambda at once: this pass's winning)
                 entry, lambda job: {"moved": job.apply_policy(winning, now, pattern, by)}
             )
             if job.timeline.next_seq - 1 > seen:
