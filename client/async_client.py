@@ -594,6 +594,7 @@ class AsyncClient:
             num_nodes_waiting=reply_field(reply, "num_nodes_waiting", int, "watch"),
             closed=reply_field(reply, "closed", bool, "watch"),
             cause=reply.get("cause") if isinstance(reply.get("cause"), str) else None,
+            policy_version=_version(reply.get("policy_version")),
         )
 
     async def leave(self, rdzv_id: str, node_id: str) -> None:
@@ -779,6 +780,11 @@ class AsyncClient:
                 continue
             return answer.status == 200
         return False
+
+
+def _version(value: object) -> int:
+    """A reply's ``policy_version`` (0 from a server that does not say)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _check_pattern(pattern: str) -> None:

@@ -266,37 +266,34 @@ def _by(value: object) -> str:
     return _cell(value or None)
 
 
-def _changed_at(value: object, server_now: float | None, wall_now: float | None) -> str:
-    """A policy's ``changed_at`` (server clock) as a local wall-clock time, placed by the
-    server's ``now`` and this host's (default: the time now); "-" without the server's."""
-    if server_now is None or not isinstance(value, (int, float)) or isinstance(value, bool):
+def _changed(policy: Mapping[str, Any], wall_now: float | None) -> str:
+    """When a policy last changed, as a local wall-clock time: its ``age_s`` (the server's
+    count) back from ``wall_now`` (this host's clock; default: the time now); "-" from a
+    server that does not say."""
+    age = policy.get("age_s")
+    if not isinstance(age, (int, float)) or isinstance(age, bool):
         return "-"
-    return _local_time(value + (time.time() if wall_now is None else wall_now) - server_now)
+    return _local_time((time.time() if wall_now is None else wall_now) - age)
 
 
-def format_policies(
-    policies: Sequence[Mapping[str, Any]], server_now: float | None = None, wall_now: float | None = None
-) -> str:
+def format_policies(policies: Sequence[Mapping[str, Any]], wall_now: float | None = None) -> str:
     """``rdzvctl policy show``: one row per policy (the server's order: most specific first),
-    its keys as ``key=value`` words, when and by whom it last changed (``server_now``: the
-    server's clock, which ``changed_at`` is on, when this host's clock read ``wall_now``)."""
+    its keys as ``key=value`` words, when (``age_s`` back from ``wall_now``) and by whom it
+    last changed."""
     if not policies:
         return "no policies (rdzvctl policy set PATTERN KEY=VALUE... makes one)"
     rows = [
-        [_cell(p.get("pattern")), _settings_words(p.get("settings") or {}), _changed_at(p.get("changed_at"), server_now, wall_now),
+        [_cell(p.get("pattern")), _settings_words(p.get("settings") or {}), _changed(p, wall_now),
          _by(p.get("changed_by"))]
         for p in policies
     ]  # fmt: skip
     return "\n".join(format_table(["PATTERN", "SETTINGS", "CHANGED", "BY"], rows))
 
 
-def format_policy(
-    policy: Mapping[str, Any], server_now: float | None = None, wall_now: float | None = None
-) -> str:
+def format_policy(policy: Mapping[str, Any], wall_now: float | None = None) -> str:
     """``rdzvctl policy show PATTERN``: a header line, then one row per key."""
     settings: Mapping[str, Any] = policy.get("settings") or {}
-    changed = _changed_at(policy.get("changed_at"), server_now, wall_now)
-    lines = [f"policy {policy.get('pattern')}  changed {changed} by {_by(policy.get('changed_by'))}"]
+    lines = [f"policy {policy.get('pattern')}  changed {_changed(policy, wall_now)} by {_by(policy.get('changed_by'))}"]
     rows = [[key, setting_text(value)] for key, value in sorted(settings.items())]
     lines += format_table(["KEY", "VALUE"], rows) if rows else ["(no keys)"]
     return "\n".join(lines)

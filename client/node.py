@@ -88,6 +88,7 @@ class NodeLoop:
         self._progress_dir = progress_dir  # the workers' steps (rdzv_client.progress), sent with the beats
         self.num_waiting = 0
         self.closed = False
+        self.policy_version = 0  # the job-policy version the last watch answer carried
         self._cv = threading.Condition()
         self._watching: tuple[int, int] | None = None  # (round, generation); None: no round, the threads wait
         self._generation = 0
@@ -152,6 +153,7 @@ class NodeLoop:
                     self._cv.wait_for(lambda: self._watching != current, self._keep_alive_interval)
                 continue
             self._contact = self._clock()  # an answered watch beat the node (it was sent before now)
+            self.policy_version = max(self.policy_version, seen.policy_version)
             if self._watching != current:
                 return
             if seen.num_nodes_waiting != known and seen.num_nodes_waiting > 0:

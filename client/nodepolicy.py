@@ -79,8 +79,10 @@ class NodePolicy:
         self._unsupported = False  # the server has no policies: never ask again
 
     def seen(self, version: int | None) -> None:
-        """The server reported policy ``version`` (a join's answer; None: it did not say)."""
-        if version is not None:
+        """The server reported policy ``version`` (a join's or a watch's answer; None: it did
+        not say). Versions only grow: an older report (a watch answered before the join's)
+        changes nothing."""
+        if version is not None and (self._latest is None or version > self._latest):
             self._latest = version
 
     @property

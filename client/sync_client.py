@@ -590,6 +590,7 @@ class Client:
             num_nodes_waiting=reply_field(reply, "num_nodes_waiting", int, "watch"),
             closed=reply_field(reply, "closed", bool, "watch"),
             cause=reply.get("cause") if isinstance(reply.get("cause"), str) else None,
+            policy_version=_version(reply.get("policy_version")),
         )
 
     def leave(self, rdzv_id: str, node_id: str) -> None:
@@ -775,6 +776,11 @@ class Client:
                 continue
             return answer.status == 200
         return False
+
+
+def _version(value: object) -> int:
+    """A reply's ``policy_version`` (0 from a server that does not say)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _check_pattern(pattern: str) -> None:

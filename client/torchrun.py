@@ -327,6 +327,7 @@ class RdzvServerHandler(RendezvousHandler):
         """Before each join: the job's policy over the node's own settings, fetched before the
         first join and again only when the server reported a new ``policy_version``
         (:class:`~rdzv_client.nodepolicy.NodePolicy`); the beats follow its ``heartbeat_ttl``."""
+        self._policy.seen(self.node.policy_version)  # a change while the round ran
         self._conf = self._policy.before_join(self._client)
         self.node.use_heartbeat_ttl(self._policy.heartbeat_ttl)
 

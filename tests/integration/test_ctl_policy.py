@@ -1,6 +1,7 @@
 """``rdzvctl policy`` as an operator runs it (issue 28): a subprocess against a real server on
 loopback, with the operator's token and with a read-only one. The tables' exact layout is in
-tests/unit/test_ctl_policy.py; here, what reaches the server and what comes back."""
+tests/unit/test_ctl_policy.py; here, what reaches the server and what comes back. Also the
+client's side of the plug-in's refetch rule: the policy version a join and a watch carry."""
 
 from __future__ import annotations
 
@@ -117,3 +118,17 @@ def test_a_pattern_that_cannot_be_or_is_not_a_policy_is_refused_and_changes_noth
     assert done.returncode == code, done
     assert said in done.stderr, done.stderr
     assert "x-*" not in rdzvctl(server, "policy", "show").stdout
+
+
+def test_a_join_and_a_watch_tell_the_node_the_policy_version_and_it_moves_with_each_change(
+    server: ServerProcess,
+) -> None:
+    """What the plug-in reads to know when to ask for its job's policy again (README "Job policy")."""
+    with Client(server.endpoint) as client:
+        before = client.effective_policy("ver-1")["version"]
+        placed = client.join("ver-1", node_id="n0", addr="10.0.0.1", nproc_per_node=1,
+                             settings=JobSettings(min_nodes=1, max_nodes=1), timeout=10)  # fmt: skip
+        assert placed.policy_version == before
+        client.set_policy("ver-*", {"health_check": "/opt/check.sh"})
+        seen = client.watch("ver-1", "n0", round=placed.round, hold=0.0)
+        assert seen.policy_version == before + 1 == client.effective_policy("ver-1")["version"]

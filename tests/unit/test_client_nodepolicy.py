@@ -110,3 +110,16 @@ def test_a_server_without_policies_is_asked_once_and_a_failed_fetch_keeps_the_la
     assert policy.due  # and ask again before the next join
     assert policy.before_join(flaky).gpu_check is False  # type: ignore[arg-type]
     assert flaky.asked == 3
+
+
+def test_a_version_reported_by_a_watch_while_the_round_ran_makes_the_next_join_ask() -> None:
+    client = FakeClient(doc(4, min_nodes=2), doc(5, min_nodes=2, gpu_check=False))
+    policy = NodePolicy(own())
+    policy.before_join(client)  # type: ignore[arg-type]
+    policy.seen(4)  # the join's answer
+    policy.seen(0)  # a watch answered before the node heard anything: no news
+    assert not policy.due
+    policy.seen(5)  # a watch's answer after an operator's change
+    assert policy.before_join(client).gpu_check is False  # type: ignore[arg-type]
+    policy.seen(4)  # an older report (a watch answered before the join's) changes nothing
+    assert not policy.due and client.asked == 2
