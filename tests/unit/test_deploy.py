@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from rdzv_client import ctl
+from rdzv_client import ctl, wire
 from rdzv_client.client import parse_endpoints
 from rdzv_client.credential import CredentialError, read_token_file
 from rdzv_server.api.auth import TokenError, read_token
@@ -894,8 +894,7 @@ def test_slurm_agents_dial_rdzv_host_and_read_the_token_from_a_file(recipe: str)
 
 
 # The job settings an agent would otherwise give on its command line (README "Job policy").
-JOB_SETTING_FLAGS = ("--nnodes", "--rdzv-conf")
-JOB_SETTING_KEYS = frozenset(ctl.POLICY_KEYS)
+JOB_SETTING_KEYS = frozenset(wire.POLICY_KEYS)
 
 
 def _assert_no_job_settings(recipe: str, words: list[str]) -> None:
