@@ -9,6 +9,8 @@ Env knobs (set by the tests):
   given size. Membership-change restarts keep TORCHELASTIC_RESTART_COUNT at 0, so the
   world size is what tells a test's final round from the long-running earlier ones:
   a test makes the early rounds long and the final round short.
+- RUN_UNTIL (a file): the steps end early, all ranks together, once that file exists (a test
+  that looks at a running job says when it is done looking).
 - FAIL_ONCE_RANK: this global rank exits 1 on its first attempt
   (TORCHELASTIC_RESTART_COUNT == 0), to exercise a worker-failure restart.
 - FAIL_ALWAYS: "1": every worker exits 1 on every attempt (a job that cannot run).
@@ -75,13 +77,18 @@ def main() -> int:
            dict(env, pid=os.getpid(), host_node=node, started=started))
     steps = _steps(world)
     pause = float(os.environ.get("STEP_SLEEP", "0"))
+    # RUN_UNTIL=FILE: the run ends early, at the first step after FILE exists (a test's "I have
+    # seen the job running"); every rank learns it from the same all_reduce, so all stop together.
+    until = os.environ.get("RUN_UNTIL")
     total = None
     for step in range(steps):
-        t = torch.tensor([float(rank + 1)])
+        t = torch.tensor([float(rank + 1), float(bool(until) and Path(until or ".").exists())])
         dist.all_reduce(t)
-        total = t.item()
+        total = t[0].item()
         _write(out / f"hb-{env['LOCAL_RANK']}.json",
                {"world": world, "rank": rank, "step": step + 1, "steps": steps, "time": time.time()})
+        if t[1].item() > 0:
+            break
         if pause:
             time.sleep(pause)
     record = dict(env, all_reduce=total, expected=world * (world + 1) / 2, pid=os.getpid(),
