@@ -549,7 +549,7 @@ def event_detail(event: Mapping[str, Any]) -> str:
     """An event's own fields as ``key=value`` words; a ``workers_failed`` event's failures as
     sentences (``rank 1 (local 1) exit code 1: RuntimeError: ...``), its summary only when it
     lists none (``workers failed (no detail)``); a ``policy_changed`` event's changes as
-    ``key=old->new (source)``."""
+    ``key=old->new (source)`` and what it ``held`` as ``held KEY: why;``."""
     words = []
     failures = event.get("failures")
     changes = event.get("changes")
@@ -558,6 +558,9 @@ def event_detail(event: Mapping[str, Any]) -> str:
             continue
         if key == "changes" and isinstance(changes, Mapping):  # policy_changed: each key, old -> new
             words += [policy_change_text(k, c) for k, c in changes.items() if isinstance(c, Mapping)]
+            continue
+        if key == "held" and isinstance(value, Mapping):  # a node count a policy could not move: why
+            words += [f"held {k}: {why};" for k, why in value.items()]
             continue
         words.append(f"{key}={value}")
     if isinstance(failures, list):

@@ -163,3 +163,10 @@ def test_a_policy_changed_event_reads_as_each_key_old_to_new_and_its_source() ->
     assert ctl.event_detail(event) == (
         "pattern=pol-1 by=operator max_restarts=1->2 (policy pol-1) health_check=none->/opt/check.sh (policy pol-*)"
     )
+
+
+def test_a_node_count_a_policy_could_not_move_reads_as_held_and_why() -> None:
+    event = {"seq": 3, "time": 1.0, "kind": "policy_changed", "cause": "operator", "round": 0, "node_id": None,
+             "addr": None, "pattern": "llm-*", "by": "operator", "changes": {},
+             "held": {"min_nodes": "min_nodes=6 would exceed the job's max_nodes=4"}}  # fmt: skip
+    assert ctl.event_detail(event) == "pattern=llm-* by=operator held min_nodes: min_nodes=6 would exceed the job's max_nodes=4"

@@ -532,7 +532,8 @@ function details(e) {
   }
   if (e.kind === 'policy_changed' && e.changes && typeof e.changes === 'object') { // each key: old -> new, and from where
     return `policy ${e.pattern} by ${e.by}: ` + Object.entries(e.changes)
-      .map(([k, c]) => `${k} ${settingText(c.old)} \u2192 ${settingText(c.new)}` + (c.source ? ` (${c.source})` : '')).join(', ');
+      .map(([k, c]) => `${k} ${settingText(c.old)} \u2192 ${settingText(c.new)}` + (c.source ? ` (${c.source})` : '')).join(', ')
+      + (e.held && typeof e.held === 'object' ? Object.entries(e.held).map(([k, why]) => `; held ${k}: ${why}`).join('') : '');
   }
   return rest.map(k => `${k}=${typeof e[k] === 'object' ? JSON.stringify(e[k]) : e[k]}`).join(' ');
 }
