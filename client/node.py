@@ -219,7 +219,8 @@ class NodeLoop:
             sent = self._clock()
             try:
                 step = None if self._progress_dir is None else node_step(self._progress_dir)
-                self._client.watch(self._run_id, self._node_id, round=current[0], hold=0.0, step=step)
+                beat = self._client.watch(self._run_id, self._node_id, round=current[0], hold=0.0, step=step)
+                self.policy_version = max(self.policy_version, beat.policy_version)
             except Exception as exc:  # RdzvError, or a bug: never let it end the heartbeats
                 log.warning(
                     "Node %s: heartbeat to job %s failed (%s).", self._node_id, self._run_id, exc,

@@ -12,6 +12,9 @@
    policy that sets that key: both join (no ``settings_conflict``), wait for a third node that
    never comes, and form once ``rdzvctl policy set late-3 min_nodes=2`` runs; gloo all_reduce in
    a world of 2. The job page shows each setting with its source.
+
+And in this process, the torchrun handler against the real server: a node-side key changed
+while a round runs applies at the node's next join (its beats carry the new policy version).
 """
 
 from __future__ import annotations
@@ -23,9 +26,14 @@ from typing import Any
 
 import pytest
 from torch_feature import torchrun_command
+from waiting import wait_until
+
+from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
 
 from rdzv_client import Client
+from rdzv_client.conf import NodeConf
 from rdzv_client.error import NotFoundError
+from rdzv_client.torchrun import RdzvServerHandler
 
 Cluster = Any  # conftest.py's class; annotations only
 
@@ -169,3 +177,24 @@ def test_nodes_that_disagree_on_a_key_the_policy_sets_both_join_and_a_live_min_n
     assert ["last_call_timeout", "1", "policy late-3"] in rows, rows
     [shown] = [r for r in shot.timeline() if r[2] == "policy_changed"]
     assert shown[6] == "policy late-3 by operator: min_nodes 3 \u2192 2 (policy late-3)", shown
+
+
+def test_a_health_check_a_policy_sets_while_the_round_runs_applies_at_the_nodes_next_join(server: Any) -> None:
+    job = "hc-1"
+    with Client(server.endpoint, token=server.token) as client:
+        client.set_policy(job, {"gpu_check": False, "health_check": "true"})
+        params = RendezvousParameters("rdzv-server", server.endpoint, job, 1, 1, local_addr="127.0.0.1",
+                                      keep_alive_interval=0.5, keep_alive_max_attempt=4)  # fmt: skip
+        handler = RdzvServerHandler(NodeConf.read(params), 1, client=client)
+        try:
+            assert handler.next_rendezvous().rank == 0  # its own conf has no health check: the policy's passes
+            taken = handler.node.policy_version
+            client.set_policy(job, {"health_check": "echo 'GPU 3: ECC errors'; exit 3"})
+            # The node's beats (a third of its 2 s TTL) bring the new version while its round runs.
+            wait_until(lambda: handler.node.policy_version > taken, timeout=30, what="a beat with the new policy version")
+            with pytest.raises(RendezvousError, match="failed health_check `echo 'GPU 3: ECC errors'; exit 3`"):
+                handler.next_rendezvous()  # as its agent re-joins after its workers failed
+        finally:
+            handler.shutdown()
+        [refused] = [e for e in client.events(job)["events"] if e["kind"] == "node_refused"]
+        assert refused["cause"] == "health_check_failed" and "GPU 3: ECC errors" in refused["reason"], refused
