@@ -1,6 +1,6 @@
 """``rdzvctl policy``'s words (issue 28): KEY=VALUE read into typed settings with messages that
 say what to type instead, and the tables people read, as pure functions of the server's
-documents. The commands against a real server are in tests/integration/test_ctl_policy.py."""
+documents. The commands against a real server are in tests/integration/test_rdzvctl_policy.py."""
 
 from __future__ import annotations
 
