@@ -1,10 +1,10 @@
 """Real torchrun agents (``--rdzv-backend=rdzv-server``) and gloo workers against the real
-server on 127.0.0.1: formation (with rdzvctl on the running job and torch's own exit barrier
-at the end), node failure (and the events, rdzvctl and the job page that tell it),
-heterogeneous nodes, a node that dies as its round forms, a server restart mid-job and a
-scale-up after it, a spare node that outlives join_timeout, and a job over TLS whose tokens
-come from a file or the environment. A worker's failure and the re-formed round after it are
-tests/e2e/test_job_fate.py's.
+server on 127.0.0.1: formation (one connection per node, rdzvctl on the running job, and
+torch's own exit barrier at the end), node failure (and the events, rdzvctl and the job page
+that tell it), heterogeneous nodes, a node that dies as its round forms, a server restart
+mid-job and a scale-up after it, a spare node that outlives join_timeout, and a job over TLS
+whose tokens come from a file or the environment. A worker's failure and the re-formed round
+after it are tests/e2e/test_job_fate.py's.
 
 Each "node" is a torchrun process group of its own (see conftest.py). Every wait is
 bounded. Workers run train.py: long rounds are made long with STEPS/STEP_SLEEP, and the
@@ -27,6 +27,7 @@ from typing import Any
 import psutil
 import pytest
 from rdzv_client import Client, JobSettings
+from integration.test_client_pipeline import stream_connections
 from torch_feature import NO_WORKER_RANK_SHORTCUT, WORKER_RANK_SHORTCUT
 from waiting import wait_until
 
@@ -114,6 +115,9 @@ def test_three_nodes(server: Any, cluster: Cluster, tmp_path: Path) -> None:
 
     formed = cluster.wait_job(server, job, complete_with(3), 90, "the round of 3 nodes")
     cluster.wait_started(world=6, count=6)
+    # Each node holds one connection to the server: its watch, beats, joins and store calls share
+    # one pipelined stream, so the server spends one descriptor per node.
+    check_one_connection_per_node(server, cluster)
     running = cluster.job(server, job)  # while the workers run
     assert running is not None
     assert running["state"] == "complete" and running["round"] == formed["round"], running
@@ -150,6 +154,29 @@ def test_three_nodes(server: Any, cluster: Cluster, tmp_path: Path) -> None:
     # Uniform nodes: the agents took torch's shortcut to their worker ranks, with no exchange.
     traded = [f"torchelastic/role_info/{i}".encode() for i in range(3)]
     assert role_infos(server, job, formed["round"]) == ([] if WORKER_RANK_SHORTCUT else traded)
+
+
+def agent_connections(pid: int, port: int) -> int:
+    """TCP connections from the agent process ``pid`` to the server's ``port``."""
+    return sum(
+        1
+        for c in psutil.Process(pid).net_connections(kind="tcp")
+        if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+    )
+
+
+def check_one_connection_per_node(server: Any, cluster: Cluster) -> None:
+    """While the round runs (each agent's watch parked, its joins and store calls done), each
+    agent holds exactly one connection to the server, and the server one stream per node."""
+    nodes = cluster.nodes
+    seen = cluster.wait_for(
+        lambda: (counts := [agent_connections(n.pid, server.port) for n in nodes]) == [1] * len(nodes) and counts or None,
+        30,
+        "each agent to hold exactly one connection to the server",
+        details=lambda: f"connections per agent: {[agent_connections(n.pid, server.port) for n in nodes]}",
+    )
+    assert seen == [1] * len(nodes)
+    assert stream_connections(server) == len(nodes)
 
 
 def role_infos(server: Any, job: str, round_: int) -> list[bytes]:

@@ -11,9 +11,8 @@ Env knobs (set by the tests):
   a test makes the early rounds long and the final round short.
 - RUN_UNTIL (a file): the steps end early, all ranks together, once that file exists (a test
   that looks at a running job says when it is done looking).
-- FAIL_ONCE_RANK: this global rank exits 1 on its first attempt
-  (TORCHELASTIC_RESTART_COUNT == 0), to exercise a worker-failure restart.
-- FAIL_ALWAYS: "1": every worker exits 1 on every attempt (a job that cannot run).
+- FAIL_ALWAYS: "1": every worker exits 1 on every attempt (a job that cannot run), before it
+  imports torch (a failing start costs the shared test machine no torch import).
 - NODE_NAME: the test's name for the node (recorded, and names the heartbeat file).
 - EXIT_AT_END (with EXIT_AFTER_RESULTS, another node's RESULT_DIR): this worker runs to its
   end, then exits with that code once that node's workers have written their final records
@@ -34,9 +33,6 @@ import os
 import sys
 import time
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
 
 
 def _write(path: Path, record: dict[str, object]) -> None:
@@ -64,13 +60,12 @@ def main() -> int:
     out = Path(os.environ["RESULT_DIR"])
     restart = int(env["TORCHELASTIC_RESTART_COUNT"])
     node = os.environ.get("NODE_NAME", "")
-    fail_rank = os.environ.get("FAIL_ONCE_RANK")
     if os.environ.get("FAIL_ALWAYS") == "1":
         print(f"train.py: rank {rank} fails on purpose (FAIL_ALWAYS, attempt {restart})", file=sys.stderr, flush=True)
         return 1
-    if fail_rank is not None and int(fail_rank) == rank and restart == 0:
-        print(f"train.py: rank {rank} fails on purpose (FAIL_ONCE_RANK)", file=sys.stderr, flush=True)
-        return 1
+    import torch  # after the failures above: they need none of it
+    import torch.distributed as dist
+
     dist.init_process_group("gloo", init_method="env://")
     started = time.time()
     _write(out / f"started-{world}-{env['MASTER_PORT']}-{rank}.json",
