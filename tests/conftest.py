@@ -11,6 +11,7 @@ then e2e, integration, unit: the longest first), not by xdist's default reorder 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import sys
 import tempfile
@@ -129,6 +130,19 @@ def durable_server(tmp_path: Path) -> Iterator[ServerProcess]:
     srv = ServerProcess(tmp_path, durable=True)
     srv.start()
     yield srv
+    srv.close()
+
+
+@pytest.fixture
+def read_server(tmp_path: Path) -> Iterator[tuple[ServerProcess, str]]:
+    """A memory-only server that also takes a read-only token: ``(server, read_token)``."""
+    read_token = secrets.token_urlsafe(24)
+    path = tmp_path / "read-token"
+    path.write_text(read_token + "\n")
+    path.chmod(0o600)
+    srv = ServerProcess(tmp_path, durable=False, args=("--read-token-file", str(path)))
+    srv.start()
+    yield srv, read_token
     srv.close()
 
 

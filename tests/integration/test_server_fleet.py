@@ -8,7 +8,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import secrets
 import subprocess
 import sys
 import uuid
@@ -114,18 +113,6 @@ def test_bad_cordons_are_refused_and_change_nothing(server: ServerProcess) -> No
         assert client.cordons()["cordons"] == []
         with pytest.raises(BadRequestError):
             client.cordon("bad host")
-
-
-@pytest.fixture
-def read_server(tmp_path: Path) -> Any:
-    read_token = secrets.token_urlsafe(24)
-    path = tmp_path / "read-token"
-    path.write_text(read_token + "\n")
-    path.chmod(0o600)
-    srv = ServerProcess(tmp_path, durable=False, args=("--read-token-file", str(path)))
-    srv.start()
-    yield srv, read_token
-    srv.close()
 
 
 def test_a_read_only_token_lists_cordons_but_cannot_cordon_or_uncordon(read_server: Any) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
-import secrets
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -124,18 +123,6 @@ def test_a_bad_key_or_value_is_a_400_naming_it_and_changes_nothing(
     with Client(server.endpoint) as client, pytest.raises(BadRequestError, match=named.split()[0]):
         client.set_policy(pattern, settings)  # the client refuses it before sending
     http_request(server, "DELETE", f"/v1/policies/{pattern}")
-
-
-@pytest.fixture
-def read_server(tmp_path: Path) -> Iterator[tuple[ServerProcess, str]]:
-    read_token = secrets.token_urlsafe(24)
-    path = tmp_path / "read-token"
-    path.write_text(read_token + "\n")
-    path.chmod(0o600)
-    srv = ServerProcess(tmp_path, durable=False, args=("--read-token-file", str(path)))
-    srv.start()
-    yield srv, read_token
-    srv.close()
 
 
 def test_a_read_only_token_reads_policies_but_cannot_change_them(read_server: tuple[ServerProcess, str]) -> None:

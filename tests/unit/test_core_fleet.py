@@ -4,9 +4,8 @@ snapshot. Driven in memory through the one apply path with a fake clock."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
+from machine_log import MachineLog
 
 from rdzv_client.record import JobSettings, WireError
 from rdzv_server.api.document import cordon_entry, job_document
@@ -19,30 +18,9 @@ from rdzv_server.core.rank import Candidate, Tier, natural_key, place
 JOB = "job"
 
 
-class Log:
-    """A machine plus the records it applied, to replay them into a fresh one."""
-
+class Log(MachineLog):
     def __init__(self) -> None:
-        self.sm = StateMachine(max_value_bytes=1024, job_ttl=1000.0)
-        self.records: list[dict[str, Any]] = []
-
-    def apply(self, command: c.Command, now: float) -> dict[str, Any]:
-        result = self.sm.apply(command, now).result
-        self.records.append({"cmd": command.to_record(), "now": now, "rid": None})
-        return result
-
-    def join(self, node: str, now: float, *, addr: str = "", host: str = "", job: str = JOB, **settings: Any) -> None:
-        s = JobSettings(**{"min_nodes": 2, "max_nodes": 2, "last_call_timeout": 5.0, **settings})
-        self.apply(c.Join(job, node, addr or f"{node}.host", 1, s, host=host), now)
-
-    def events(self, job: str = JOB) -> list[tuple[str, str, str | None]]:
-        return [(e.kind.value, e.cause.value, e.node_id) for e in self.sm.job(job).timeline.since(0)]
-
-    def replayed(self) -> StateMachine:
-        fresh = StateMachine(max_value_bytes=1024, job_ttl=1000.0)
-        for record in self.records:
-            fresh.replay(record)
-        return fresh
+        super().__init__(JOB)
 
 
 def test_a_cordon_matches_a_node_by_address_or_host_name_until_it_ends() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from machine_log import MachineLog
 
 from rdzv_client.record import ErrorCode, JobSettings, WireError, policy_settings
 from rdzv_server.api.document import job_document
@@ -20,21 +21,11 @@ from rdzv_server.core.rendezvous import JobState
 JOB = "llm-7b-a"
 
 
-class Log:
-    """A machine plus the records it applied, to replay them into a fresh one."""
+class Log(MachineLog):
+    """The machine's log, with the policy commands and what the timer would do."""
 
     def __init__(self) -> None:
-        self.sm = StateMachine(max_value_bytes=1024, job_ttl=1000.0)
-        self.records: list[dict[str, Any]] = []
-
-    def apply(self, command: c.Command, now: float) -> dict[str, Any]:
-        result = self.sm.apply(command, now).result
-        self.records.append({"cmd": command.to_record(), "now": now, "rid": None})
-        return result
-
-    def join(self, node: str, now: float, *, job: str = JOB, **settings: Any) -> int:
-        s = JobSettings(**{"min_nodes": 2, "max_nodes": 2, "last_call_timeout": 5.0, **settings})
-        return int(self.apply(c.Join(job, node, f"{node}.host", 1, s), now)["round"])
+        super().__init__(JOB)
 
     def set(self, pattern: str, now: float, **settings: Any) -> dict[str, Any]:
         return self.apply(c.SetPolicy("", pattern=pattern, settings=policy_settings(settings)), now)
@@ -52,12 +43,6 @@ class Log:
 
     def changed(self, job: str = JOB) -> list[dict[str, Any]]:
         return [e.detail for e in self.sm.job(job).timeline.since(0) if e.kind.value == "policy_changed"]
-
-    def replayed(self) -> StateMachine:
-        fresh = StateMachine(max_value_bytes=1024, job_ttl=1000.0)
-        for record in self.records:
-            fresh.replay(record)
-        return fresh
 
 
 # -- the table -------------------------------------------------------------------------------

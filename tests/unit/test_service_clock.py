@@ -111,3 +111,23 @@ async def test_a_node_whose_watch_dropped_is_marked_dead_once_the_fake_clock_pas
         ]
     finally:
         await svc.close()
+
+
+# A policy change moves a running job's deadlines: the timer looks at every job again (issue 28).
+async def test_a_shortened_last_call_forms_the_round_when_the_clock_passes_its_new_deadline() -> None:
+    clock = FakeClock()
+    svc = Service(ServerConfig(memory=True), clock=clock)
+    await svc.start()
+    try:
+        await svc.write(c.Join(JOB, "a", "127.0.0.1", 1, SETTINGS))
+        joined = await svc.write(c.Join(JOB, "b", "127.0.0.1", 1, SETTINGS))
+        armed = svc.machine.job(JOB).last_call_deadline
+        await svc.write(c.SetPolicy("", pattern="j*", settings={"last_call_timeout": 5.0}))
+        assert svc.machine.job(JOB).last_call_deadline == armed - 25.0
+        formed = asyncio.ensure_future(svc.await_round(JOB, "a", joined["round"], hold=60.0))
+        clock.seconds += 6.0  # past the new deadline, long before the old one
+        svc.check_deadlines()
+        reply = await asyncio.wait_for(formed, PATIENCE)
+        assert reply["assignment"] is not None and reply["assignment"]["policy_version"] == 1
+    finally:
+        await svc.close()
