@@ -114,7 +114,7 @@ def server_cpu_per_add(python: str) -> float:
         proc.wait()
 
 
-def _venv(rev: str, work: Path) -> str:
+def venv_python(rev: str, work: Path) -> str:
     """The python of a virtual environment with revision ``rev`` installed (made once)."""
     commit = subprocess.run(
         ["git", "-C", str(_ROOT), "rev-parse", "--short", rev], capture_output=True, text=True, check=True
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the revisions' trees and virtual environments are kept")
     args = parser.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
-    pythons = {"this tree": sys.executable, **{rev: _venv(rev, args.work) for rev in args.revs}}
+    pythons = {"this tree": sys.executable, **{rev: venv_python(rev, args.work) for rev in args.revs}}
     figures: dict[str, list[float]] = {name: [] for name in pythons}
     figures[ECHO] = []
     for round_ in range(1, ROUNDS + 1):
