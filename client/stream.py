@@ -27,8 +27,12 @@ Rules it keeps (on top of :mod:`rdzv_client.transport`'s):
   after its ``--idle-timeout``, shed it at its connection limit, or restarted while it sat
   idle) is replaced once, at once, by a fresh one. A reply that arrives whole is read from
   one ``recv`` (:func:`frame.receive_one`): two system calls per call.
-- :class:`PipelinedSocketTransport`: a connection opens with the preface and, with a token,
-  the hello, pipelined: requests go out behind it at once. A hello refused (tag 0, or its
+- :class:`PipelinedSocketTransport`: a connection opens with the preface and the hello (with
+  the token if there is one; without, a server with auth off answers it all the same),
+  pipelined: requests go out behind it at once. The hello's reply says what the server takes
+  one-way (``wire.ONE_WAY_OPS``): :meth:`~PipelinedSocketTransport.notify` sends those (the
+  node's beats) with one tag of the connection's own and waits for nothing, while a reply came
+  on the connection within the caller's bound and none was refused since. A hello refused (tag 0, or its
   own tag with an error) answers every request waiting on that connection, which is then
   closed. A connection that ends (EOF, reset) fails every request in flight on it with
   :class:`TransportError`; one that was opened before the request and fails with nothing
