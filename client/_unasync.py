@@ -70,7 +70,7 @@ EXACT: tuple[tuple[str, str], ...] = (
 ''',
     ),
     ("import asyncio\n", ""),
-    ("from collections.abc import Awaitable, Callable, Sequence\n", "from collections.abc import Callable, Sequence\n"),
+    ("from collections.abc import Awaitable, Callable, Mapping, Sequence\n", "from collections.abc import Callable, Mapping, Sequence\n"),
     (
         """\
 from .transport import (

@@ -25,13 +25,13 @@ import random
 import time
 import urllib.parse
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
 from . import wire
 from .credential import find_token
-from .error import NotFoundError, NotLeaderError, RdzvConnectionError, RdzvTimeoutError, ServerError
+from .error import BadRequestError, NotFoundError, NotLeaderError, RdzvConnectionError, RdzvTimeoutError, ServerError
 from .policy import (
     DEFAULT_MAX_HOLD,
     DEFAULT_RETRY_BUDGET,
@@ -594,9 +594,10 @@ class AsyncClient:
             num_nodes_waiting=reply_field(reply, "num_nodes_waiting", int, "watch"),
             closed=reply_field(reply, "closed", bool, "watch"),
             cause=reply.get("cause") if isinstance(reply.get("cause"), str) else None,
+            policy_version=_version(reply.get("policy_version")),
         )
 
-    async def beat(self, rdzv_id: str, node_id: str, *, round: int, step: int | None = None) -> None:
+    async def beat(self, rdzv_id: str, node_id: str, *, round: int, step: int | None = None) -> WatchResult | None:
         """Heartbeat ``node_id`` of round ``round`` (``step``: its current training step).
 
         One-way (no reply: ``wire.BeatRequest``) on the stream connection to the endpoint in
@@ -606,6 +607,8 @@ class AsyncClient:
         (an older server, no connection open yet, a follower that refused a beat, a server
         silent too long: its answer, or its absence, says whether it still serves).
 
+        Returns the watch's answer when it went answered (a policy version among it), None when
+        it went one-way (the watch's own answers and the assignments bring the news then).
         Raises what :meth:`watch` raises, when the beat goes answered.
         """
         self._check_open()
@@ -614,8 +617,8 @@ class AsyncClient:
         endpoint = self._endpoints[self._current]
         fields = wire.to_mapping(req)
         if await self._transport.notify(endpoint, rdzv_id, req.op, fields, answered_within=self._request_timeout):
-            return
-        await self.watch(rdzv_id, node_id, round=round, hold=0.0, step=step)
+            return None
+        return await self.watch(rdzv_id, node_id, round=round, hold=0.0, step=step)
 
     async def leave(self, rdzv_id: str, node_id: str) -> None:
         """``node_id`` leaves the job gracefully: the other nodes do not restart for it."""
@@ -668,6 +671,71 @@ class AsyncClient:
         check_request("fleet", wire.UncordonRequest("", host=host))
         body = await self._get_json(f"/v1/cordons/{urllib.parse.quote(host, safe='')}", f"uncordoning {host}", method="DELETE")
         return reply_field(body, "uncordoned", bool, "uncordon")
+
+    async def policies(self) -> list[dict[str, Any]]:
+        """Every job policy, most specific first: each a map with ``pattern``, ``settings``
+        (``{KEY: VALUE}``), ``changed_at`` (the server's clock), ``age_s`` (how long ago that
+        was) and ``changed_by``."""
+        body = await self._get_json("/v1/policies", "listing policies")
+        found = reply_field(body, "policies", list, "policies")
+        if not all(isinstance(p, dict) for p in found):
+            raise ServerError("the server's policy list holds something that is not a map")
+        return found
+
+    async def policy(self, pattern: str) -> dict[str, Any]:
+        """The policy of ``pattern`` (a job id or a glob over job ids), as :meth:`policies` gives
+        each, with the server's ``now``. Raises :class:`NotFoundError` (``no_such_policy``)."""
+        _check_pattern(pattern)
+        body = await self._get_json(f"/v1/policies/{urllib.parse.quote(pattern, safe='')}", f"reading policy {pattern}")
+        if not isinstance(body, dict):
+            raise ServerError(f"the server's policy {pattern} is not a map")
+        return body
+
+    async def set_policy(self, pattern: str, settings: Mapping[str, object]) -> dict[str, Any]:
+        """Merge ``settings`` into the policy of ``pattern`` (a job id, or a glob over job ids
+        such as ``llm-*``), making it if new; returns the policy. Keys: ``wire.POLICY_KEYS``;
+        values typed, or as an operator types them (``"6"``, ``"2.5"``, ``"true"``). Every job
+        the pattern matches takes it at once (README "Job policy").
+
+        Raises :class:`BadRequestError` (``bad_policy``: the message names the key) and
+        :class:`UnauthorizedError` (``forbidden``: a read-only token, or one for some jobs only).
+        """
+        _check_pattern(pattern)
+        try:
+            typed = wire.policy_settings(settings)
+        except wire.WireError as exc:
+            raise BadRequestError(str(exc), code=exc.code) from exc
+        body = await self._get_json(
+            f"/v1/policies/{urllib.parse.quote(pattern, safe='')}", f"setting policy {pattern}", method="PUT",
+            body={"settings": typed},
+        )
+        if not isinstance(body, dict):
+            raise ServerError(f"the server's answer to setting policy {pattern} is not a map")
+        return body
+
+    async def unset_policy(self, pattern: str, keys: Sequence[str] = ()) -> dict[str, Any]:
+        """Remove ``keys`` from the policy of ``pattern`` (none: the whole policy; a policy left
+        with no key goes too): ``{"pattern", "removed": [KEY...]}``. Raises
+        :class:`NotFoundError` (``no_such_policy``), as :meth:`set_policy` otherwise."""
+        _check_pattern(pattern)
+        check_request("fleet", wire.UnsetPolicyRequest("", pattern=pattern, keys=tuple(keys)))
+        body = await self._get_json(
+            f"/v1/policies/{urllib.parse.quote(pattern, safe='')}", f"unsetting policy {pattern}", method="DELETE",
+            body={"keys": list(keys)} if keys else None,
+        )
+        if not isinstance(body, dict):
+            raise ServerError(f"the server's answer to unsetting policy {pattern} is not a map")
+        return body
+
+    async def effective_policy(self, rdzv_id: str) -> dict[str, Any]:
+        """What the policies set for job ``rdzv_id`` (which need not exist yet): ``{"job",
+        "settings": {KEY: VALUE}, "sources": {KEY: "policy PATTERN"}, "version"}``; only the keys
+        some policy sets. ``version`` moves at every change of any policy."""
+        check_request(rdzv_id, None)
+        body = await self._get_json(f"/v1/policy?job={urllib.parse.quote(rdzv_id, safe='')}", f"reading the policy of job {rdzv_id}")
+        if not isinstance(body, dict) or not isinstance(body.get("settings"), dict):
+            raise ServerError(f"the server's policy of job {rdzv_id} is not a map with its settings")
+        return body
 
     async def jobs(self) -> list[dict[str, Any]]:
         """Every job the server knows, each a map with ``rdzv_id``, ``state``, ``round``, ``num_nodes``…"""
@@ -735,3 +803,16 @@ class AsyncClient:
                 continue
             return answer.status == 200
         return False
+
+
+def _version(value: object) -> int:
+    """A reply's ``policy_version`` (0 from a server that does not say)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _check_pattern(pattern: str) -> None:
+    """Refuse a pattern the server would refuse, before a round trip (:class:`BadRequestError`)."""
+    try:
+        wire.pattern_ok(pattern)
+    except wire.WireError as exc:
+        raise BadRequestError(str(exc), code=exc.code) from exc

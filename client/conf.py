@@ -15,6 +15,10 @@ The ``--rdzv-conf`` keys: ``join_timeout``, ``last_call_timeout`` (the job's, as
 ``health_check_timeout``, ``gpu_check``, ``topology_env``) and the client's credentials and
 TLS (``token_file``, ``tls``, ``ca_file``, ``cert_file``, ``key_file``).
 
+A job policy on the server wins over the job's settings and the node-side checks where it
+names a key: the server applies the job's, the node runs the checks a policy gives it
+(:meth:`NodeConf.with_policy`; when the node asks: :mod:`rdzv_client.nodepolicy`).
+
 What it must not know: torch (``RendezvousParameters`` is read through the :class:`RdzvParams`
 protocol, so this module imports no torch), the client's transports, the server.
 """
@@ -128,6 +132,24 @@ class NodeConf:
             topology=health.topology_path(params.get("topology_env")),
             client_options=client_options(params),
         )
+
+    def with_policy(self, policy: Mapping[str, Any]) -> NodeConf:
+        """These settings with the node-side keys of ``policy`` (the keys a job policy sets, as
+        the server's effective policy names them: ``health_check``, ``health_check_timeout``,
+        ``gpu_check``) in place of the node's own; the node runs them before its joins.
+
+        The job-side keys are not laid over :attr:`settings`, which stay what the node's own
+        ``--nnodes`` / ``--rdzv-conf`` propose: the server applies a policy's value itself
+        whatever a node proposes, and keeps the node's own as the job's (the value a job falls
+        back to when the policy is unset)."""
+        node: dict[str, Any] = {}
+        if "health_check" in policy:
+            node["health_check"] = str(policy["health_check"] or "")
+        if "health_check_timeout" in policy:
+            node["health_check_timeout"] = float(policy["health_check_timeout"])
+        if "gpu_check" in policy:
+            node["gpu_check"] = bool(policy["gpu_check"])
+        return dataclasses.replace(self, **node)
 
 
 def client_options(params: RdzvParams) -> dict[str, Any]:

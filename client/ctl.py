@@ -17,6 +17,9 @@ Usage::
     rdzvctl watch JOB [--interval SECONDS] [--frames N]
     rdzvctl kv get JOB KEY [--wait SECONDS] | kv set JOB KEY VALUE | kv list JOB [PREFIX]
     (kv commands take --round N to use one round's key space)
+    rdzvctl cordon HOST [--reason R] [--for DURATION] | uncordon HOST | cordons
+    rdzvctl policy set PATTERN KEY=VALUE... | policy show [PATTERN] [--job JOB]
+    rdzvctl policy unset PATTERN [KEY...]
 
 The token is found as every client finds it (``--token-file``, ``RDZV_TOKEN``,
 ``RDZV_TOKEN_FILE``, the default file); the TLS flags default to ``RDZV_TLS``,
@@ -156,6 +159,9 @@ def format_membership(doc: Mapping[str, Any]) -> str:
         if others:
             lines += ["", f"{section} ({len(others)}):"]
             lines += ["  " + line for line in _node_lines(others)]
+    settings = format_settings(doc)
+    if settings:
+        lines += ["", *settings]
     return "\n".join(lines)
 
 
@@ -213,6 +219,110 @@ def parse_duration(text: str) -> float:
     if not 0 < seconds <= wire.MAX_CORDON_S or seconds != seconds:
         raise argparse.ArgumentTypeError(f"a duration must be > 0 and at most a year, got {text!r}")
     return seconds
+
+
+def parse_policy_settings(words: Sequence[str]) -> dict[str, object]:
+    """``["min_nodes=2", "last_call_timeout=30"]`` -> ``{"min_nodes": 2, "last_call_timeout": 30.0}``:
+    the words of ``rdzvctl policy set``, typed and checked as the server will
+    (:func:`rdzv_client.wire.policy_settings`), so that nothing wrong is sent.
+
+    Raises ValueError naming the word, the key or the value that is wrong: no ``=``, a key
+    the server does not know (the message lists the keys), a key given twice, a value the key
+    cannot take."""
+    raw: dict[str, str] = {}
+    for word in words:
+        key, eq, text = word.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ValueError(f"{word!r} is not KEY=VALUE (e.g. min_nodes=2)")
+        if key not in wire.POLICY_KEYS:
+            raise ValueError(f"{key!r} is not a policy key; the keys are {', '.join(wire.POLICY_KEYS)}")
+        if key in raw:
+            raise ValueError(f"{key} is given twice")
+        raw[key] = text
+    try:
+        return wire.policy_settings(raw)
+    except wire.WireError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def setting_text(value: object) -> str:
+    """A setting's value as one would type it: ``30`` for 30.0, ``1`` / ``0`` for a flag,
+    ``none`` for no value (a job with no restart budget)."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def _settings_words(settings: Mapping[str, Any]) -> str:
+    return " ".join(f"{key}={setting_text(value)}" for key, value in sorted(settings.items())) or "(no keys)"
+
+
+def _by(value: object) -> str:
+    return _cell(value or None)
+
+
+def _changed(policy: Mapping[str, Any], wall_now: float | None) -> str:
+    """When a policy last changed, as a local wall-clock time: its ``age_s`` (the server's
+    count) back from ``wall_now`` (this host's clock; default: the time now); "-" from a
+    server that does not say."""
+    age = policy.get("age_s")
+    if not isinstance(age, (int, float)) or isinstance(age, bool):
+        return "-"
+    return _local_time((time.time() if wall_now is None else wall_now) - age)
+
+
+def format_policies(policies: Sequence[Mapping[str, Any]], wall_now: float | None = None) -> str:
+    """``rdzvctl policy show``: one row per policy (the server's order: most specific first),
+    its keys as ``key=value`` words, when (``age_s`` back from ``wall_now``) and by whom it
+    last changed."""
+    if not policies:
+        return "no policies (rdzvctl policy set PATTERN KEY=VALUE... makes one)"
+    rows = [
+        [_cell(p.get("pattern")), _settings_words(p.get("settings") or {}), _changed(p, wall_now),
+         _by(p.get("changed_by"))]
+        for p in policies
+    ]  # fmt: skip
+    return "\n".join(format_table(["PATTERN", "SETTINGS", "CHANGED", "BY"], rows))
+
+
+def format_policy(policy: Mapping[str, Any], wall_now: float | None = None) -> str:
+    """``rdzvctl policy show PATTERN``: a header line, then one row per key."""
+    settings: Mapping[str, Any] = policy.get("settings") or {}
+    lines = [f"policy {policy.get('pattern')}  changed {_changed(policy, wall_now)} by {_by(policy.get('changed_by'))}"]
+    rows = [[key, setting_text(value)] for key, value in sorted(settings.items())]
+    lines += format_table(["KEY", "VALUE"], rows) if rows else ["(no keys)"]
+    return "\n".join(lines)
+
+
+def format_effective_policy(doc: Mapping[str, Any]) -> str:
+    """``rdzvctl policy show --job JOB``: the keys a policy sets for the job, each with the
+    pattern it comes from (the others are the nodes' own, or the defaults)."""
+    settings: Mapping[str, Any] = doc.get("settings") or {}
+    sources: Mapping[str, Any] = doc.get("sources") or {}
+    if not settings:
+        return f"no policy covers job {doc.get('job')}: its settings are its nodes' own (or the defaults)"
+    lines = [f"job {doc.get('job')}  policy version {_cell(doc.get('version'))}"]
+    rows = [[key, setting_text(value), _cell(sources.get(key))] for key, value in sorted(settings.items())]
+    return "\n".join(lines + format_table(["KEY", "VALUE", "SOURCE"], rows))
+
+
+def format_settings(doc: Mapping[str, Any]) -> list[str]:
+    """The job's effective settings, each with its source (``policy PATTERN``, ``node`` or
+    ``default``), from the document's ``settings_source``; nothing from a server without it.
+    Keys a policy sets that the document holds no value for (a node-side key such as
+    ``health_check``) are listed with their source and no value."""
+    sources: Mapping[str, Any] = doc.get("settings_source") or {}
+    if not sources:
+        return []
+    keys = [k for k in wire.POLICY_KEYS if k in sources or (k in doc and k in wire.POLICY_JOB_KEYS)]
+    keys += sorted(k for k in sources if k not in wire.POLICY_KEYS)  # keys of a newer server
+    rows = [[key, setting_text(doc[key]) if key in doc else "-", _cell(sources.get(key))] for key in keys]
+    return ["settings:", *("  " + line for line in format_table(["KEY", "VALUE", "SOURCE"], rows))]
 
 
 def format_duration(seconds: object) -> str:
@@ -375,6 +485,24 @@ def build_parser() -> argparse.ArgumentParser:
     uncordon = sub.add_parser("uncordon", help="admit a cordoned host's nodes again")
     uncordon.add_argument("host")
     sub.add_parser("cordons", help="list the cordoned hosts: since, until, reason, by whom")
+    policy = sub.add_parser("policy", help="the jobs' settings, kept on the server: set, show, unset")
+    policy_sub = policy.add_subparsers(dest="policy_command", required=True, metavar="POLICY_COMMAND")
+    keys = ", ".join(wire.POLICY_KEYS)
+    policy_set = policy_sub.add_parser(
+        "set", help="set keys of the policy of PATTERN (made if new); a running job takes them at once",
+        description=f"Set KEY=VALUE in the policy of PATTERN (a job id, or a glob such as 'llm-*': quote it). "
+        f"The keys: {keys}. A job id beats any glob; of globs, the most specific wins.",
+    )
+    policy_set.add_argument("pattern", metavar="PATTERN")
+    policy_set.add_argument("settings", nargs="+", metavar="KEY=VALUE")
+    policy_show = policy_sub.add_parser("show", help="list the policies, or show one (PATTERN) or a job's (--job)")
+    policy_show.add_argument("pattern", nargs="?", default=None, metavar="PATTERN")
+    policy_show.add_argument("--job", default=None, help="the keys policies set for this job, and from which pattern")
+    policy_unset = policy_sub.add_parser(
+        "unset", help="remove keys from the policy of PATTERN (no KEY: the whole policy)"
+    )
+    policy_unset.add_argument("pattern", metavar="PATTERN")
+    policy_unset.add_argument("keys", nargs="*", metavar="KEY")
     kv = sub.add_parser("kv", help="read and write a job's keys")
     kv_sub = kv.add_subparsers(dest="kv_command", required=True, metavar="KV_COMMAND")
     kv_get = kv_sub.add_parser("get", help="print a key's value")
@@ -420,16 +548,30 @@ def format_events(events: Sequence[Mapping[str, Any]], server_now: float, *, hea
 def event_detail(event: Mapping[str, Any]) -> str:
     """An event's own fields as ``key=value`` words; a ``workers_failed`` event's failures as
     sentences (``rank 1 (local 1) exit code 1: RuntimeError: ...``), its summary only when it
-    lists none (``workers failed (no detail)``)."""
+    lists none (``workers failed (no detail)``); a ``policy_changed`` event's changes as
+    ``key=old->new (source)`` and what it ``held`` as ``held KEY: why;``."""
     words = []
     failures = event.get("failures")
+    changes = event.get("changes")
     for key, value in event.items():
         if key in _EVENT_FIELDS or key == "failures" or (key == "summary" and failures):
+            continue
+        if key == "changes" and isinstance(changes, Mapping):  # policy_changed: each key, old -> new
+            words += [policy_change_text(k, c) for k, c in changes.items() if isinstance(c, Mapping)]
+            continue
+        if key == "held" and isinstance(value, Mapping):  # a node count a policy could not move: why
+            words += [f"held {k}: {why};" for k, why in value.items()]
             continue
         words.append(f"{key}={value}")
     if isinstance(failures, list):
         words += [failure_text(f) + ";" for f in failures if isinstance(f, Mapping)]
     return " ".join(words).rstrip(";")
+
+
+def policy_change_text(key: str, change: Mapping[str, Any]) -> str:
+    """One key of a ``policy_changed`` event: ``max_restarts=1->2 (policy pol-1)``."""
+    text = f"{key}={setting_text(change.get('old'))}->{setting_text(change.get('new'))}"
+    return f"{text} ({change['source']})" if change.get("source") else text
 
 
 def failure_text(failure: Mapping[str, Any]) -> str:
@@ -562,6 +704,8 @@ def _execute(args: argparse.Namespace, client: Client, out: TextIO) -> None:
             _emit_json({"rdzv_id": args.job, "closed": True}, out)
         else:
             out.write(f"closed job {args.job}\n")
+    elif args.command == "policy":
+        _policy(args, client, out)
     elif args.kv_command == "get":
         try:
             value = client.get(args.job, args.key, timeout=args.wait, round=args.round)
@@ -583,6 +727,33 @@ def _execute(args: argparse.Namespace, client: Client, out: TextIO) -> None:
             out.write("".join(_text(k) + "\n" for k in keys))
 
 
+def _policy(args: argparse.Namespace, client: Client, out: TextIO) -> None:
+    if args.policy_command == "set":
+        policy = client.set_policy(args.pattern, args.settings)
+        if args.json:
+            _emit_json(policy, out)
+        else:
+            out.write(f"policy {policy.get('pattern', args.pattern)}: {_settings_words(policy.get('settings') or {})}\n")
+    elif args.policy_command == "unset":
+        done = client.unset_policy(args.pattern, args.keys)
+        if args.json:
+            _emit_json(done, out)
+        elif not args.keys:
+            out.write(f"removed policy {args.pattern}\n")
+        else:
+            removed = done.get("removed") or []
+            out.write(f"removed {', '.join(removed) if removed else 'nothing'} from policy {args.pattern}\n")
+    elif args.job is not None:
+        doc = client.effective_policy(args.job)
+        out.write((wire.dump_json(doc).decode() if args.json else format_effective_policy(doc)) + "\n")
+    elif args.pattern is not None:
+        one = client.policy(args.pattern)
+        out.write((wire.dump_json(one).decode() if args.json else format_policy(one)) + "\n")
+    else:
+        policies = client.policies()
+        out.write((wire.dump_json({"policies": policies}).decode() if args.json else format_policies(policies)) + "\n")
+
+
 def _hint(exc: RdzvError, endpoint: str, command: str) -> str:
     if isinstance(exc, RdzvConnectionError) and "TLS handshake failed" in exc.message:
         return "rdzvctl's TLS options are --tls, --ca-file, --cert-file and --key-file (see `rdzvctl --help`)"
@@ -598,6 +769,8 @@ def _hint(exc: RdzvError, endpoint: str, command: str) -> str:
         )
     if isinstance(exc, NotFoundError) and command == "cluster":
         return "this rdzv-server predates `rdzvctl cluster` (no /v1/cluster): it runs alone, not replicated"
+    if command == "policy":
+        return _policy_hint(exc)
     if isinstance(exc, NotFoundError):
         return "`rdzvctl jobs` lists the jobs this server knows"
     if isinstance(exc, BadRequestError):
@@ -605,10 +778,27 @@ def _hint(exc: RdzvError, endpoint: str, command: str) -> str:
     return ""
 
 
+def _policy_hint(exc: RdzvError) -> str:
+    if exc.code is wire.ErrorCode.FORBIDDEN:
+        return "this token may only read: policies are set with the operator's token (--token-file PATH)"
+    if isinstance(exc, NotFoundError) and exc.code is wire.ErrorCode.NOT_FOUND:
+        return "this rdzv-server predates job policies (no /v1/policies); upgrade it to set them"
+    if isinstance(exc, NotFoundError):
+        return "`rdzvctl policy show` lists the policies; `rdzvctl policy set PATTERN KEY=VALUE` makes one"
+    if isinstance(exc, BadRequestError):
+        return f"the keys are {', '.join(wire.POLICY_KEYS)} (see `rdzvctl policy set --help`)"
+    return ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; return the exit code (0 ok, 1 server error, 2 usage, 3 cannot connect)."""
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 on a usage error
+    if getattr(args, "policy_command", None) == "set":
+        try:
+            args.settings = parse_policy_settings(args.settings)
+        except ValueError as exc:
+            parser.error(f"policy set: {exc}")
     # Retry notices are for agents' logs; a terminal user gets the one-line error below.
     logging.getLogger("rdzv_client").setLevel(logging.ERROR)
     try:

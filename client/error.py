@@ -164,6 +164,8 @@ ERROR_CLASSES: dict[ErrorCode, type[RdzvError]] = {
     ErrorCode.LOG_QUEUE_FULL: LimitError,
     ErrorCode.LOG_FAILED: ServerError,
     ErrorCode.HOST_CORDONED: HostCordonedError,
+    ErrorCode.BAD_POLICY: BadRequestError,
+    ErrorCode.NO_SUCH_POLICY: NotFoundError,
 }
 
 

@@ -88,6 +88,7 @@ class NodeLoop:
         self._progress_dir = progress_dir  # the workers' steps (rdzv_client.progress), sent with the beats
         self.num_waiting = 0
         self.closed = False
+        self.policy_version = 0  # the job-policy version the last watch answer carried
         self._cv = threading.Condition()
         self._watching: tuple[int, int] | None = None  # (round, generation); None: no round, the threads wait
         self._generation = 0
@@ -104,6 +105,10 @@ class NodeLoop:
             self._generation += 1
             self._watching = (round_, self._generation)
             self._cv.notify_all()
+
+    def use_heartbeat_ttl(self, ttl: float) -> None:
+        """Beat for a TTL of ``ttl`` from the next watched round on (a job policy's heartbeat_ttl)."""
+        self._heartbeat_ttl = ttl
 
     def stop(self, *, for_good: bool = False) -> None:
         """Stop watching; ``for_good``: the threads end. The watch thread drops its current
@@ -148,6 +153,7 @@ class NodeLoop:
                     self._cv.wait_for(lambda: self._watching != current, self._keep_alive_interval)
                 continue
             self._contact = self._clock()  # an answered watch beat the node (it was sent before now)
+            self.policy_version = max(self.policy_version, seen.policy_version)
             if self._watching != current:
                 return
             if seen.num_nodes_waiting != known and seen.num_nodes_waiting > 0:
@@ -213,7 +219,9 @@ class NodeLoop:
             sent = self._clock()
             try:
                 step = None if self._progress_dir is None else node_step(self._progress_dir)
-                self._client.beat(self._run_id, self._node_id, round=current[0], step=step)
+                answer = self._client.beat(self._run_id, self._node_id, round=current[0], step=step)
+                if answer is not None:  # it went answered (a watch of no hold): its policy version counts
+                    self.policy_version = max(self.policy_version, answer.policy_version)
             except Exception as exc:  # RdzvError, or a bug: never let it end the heartbeats
                 log.warning(
                     "Node %s: heartbeat to job %s failed (%s).", self._node_id, self._run_id, exc,

@@ -196,6 +196,9 @@ class WatchResult:
     num_nodes_waiting: int
     closed: bool
     cause: str | None = None  # why the job closed (e.g. restart_budget_exhausted), from a server that says
+    # The server's job-policy version (0: no policy ever set, or a server without policies): a
+    # node refetches its job's policy before its next join when it moved (README "Job policy").
+    policy_version: int = 0
 
 
 class Unavailable(Exception):

@@ -86,6 +86,11 @@ class ErrorCode(str, enum.Enum):
     # The joining node's host is cordoned (rdzvctl cordon, or quarantined for flapping): the
     # message names the cordon and its reason. Not retried: the agent exits non-zero.
     HOST_CORDONED = "host_cordoned"
+    # A job policy (rdzvctl policy set) names a key the server does not know, or a value that
+    # key cannot take: the message names the key. Nothing changed.
+    BAD_POLICY = "bad_policy"
+    # No policy has this pattern (rdzvctl policy show / unset PATTERN).
+    NO_SUCH_POLICY = "no_such_policy"
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -124,6 +129,8 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.LOG_QUEUE_FULL: 503,
     ErrorCode.LOG_FAILED: 503,
     ErrorCode.HOST_CORDONED: 403,
+    ErrorCode.BAD_POLICY: 400,
+    ErrorCode.NO_SUCH_POLICY: 404,
 }
 
 
@@ -244,6 +251,9 @@ class Assignment:
     # node_rank * nproc_per_node onward and torch needs no worker-rank exchange (False from a
     # server that does not say).
     uniform_nproc: bool = False
+    # The server's policy version when the assignment was read (0: no policy ever set, or a
+    # server that has none): a node refetches its job's policy only when it changed.
+    policy_version: int = 0
 
 
 def step_ok(step: int | None) -> None:
@@ -553,6 +563,8 @@ class Kind(str, enum.Enum):
     EXIT_BARRIER_RELEASED = "exit_barrier_released"
     # Job fate (README "Job fate"):
     WORKERS_FAILED = "workers_failed"  # a node's workers failed: its report (ranks, exit codes, messages)
+    # Job policy (README "Job policy"): an operator's change moved one of the job's effective settings
+    POLICY_CHANGED = "policy_changed"
 
 
 class Cause(str, enum.Enum):
@@ -607,6 +619,7 @@ class Cause(str, enum.Enum):
     MEMBER_LEFT = "member_left"  # a member left (its agent finished) and the round re-formed without it
     SCALE_UP = "scale_up"  # a node arrived after the round formed (waiting): the running nodes restart for it
     # workers_failed: REJOINED (the report came with the node's re-join), AGENT (with its agent's final close)
+    # policy_changed: OPERATOR (rdzvctl policy set / unset)
 
 
 #: Who closes a job, as its timeline records it ("": not said).
@@ -870,3 +883,151 @@ class UncordonRequest(Command):
 
     def validate(self) -> None:
         host_ok("host", self.host)
+
+
+# -- job policy (README "Job policy"; the server's core/policy.py keeps the table) ------------
+
+#: The job settings a policy may set: every field of :class:`JobSettings`.
+POLICY_JOB_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(JobSettings))
+#: The node-side keys a policy may set: the plug-in runs them before each of its node's joins.
+POLICY_NODE_KEYS = ("health_check", "health_check_timeout", "gpu_check")
+POLICY_KEYS = POLICY_JOB_KEYS + POLICY_NODE_KEYS
+#: A policy's pattern: a job id, or a glob over job ids (fnmatch: ``*``, ``?``, ``[...]``).
+POLICY_PATTERN = re.compile(r"^[A-Za-z0-9._:@+~*?\[\]!-]{1,200}$")
+#: A health check is a command line: this long at most.
+MAX_HEALTH_CHECK_CHARS = 4096
+#: The longest timeout a policy may set (a year): longer is a typo, not a wish.
+MAX_POLICY_SECONDS = 366 * 86400.0
+_TRUE_WORDS = {"1", "true", "yes", "on"}
+_FALSE_WORDS = {"0", "false", "no", "off"}
+
+
+def bad_policy(message: str) -> WireError:
+    """A :class:`WireError` answered as ``400 bad_policy`` (the message names the key)."""
+    err = WireError(message)
+    err.code = ErrorCode.BAD_POLICY
+    return err
+
+
+def pattern_ok(pattern: object) -> str:
+    """``pattern`` if it is a job id or a glob over job ids, else raise ``bad_policy``."""
+    if not isinstance(pattern, str) or not POLICY_PATTERN.match(pattern):
+        raise bad_policy(
+            f"policy pattern {str(pattern)[:64]!r} is not valid: use a job id or a glob over job ids "
+            "(1-200 characters of letters, digits, ._:@+~- and the wildcards * ? [...])"
+        )
+    return pattern
+
+
+def _policy_number(key: str, raw: object, integer: bool) -> float:
+    if isinstance(raw, str):
+        text = raw
+        try:
+            raw = int(text) if integer else float(text)
+        except ValueError:
+            raise bad_policy(f"policy key {key}: {text[:32]!r} is not {'an integer' if integer else 'a number'}") from None
+    if integer and not is_int(raw):
+        raise bad_policy(f"policy key {key} takes an integer, got {str(raw)[:32]!r}")
+    if not is_number(raw):
+        raise bad_policy(f"policy key {key} takes a number of seconds, got {str(raw)[:32]!r}")
+    return raw
+
+
+#: Per integer key of a policy: its least and greatest value.
+_POLICY_INTS = {
+    "min_nodes": (1, MAX_NODES),
+    "max_nodes": (1, MAX_NODES),
+    "max_restarts": (0, MAX_RESTARTS),
+    "max_fast_failures": (0, MAX_RESTARTS),
+}
+#: Per duration key (seconds): its least value, whether that least is excluded, and its greatest.
+_POLICY_SECONDS = {
+    "last_call_timeout": (0.0, False, MAX_POLICY_SECONDS),
+    "join_timeout": (0.0, False, MAX_POLICY_SECONDS),
+    "heartbeat_ttl": (0.0, True, MAX_POLICY_SECONDS),
+    "min_round_seconds": (0.0, False, MAX_MIN_ROUND_SECONDS),
+    "health_check_timeout": (0.0, True, MAX_POLICY_SECONDS),
+}
+
+
+def policy_value(key: str, raw: object) -> Any:
+    """The typed value of policy key ``key`` from ``raw`` (a JSON value, or the string an
+    operator typed: ``"6"``, ``"2.5"``, ``"true"``). Raises ``bad_policy`` naming the key."""
+    if key in _POLICY_INTS:
+        low, high = _POLICY_INTS[key]
+        value = int(_policy_number(key, raw, True))
+        if not low <= value <= high:
+            raise bad_policy(f"policy key {key} must be {low}..{high}, got {value}")
+        return value
+    if key in _POLICY_SECONDS:
+        least, open_least, most = _POLICY_SECONDS[key]
+        seconds = float(_policy_number(key, raw, False))
+        if seconds < least or (open_least and seconds == least) or seconds > most:
+            raise bad_policy(
+                f"policy key {key} must be {'>' if open_least else '>='} {least:g} and at most {most:.0f} s, got {seconds:g}"
+            )
+        return seconds
+    if key == "gpu_check":
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.lower() in _TRUE_WORDS | _FALSE_WORDS:
+            return raw.lower() in _TRUE_WORDS
+        raise bad_policy(f"policy key gpu_check takes true or false, got {str(raw)[:32]!r}")
+    if key == "health_check":
+        if not isinstance(raw, str) or len(raw) > MAX_HEALTH_CHECK_CHARS or not raw.isprintable():
+            raise bad_policy(f"policy key health_check takes a command line of at most {MAX_HEALTH_CHECK_CHARS} printable characters")
+        return raw
+    raise bad_policy(f"policy key {str(key)[:64]!r} is not known: the keys are {', '.join(POLICY_KEYS)}")
+
+
+def policy_settings(settings: object) -> dict[str, Any]:
+    """A policy's settings, each checked and typed (:func:`policy_value`), in the order of
+    :data:`POLICY_KEYS`; ``min_nodes <= max_nodes`` when it sets both. Raises ``bad_policy``."""
+    if not isinstance(settings, Mapping) or not settings:
+        raise bad_policy("a policy sets at least one key: {\"settings\": {KEY: VALUE, ...}}")
+    for key in settings:
+        if key not in POLICY_KEYS:
+            policy_value(str(key), None)  # raises, naming the key
+    typed = {key: policy_value(key, settings[key]) for key in POLICY_KEYS if key in settings}
+    if "min_nodes" in typed and "max_nodes" in typed and typed["min_nodes"] > typed["max_nodes"]:
+        raise bad_policy(
+            f"policy keys min_nodes and max_nodes: need min_nodes <= max_nodes, got {typed['min_nodes']} > {typed['max_nodes']}"
+        )
+    return typed
+
+
+@dataclass(frozen=True)
+class SetPolicyRequest(Command):
+    """Merge ``settings`` (typed: :func:`policy_settings`) into the policy of ``pattern``,
+    making it if new. ``rdzv_id`` is ``""``: a policy concerns every job it matches."""
+
+    op: ClassVar[str] = "set_policy"
+    pattern: str
+    settings: dict[str, Any]
+    by: str = Cause.OPERATOR.value
+    rid: Rid = wire_only(None)
+
+    def validate(self) -> None:
+        pattern_ok(self.pattern)
+        if policy_settings(self.settings) != self.settings:
+            raise bad_policy("a policy's settings must be typed as policy_settings() types them")
+        reason_ok("by", self.by)
+
+
+@dataclass(frozen=True)
+class UnsetPolicyRequest(Command):
+    """Remove ``keys`` from the policy of ``pattern`` (none: the whole policy; a policy left
+    with no key is removed too). ``rdzv_id`` is ``""``."""
+
+    op: ClassVar[str] = "unset_policy"
+    pattern: str
+    keys: tuple[str, ...] = ()
+    by: str = Cause.OPERATOR.value
+    rid: Rid = wire_only(None)
+
+    def validate(self) -> None:
+        pattern_ok(self.pattern)
+        for key in self.keys:
+            if key not in POLICY_KEYS:
+                policy_value(key, None)  # raises, naming the key
+        reason_ok("by", self.by)

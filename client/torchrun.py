@@ -114,6 +114,7 @@ from .error import (
 )
 from .failure import FailureReport, RendezvousEntries, build_report, report_for
 from .node import NodeLoop, PortReservation, node_client, shared_client
+from .nodepolicy import NodePolicy
 from .progress import PROGRESS_DIR_ENV, clear, node_step
 
 log = logging.getLogger("rdzv_client")
@@ -254,7 +255,8 @@ class RdzvServerHandler(RendezvousHandler):
     :func:`create_handler`; ``client``: the node's (default: a :func:`node_client`)."""
 
     def __init__(self, conf: NodeConf, nproc_per_node: int, client: Client | None = None) -> None:
-        self._conf = conf
+        self._conf = conf  # the node's own settings, then with the job policy's node-side keys (_take_policy)
+        self._policy = NodePolicy(conf)
         self._run_id = conf.run_id
         self._node_id = conf.node_id
         self._nproc = nproc_per_node
@@ -310,6 +312,7 @@ class RdzvServerHandler(RendezvousHandler):
             log.warning("Node %s of job %s: its workers failed in round %d: %s; it joins again, reporting it.",
                         self._node_id, self._run_id, self._round, failure.summary())
         self.node.stop()
+        self._take_policy()
         self._check_health()
         # Offered in case this node becomes node rank 0: the server hands node rank 0's addr
         # and port to every node in its assignment (no store exchange after the round forms).
@@ -319,6 +322,14 @@ class RdzvServerHandler(RendezvousHandler):
         finally:
             # Just before the agent starts the workers: node rank 0's worker binds the port next.
             self._reservation.release()
+
+    def _take_policy(self) -> None:
+        """Before each join: the job's policy over the node's own settings, fetched before the
+        first join and again only when the server reported a new ``policy_version``
+        (:class:`~rdzv_client.nodepolicy.NodePolicy`); the beats follow its ``heartbeat_ttl``."""
+        self._policy.seen(self.node.policy_version)  # a change while the round ran
+        self._conf = self._policy.before_join(self._client)
+        self.node.use_heartbeat_ttl(self._policy.heartbeat_ttl)
 
     def _check_health(self) -> None:
         """Before each join: the built-in GPU check, then ``health_check``. A failure is
@@ -395,6 +406,7 @@ class RdzvServerHandler(RendezvousHandler):
                 log.info("Node %s: job %s closed while this node was in line; it exits gracefully.",
                          self._node_id, self._run_id)
             raise _torch_error(exc, f"node {self._node_id} could not join job {self._run_id}") from exc
+        self._policy.seen(a.policy_version)
         self.node.watch(a.round)
         self._round = a.round
         self._worker_ranks_without_exchange(a.uniform_nproc)

@@ -74,6 +74,15 @@ from .record import CORDON_BY as CORDON_BY
 from .record import REFUSE_CAUSES as REFUSE_CAUSES
 from .record import MAX_REASON_CHARS as MAX_REASON_CHARS
 from .record import MAX_CORDON_S as MAX_CORDON_S
+from .record import SetPolicyRequest as SetPolicyRequest
+from .record import UnsetPolicyRequest as UnsetPolicyRequest
+from .record import POLICY_KEYS as POLICY_KEYS
+from .record import POLICY_JOB_KEYS as POLICY_JOB_KEYS
+from .record import POLICY_NODE_KEYS as POLICY_NODE_KEYS
+from .record import bad_policy as bad_policy
+from .record import pattern_ok as pattern_ok
+from .record import policy_settings as policy_settings
+from .record import policy_value as policy_value
 from .record import FailureReport as FailureReport
 from .record import FailureWire as FailureWire
 from .record import WorkerFailure as WorkerFailure

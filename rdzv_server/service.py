@@ -39,9 +39,10 @@ from .config import ServerConfig
 from .core import command as c
 from .core import decision
 from .core.cordon import Cordon
-from .core.error import RdzvError
+from .core.error import NoSuchPolicy, RdzvError
 from .core.event import Cause, EventPage, JobEvent
 from .core.machine import Entry, events_topic, key_topic, round_topic
+from .core.policy import Policy, Winning
 from .core.rendezvous import JobSummary, JobView
 from .core.store import KeyValueStore
 from .lifecycle import Lifecycle
@@ -202,6 +203,26 @@ class Service(ServiceState):
             return self.machine.cordons.active(host, now), now
 
         return await self.read(view)
+
+    async def policies(self) -> tuple[list[Policy], float]:
+        """Every policy, most specific first (``GET /v1/policies``), and the server's ``now``."""
+        return await self.read(lambda: (self.machine.policies.listing(), self.now()))
+
+    async def policy(self, pattern: str) -> tuple[Policy, float]:
+        """The policy of ``pattern``, and the server's ``now``. Raises NoSuchPolicy, or as :meth:`read`."""
+
+        def view() -> tuple[Policy, float]:
+            policy = self.machine.policies.get(pattern)
+            if policy is None:
+                raise NoSuchPolicy(f"no policy has the pattern {pattern} (`rdzvctl policy show` lists them)")
+            return policy, self.now()
+
+        return await self.read(view)
+
+    async def effective_policy(self, rdzv_id: str) -> tuple[Winning, int]:
+        """The keys the policies set for job ``rdzv_id`` (existing or not), each with the
+        pattern that wins it, and the policy table's version."""
+        return await self.read(lambda: (self.machine.policies.winning(rdzv_id), self.machine.policies.version))
 
     # -- store reads and the timeline --------------------------------------------------------
 

@@ -139,7 +139,10 @@ class Timer:
         # A store write touches a job's keys and its last use, which can only move the job's next
         # deadline (its collection) later: while the job has a wake-up pending (which
         # reschedules when it fires), a store write needs no new one.
-        if type(command) not in c.STORE_WRITES or command.rdzv_id not in self.deadlines:
+        if type(command) in c.POLICY_CHANGES:  # any job's timeouts may have moved (a rare, operator's change)
+            for rdzv_id in list(self._svc.machine.jobs):
+                self.schedule(rdzv_id)
+        elif type(command) not in c.STORE_WRITES or command.rdzv_id not in self.deadlines:
             self.schedule(command.rdzv_id)
 
     async def _run(self) -> None:

@@ -60,7 +60,7 @@ from ..service import Service
 from . import page
 from .auth import OPEN, Grant, TokenTable, bearer_token
 from .codec import decode, encode
-from .document import cordon_entry, event_entry, events_document, job_document, job_summary
+from .document import cordon_entry, event_entry, events_document, job_document, job_summary, policy_entry
 from .error import error_middleware
 from .header import security_headers
 from .metric import Metrics
@@ -256,12 +256,13 @@ async def list_cordons(request: web.Request) -> web.Response:
     return encode(request, {"cordons": [cordon_entry(one, now) for one in cordons], "now": now})
 
 
-def _fleet_writer(request: web.Request, what: str) -> None:
-    """A cordon concerns every job: only a write token for every job may change one (403)."""
+def _fleet_writer(request: web.Request, what: str, tables: str = "cordons") -> None:
+    """A cordon (or a policy: ``tables``) concerns every job: only a write token for every job
+    may change one (403)."""
     grant = _grant(request)
     if not grant.allows(True) or grant.job_prefix:
         request.app[METRICS].auth_failed("forbidden")
-        raise Forbidden(f"this token may not {what}: cordons need a write token for every job")
+        raise Forbidden(f"this token may not {what}: {tables} need a write token for every job")
 
 
 async def cordon_host(request: web.Request) -> web.Response:
@@ -282,6 +283,61 @@ async def uncordon_host(request: web.Request) -> web.Response:
     _fleet_writer(request, "uncordon a host")
     req = wire.from_mapping(wire.UncordonRequest, {"host": request.match_info["host"]}, rdzv_id="")
     return encode(request, await request.app[SERVICE].write(c.Uncordon("", host=req.host)))
+
+
+async def list_policies(request: web.Request) -> web.Response:
+    """``GET /v1/policies``: every policy, most specific first (any token may read them)."""
+    found, now = await request.app[SERVICE].policies()
+    return encode(request, {"policies": [policy_entry(p, now) for p in found], "now": now})
+
+
+async def show_policy(request: web.Request) -> web.Response:
+    """``GET /v1/policies/{pattern}``: one policy (404 ``no_such_policy``)."""
+    pattern = wire.pattern_ok(request.match_info["pattern"])
+    policy, now = await request.app[SERVICE].policy(pattern)
+    return encode(request, {**policy_entry(policy, now), "now": now})
+
+
+async def set_policy(request: web.Request) -> web.Response:
+    """``PUT /v1/policies/{pattern}`` ``{"settings": {KEY: VALUE}}``: merge them into the policy
+    (made if new); answers the policy. A bad key or value: 400 ``bad_policy`` naming it."""
+    _fleet_writer(request, "set a policy", "policies")
+    svc = request.app[SERVICE]
+    pattern = wire.pattern_ok(request.match_info["pattern"])
+    body = await decode(request, svc.config.max_body_bytes)
+    if not isinstance(body, dict) or set(body) != {"settings"}:
+        raise wire.bad_policy('a policy is set by {"settings": {KEY: VALUE, ...}} and nothing else')
+    settings = wire.policy_settings(body["settings"])
+    return encode(request, {**await svc.write(c.SetPolicy("", pattern=pattern, settings=settings)), "age_s": 0.0})
+
+
+async def unset_policy(request: web.Request) -> web.Response:
+    """``DELETE /v1/policies/{pattern}`` (optional ``{"keys": [KEY...]}``): remove those keys, or
+    the whole policy; answers ``{"pattern", "removed"}`` (404 ``no_such_policy``)."""
+    _fleet_writer(request, "unset a policy", "policies")
+    svc = request.app[SERVICE]
+    pattern = wire.pattern_ok(request.match_info["pattern"])
+    body = await decode(request, svc.config.max_body_bytes) if request.body_exists else {}
+    keys = body.get("keys", []) if isinstance(body, dict) and set(body) <= {"keys"} else None
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise wire.bad_policy('a policy\'s keys are unset by {"keys": [KEY, ...]} (or no body: the whole policy)')
+    req = c.UnsetPolicy("", pattern=pattern, keys=tuple(keys))
+    req.validate()  # an unknown key: 400 bad_policy naming it
+    return encode(request, await svc.write(req))
+
+
+async def effective_policy(request: web.Request) -> web.Response:
+    """``GET /v1/policy?job=ID``: the keys the policies set for job ID (which need not exist
+    yet), each with its source, and the policy version (it moves at every change)."""
+    svc = request.app[SERVICE]
+    rdzv_id = wire.check_id("job", request.query.get("job"))
+    winning, version = await svc.effective_policy(rdzv_id)
+    return encode(request, {
+        "job": rdzv_id,
+        "settings": {k: v for k, (v, _) in winning.items()},
+        "sources": {k: f"policy {pattern}" for k, (_, pattern) in winning.items()},
+        "version": version,
+    })
 
 
 def _query_number(request: web.Request, name: str, default: T, kind: Callable[[str], T], low: T, high: T) -> T:
@@ -394,6 +450,11 @@ def create_app(svc: Service, tokens: TokenTable) -> web.Application:
             web.get("/v1/cordons", list_cordons),
             web.post("/v1/cordons", cordon_host),
             web.delete("/v1/cordons/{host}", uncordon_host),
+            web.get("/v1/policies", list_policies),
+            web.get("/v1/policies/{pattern}", show_policy),
+            web.put("/v1/policies/{pattern}", set_policy),
+            web.delete("/v1/policies/{pattern}", unset_policy),
+            web.get("/v1/policy", effective_policy),
             web.get("/v1/jobs", list_jobs),
             web.get("/v1/jobs/{rdzv_id}", show_job),
             web.get("/v1/jobs/{rdzv_id}/events", job_events),

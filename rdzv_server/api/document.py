@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..core.cordon import Cordon
+from ..core.policy import Policy
 from ..core.event import EventPage, JobEvent
 from ..core.rendezvous import JobSummary, JobView, Liveness, NodeView, Pending, Role
 
@@ -46,6 +47,10 @@ def job_document(view: JobView) -> dict[str, Any]:
         "max_restarts": settings.max_restarts,
         "closed_cause": view.closed_cause or None,
         **_progress_fields(view),
+        # Job policy (README "Job policy"): the node-side keys a policy sets for the job, and
+        # where each effective setting comes from ("policy PATTERN", "node", "default").
+        **view.node_settings,
+        "settings_source": dict(view.settings_source),
     }
 
 
@@ -114,6 +119,12 @@ def pending_reason(pending: Pending | None) -> str | None:
             f"last call ends in {pending.last_call_left:.1f} s ({pending.in_line} of up to {pending.max_nodes} joined)"
         )
     return "; ".join(reasons) or None
+
+
+def policy_entry(policy: Policy, now: float) -> dict[str, Any]:
+    """One policy: its pattern, settings, when (server clock, as ``now``) and by whom it last
+    changed, and ``age_s``, how long ago that was."""
+    return {**policy.entry(), "age_s": round(max(0.0, now - policy.changed_at), 3)}
 
 
 def event_entry(event: JobEvent) -> dict[str, Any]:

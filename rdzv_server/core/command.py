@@ -30,8 +30,10 @@ from rdzv_client.record import (
     LeaveRequest,
     MultiSetRequest,
     RefuseRequest,
+    SetPolicyRequest,
     SetRequest,
     UncordonRequest,
+    UnsetPolicyRequest,
 )
 
 
@@ -50,6 +52,8 @@ Close = CloseRequest
 Refuse = RefuseRequest
 Cordon = CordonRequest
 Uncordon = UncordonRequest
+SetPolicy = SetPolicyRequest
+UnsetPolicy = UnsetPolicyRequest
 
 
 @dataclass(frozen=True)
@@ -119,11 +123,14 @@ class Tick(Command):
 #: membership, no timeline, no cordon. The apply path and the service take a shorter way for them.
 STORE_WRITES: frozenset[type[Command]] = frozenset({Set, Add, CompareSet, Append, MultiSet, DeleteKey})
 
+#: The changes of the server-wide policy table: any job's settings may move (its timer looks again).
+POLICY_CHANGES: frozenset[type[Command]] = frozenset({SetPolicy, UnsetPolicy})
+
 COMMANDS: dict[str, type[Command]] = {
     c.op: c
     for c in (
         Set, Add, CompareSet, Append, MultiSet, DeleteKey, Create, Join, Leave, Close, LastCall, Expire, Collect,
-        Refused, Restarted, Tick, Refuse, Cordon, Uncordon,
+        Refused, Restarted, Tick, Refuse, Cordon, Uncordon, SetPolicy, UnsetPolicy,
     )
 }
 

@@ -43,6 +43,12 @@ class NodeNotFound(RdzvError):
     code = ErrorCode.NODE_NOT_FOUND.value
 
 
+class NoSuchPolicy(RdzvError):
+    """No policy has the pattern an unset or a read names."""
+
+    code = ErrorCode.NO_SUCH_POLICY.value
+
+
 class SettingsConflict(RdzvError):
     code = ErrorCode.SETTINGS_CONFLICT.value
 

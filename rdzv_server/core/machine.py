@@ -42,6 +42,7 @@ What it must not know: I/O, asyncio, the wire format, the real clock.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -64,12 +65,14 @@ from .error import (
     BadRequest,
     HostCordoned,
     JobNotFound,
+    NoSuchPolicy,
     RdzvError,
     SessionFull,
     TooManyJobs,
     TooManySessions,
 )
 from .event import Cause, JobEvent, Kind
+from .policy import MAX_POLICIES, PolicyTable, matches, resolve
 from .rendezvous import Departure, Job, JobState, Liveness
 from .store import KeyValueStore
 
@@ -133,6 +136,7 @@ class WatchView(NamedTuple):
     num_nodes_waiting: int
     closed: bool
     cause: str | None  # why the job closed (None: open, or closed by no one in particular)
+    policy_version: int = 0  # the policy table's version (a node refetches its policy when it moves)
 
     @classmethod
     def collected(cls, round_: int) -> WatchView:
@@ -147,6 +151,7 @@ class WatchView(NamedTuple):
             "num_nodes_waiting": self.num_nodes_waiting,
             "closed": self.closed,
             "cause": self.cause,
+            "policy_version": self.policy_version,
         }
 
 
@@ -199,6 +204,7 @@ class StateMachine:
     limits: Limits | None = None  # None: nothing refused (replay, tests)
     session_bytes: int = 0  # over every session's results
     cordons: CordonTable = field(default_factory=CordonTable)  # server-wide: every job's admission reads it
+    policies: PolicyTable = field(default_factory=PolicyTable)  # server-wide: every job's settings read it
 
     # -- the apply path ----------------------------------------------------------------------
 
@@ -347,7 +353,13 @@ class StateMachine:
                 "(finished jobs are collected after --job-ttl; or raise --max-jobs)"
             )
         job = Job(rdzv_id, settings, idle_since=now, opened_at=now)
-        job.timeline.add(now, Kind.JOB_CREATED, cause, job.round)
+        held: dict[str, Any] = {}
+        if self.policies:  # rule 13 of rendezvous.py: a new job runs with the policies that match it
+            job.policy = self.policies.winning(rdzv_id)
+            job.settings, job.sources, why = resolve(settings, job.policy, settings, {})
+            if why:  # a policy's node count its nodes' own break: the timeline says it was held
+                held["held"] = why
+        job.timeline.add(now, Kind.JOB_CREATED, cause, job.round, **held)
         entry = self.jobs[rdzv_id] = Entry(job, self._new_store(), last_used=now)
         return entry
 
@@ -469,6 +481,41 @@ class StateMachine:
             return Outcome({"uncordoned": False})
         outcome = self._host_event(cmd.rdzv_id, cmd.host, now, Kind.HOST_UNCORDONED, Cause.OPERATOR, {"host": cmd.host})
         return outcome._replace(result={"uncordoned": True})
+
+    def _set_policy(self, cmd: c.SetPolicy, now: float) -> Outcome:
+        if self.policies.full(cmd.pattern):
+            raise BadRequest(
+                f"the server holds {MAX_POLICIES} policies, its limit: unset policies before setting {cmd.pattern}"
+            )
+        policy = self.policies.set(cmd.pattern, cmd.settings, now, cmd.by)
+        return self._policy_changed(cmd.pattern, cmd.by, now, policy.entry())
+
+    def _unset_policy(self, cmd: c.UnsetPolicy, now: float) -> Outcome:
+        if self.policies.get(cmd.pattern) is None:
+            raise NoSuchPolicy(f"no policy has the pattern {cmd.pattern} (`rdzvctl policy show` lists them)")
+        removed = self.policies.unset(cmd.pattern, cmd.keys, now, cmd.by)
+        return self._policy_changed(cmd.pattern, cmd.by, now, {"pattern": cmd.pattern, "removed": removed})
+
+    def _policy_changed(self, pattern: str, by: str, now: float, result: dict[str, Any]) -> Outcome:
+        """Rule 13 of rendezvous.py: each job ``pattern`` matches takes the policies that now win
+        for it; a job whose effective settings moved records ``policy_changed`` and settles."""
+        wakes: list[Hashable] = []
+        events: list[JobEvent] = []
+        for entry in self.jobs.values():
+            job = entry.job
+            if not matches(pattern, job.rdzv_id):
+                continue
+            winning = self.policies.winning(job.rdzv_id)
+            if winning == job.policy:
+                continue
+            seen = job.timeline.next_seq - 1
+            change = self._membership_change(  # (calls the lambda at once: this pass's winning)
+                entry, lambda job: {"moved": job.apply_policy(winning, now, pattern, by)}
+            )
+            if job.timeline.next_seq - 1 > seen:
+                wakes += [*change.wakes, events_topic(job.rdzv_id)]
+                events += job.timeline.since(seen)
+        return Outcome(result, tuple(dict.fromkeys(wakes)), events=tuple(events))
 
     def _host_event(
         self, rdzv_id: str, host: str, now: float, kind: Kind, cause: Cause, detail: dict[str, Any]
@@ -684,7 +731,11 @@ class StateMachine:
         return self._entry(rdzv_id).job
 
     def assignment(self, rdzv_id: str, node_id: str, min_round: int) -> Assignment | None:
-        return self._entry(rdzv_id).job.assignment(node_id, min_round)
+        """The node's place (``Job.assignment``), carrying the policy table's version."""
+        place = self._entry(rdzv_id).job.assignment(node_id, min_round)
+        if place is None or not self.policies.version:
+            return place
+        return dataclasses.replace(place, policy_version=self.policies.version)
 
     def heartbeat(self, rdzv_id: str, node_id: str, now: float, progress: tuple[int, int] | None = None) -> Job:
         """Soft-state beat of ``node_id`` (never logged); returns its job. ``progress``: the
@@ -724,6 +775,7 @@ class StateMachine:
             job.num_nodes_waiting(round_),
             job.state is JobState.CLOSED,
             job.closed_cause or None,  # why it closed: restart_budget_exhausted stops the agents
+            self.policies.version,
         )
 
     # -- snapshot -----------------------------------------------------------------------------
@@ -734,11 +786,13 @@ class StateMachine:
             "jobs": [[e.job.to_snapshot(), e.kv.to_snapshot()] for e in self.jobs.values()],
             "sessions": [[cid, s.last_write, s.floor, list(s.results.items())] for cid, s in self.sessions.items()],
             "cordons": self.cordons.to_snapshot(),
+            "policies": self.policies.to_snapshot(),
         }
 
     def restore(self, data: dict[str, Any]) -> None:
         self.clock = data["clock"]
         self.cordons = CordonTable.from_snapshot(data.get("cordons"))
+        self.policies = PolicyTable.from_snapshot(data.get("policies"))
         self.jobs = {}
         for job_data, kv_data in data["jobs"]:
             job = Job.from_snapshot(job_data)
@@ -778,4 +832,6 @@ _HANDLERS: dict[type[c.Command], Callable[[StateMachine, Any, float], Outcome]] 
     c.Refuse: StateMachine._refuse,
     c.Cordon: StateMachine._cordon,
     c.Uncordon: StateMachine._uncordon,
+    c.SetPolicy: StateMachine._set_policy,
+    c.UnsetPolicy: StateMachine._unset_policy,
 }

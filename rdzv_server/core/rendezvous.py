@@ -129,6 +129,23 @@ Rules:
    decision with the server's flags (``--quarantine-failure-lead``, ``--quarantine-failures``:
    ``decision.failure_quarantine``), so the flags never change what a replay rebuilds.
 
+13. Job policy (:mod:`.policy`). ``settings`` are the job's effective settings: its own
+   (``own``: its first join's or create's, rule 1) with each key an operator's policy sets
+   for it (``policy``: the winning keys, ``sources``: their patterns) in their place. Rule 1
+   compares a joining node's settings with the job's own on the keys no policy sets: nodes
+   that disagree on a key a policy covers both join, and the job runs with the policy's value.
+   A change of the policies that moves a job's effective settings (:meth:`Job.apply_policy`)
+   is a ``policy_changed`` event naming each key's old and new value and source (and the node
+   counts held, see :func:`.policy.resolve`), then :meth:`Job.settle`, so it acts at once
+   where the state says: a lowered ``min_nodes`` arms the last call of a round waiting for
+   nodes (with ``last_call_timeout`` 0 it forms now); an armed last call runs for a changed
+   ``last_call_timeout`` from when it was armed; ``join_timeout`` and ``heartbeat_ttl`` are read
+   at each check (every node's deadline moves with them); a lowered ``max_nodes`` forms a
+   round whose candidates reach it (the candidates beyond it stay as spares) and otherwise
+   bounds the next round; a raised one admits spares at the next re-formation (a formed round
+   runs on); ``max_restarts`` is read at the next failure (rule 7) and the crash-loop keys
+   when the next round ends (rule 8).
+
 Invariants (checked by the property tests): in a formed round node ranks are exactly
 0..n-1 and global ranks are disjoint, contiguous per node and cover 0..world_size-1;
 members that survive into the next round keep their node rank where it still exists (``rank.place``); num_nodes_waiting
@@ -148,7 +165,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rdzv_client.record import Assignment, FailureReport, JobSettings
+from rdzv_client.record import POLICY_JOB_KEYS, POLICY_NODE_KEYS, Assignment, FailureReport, JobSettings
 
 from .error import (
     IllegalNodeTransition,
@@ -162,6 +179,7 @@ from .error import (
 from .event import Cause, Kind, Timeline
 from .progress import ProgressView, RoundLog
 from .finish import MIXED_FINISH_CAUSES, ExitBarrier
+from .policy import NODE_COUNTS, Winning, resolve
 from .rank import Candidate, Tier, place
 
 
@@ -286,6 +304,10 @@ class JobView:
     restarts: int = 0  # failures counted against the restart budget (rule 7)
     closed_cause: str = ""  # why the job closed ("" while it is not)
     progress: ProgressView | None = None  # rounds, steps and goodput (rule 8)
+    # Rule 13: where each effective setting comes from ("policy PATTERN", "node", "default"),
+    # and the node-side keys a policy sets for the job (the plug-in runs them).
+    settings_source: dict[str, str] = field(default_factory=dict)
+    node_settings: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -354,6 +376,15 @@ class Job:
     untimed: dict[str, None] = field(default_factory=dict)  # standby nodes with no join_timeout (rule 5)
     # Soft state (not logged, not snapshotted):
     heartbeats: OrderedDict[str, float] = field(default_factory=OrderedDict)
+    # Rule 13: the settings the job's nodes gave it (its first join's or create's; ``settings``
+    # are the effective ones), the policies' winning keys last applied, and each job key's
+    # pattern where a policy gives the effective value.
+    own: JobSettings = field(init=False)
+    policy: Winning = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.own = self.settings
 
     # -- the transition table ----------------------------------------------------------
 
@@ -765,15 +796,68 @@ class Job:
 
         Raises :class:`SettingsConflict` (and changes nothing) otherwise.
         """
-        if settings == self.settings:
+        if settings == self.own:
             return
         if self.idle():
-            self.settings = settings
+            self.own = settings
+            self.settings, self.sources, _ = resolve(settings, self.policy, settings, {})  # a fresh run: rule 13
             return
+        differ = [k for k in POLICY_JOB_KEYS if getattr(settings, k) != getattr(self.own, k)]
+        if all(k in self.policy for k in differ):
+            return  # rule 13: a key a policy sets is not the nodes' to agree on
+        covered = f" (keys a policy sets are not compared: {', '.join(sorted(self.policy))})" if self.policy else ""
         raise SettingsConflict(
-            f"{who} asks job {self.rdzv_id} for {_describe(settings)}, but the job runs with "
-            f"{_describe(self.settings)}: give every node the same --nnodes and --rdzv-conf, or use a new rdzv_id"
+            f"{who} asks job {self.rdzv_id} for {_describe(settings)}, but the job's nodes gave it "
+            f"{_describe(self.own)}{covered}: give every node the same --nnodes and --rdzv-conf, set the key by "
+            "`rdzvctl policy set`, or use a new rdzv_id"
         )
+
+    def apply_policy(self, winning: Winning, now: float, pattern: str, by: str) -> bool:
+        """Rule 13: the policies that win for this job are now ``winning`` (a change of
+        ``pattern``'s policy, by ``by``). Returns whether the job's effective settings moved
+        (then a ``policy_changed`` event says which keys, from what to what); what follows
+        from the new settings follows at once (:meth:`settle`)."""
+        old, old_policy = self.settings, self.policy
+        resolved = resolve(self.own, winning, old, self.sources)
+        self.settings, self.sources, self.policy = resolved.settings, resolved.sources, winning
+        changes: dict[str, dict[str, Any]] = {}
+        sources = self.settings_source()
+        for key in POLICY_JOB_KEYS:
+            before, after = getattr(old, key), getattr(self.settings, key)
+            if before != after:
+                changes[key] = {"old": before, "new": after, "source": sources[key]}
+        for key in POLICY_NODE_KEYS:  # None: the node's own (its --rdzv-conf)
+            before, after = old_policy.get(key, (None, ""))[0], winning.get(key, (None, ""))[0]
+            if before != after:
+                changes[key] = {"old": before, "new": after, "source": sources.get(key, "node")}
+        if not changes and not resolved.held:
+            return False
+        detail: dict[str, Any] = {"pattern": pattern, "by": by, "changes": changes}
+        if resolved.held:
+            detail["held"] = resolved.held
+        self.timeline.add(now, Kind.POLICY_CHANGED, Cause.OPERATOR, self.round, **detail)
+        if self.last_call_deadline is not None:  # an armed last call runs for the new timeout from when it was armed
+            self.last_call_deadline += self.settings.last_call_timeout - old.last_call_timeout
+        self.settle(now)
+        return True
+
+    def settings_source(self) -> dict[str, str]:
+        """Rule 13: where each effective setting comes from: ``policy PATTERN``, ``node`` (the
+        job's own: its node counts always, any other key its nodes set to other than the
+        default), or ``default``; and each node-side key a policy sets."""
+        out = {}
+        for key in POLICY_JOB_KEYS:
+            pattern = self.sources.get(key)
+            if pattern is not None:
+                out[key] = f"policy {pattern}"
+            elif key in NODE_COUNTS or getattr(self.own, key) != getattr(_DEFAULT, key):
+                out[key] = "node"
+            else:
+                out[key] = "default"
+        for key in POLICY_NODE_KEYS:
+            if key in self.policy:
+                out[key] = f"policy {self.policy[key][1]}"
+        return out
 
     def _add_node(self, node_id: str, offer: Offer, role: Role, now: float) -> None:
         self.arrivals += 1
@@ -891,7 +975,7 @@ class Job:
                 )
                 self._remember_departure(member_id, Departure.DEAD)
             self._forget(member_id)  # not back for this round
-        for c in overflow:  # standby nodes only: candidates never outnumber max_nodes (rule 2a)
+        for c in overflow:  # standby nodes, and candidates beyond a max_nodes lowered meanwhile (rule 13)
             node = self.nodes[c.node_id]
             self._set(node, Role.STANDBY)  # stays a spare: settle stops its clock (rule 5)
             node.node_rank = node.global_rank_start = None
@@ -1102,6 +1186,8 @@ class Job:
             restarts=self.restarts,
             closed_cause=self.closed_cause,
             progress=self.progress.view(now if self.closed_at is None else min(now, self.closed_at)),
+            settings_source=self.settings_source(),
+            node_settings={k: self.policy[k][0] for k in POLICY_NODE_KEYS if k in self.policy},
         )
 
     def summary(self) -> JobSummary:
@@ -1115,8 +1201,7 @@ class Job:
         s = self.settings
         return {
             "rdzv_id": self.rdzv_id,
-            "settings": [s.min_nodes, s.max_nodes, s.last_call_timeout, s.join_timeout, s.heartbeat_ttl, s.max_restarts,
-                         s.min_round_seconds, s.max_fast_failures],
+            "settings": _settings_row(s),
             "state": self.state.value,
             "round": self.round,
             "nodes": [
@@ -1147,6 +1232,9 @@ class Job:
             "timeline": self.timeline.to_snapshot(),
             "progress": self.progress.to_snapshot(),
             "exit_barrier": None if self.exit_barrier is None else self.exit_barrier.to_snapshot(),
+            "own": None if self.own == s else _settings_row(self.own),
+            "policy": [[k, v, pattern] for k, (v, pattern) in self.policy.items()],
+            "sources": list(self.sources.items()),
         }
 
     @classmethod
@@ -1182,6 +1270,10 @@ class Job:
         if "progress" in data:  # (snapshots before rule 8: no round judged yet)
             job.progress = RoundLog.from_snapshot(data["progress"])
         job.exit_barrier = ExitBarrier.from_snapshot(data.get("exit_barrier"))
+        own = data.get("own")  # (snapshots before rule 13: the job's own are its settings)
+        job.own = job.settings if own is None else JobSettings(*own)
+        job.policy = {k: (v, pattern) for k, v, pattern in data.get("policy", ())}
+        job.sources = dict(data.get("sources", ()))
         for node in sorted(job.nodes.values(), key=lambda n: (n.joined_at, n.arrival)):
             job.counts[(node.role, node.liveness)] += 1
             if node.role is Role.STANDBY and job.state is not JobState.OPEN:
@@ -1201,6 +1293,12 @@ _DEPARTURE_CAUSES = {
 def departure_cause(why: Departure, cause: Cause | None = None) -> Cause:
     """The event cause of a departure: the one its command names, else the one ``why`` implies."""
     return cause or _DEPARTURE_CAUSES[why]
+
+
+def _settings_row(s: JobSettings) -> list[Any]:
+    """A job's settings as its snapshot keeps them (positional: ``JobSettings(*row)``)."""
+    return [s.min_nodes, s.max_nodes, s.last_call_timeout, s.join_timeout, s.heartbeat_ttl, s.max_restarts,
+            s.min_round_seconds, s.max_fast_failures]
 
 
 def _describe(s: JobSettings) -> str:
@@ -1223,7 +1321,10 @@ _ALIVE = Liveness.ALIVE
 #: ``_forget``; neither is a change of role.
 _NODE_TRANSITIONS: dict[NodeStatus, frozenset[NodeStatus]] = {
     # placed in the round; or, a re-joined member that departs goes back to the last round, marked
-    (Role.CANDIDATE, _ALIVE): frozenset({(Role.MEMBER, _ALIVE), (Role.MEMBER, Liveness.DEAD), (Role.MEMBER, Liveness.LEFT)}),
+    # ... or, beyond a max_nodes a policy lowered while the round formed (rule 13), a spare
+    (Role.CANDIDATE, _ALIVE): frozenset({
+        (Role.MEMBER, _ALIVE), (Role.MEMBER, Liveness.DEAD), (Role.MEMBER, Liveness.LEFT), (Role.STANDBY, _ALIVE),
+    }),
     (Role.WAITING, _ALIVE): frozenset({(Role.CANDIDATE, _ALIVE)}),  # the next round opened
     (Role.STANDBY, _ALIVE): frozenset({(Role.MEMBER, _ALIVE), (Role.STANDBY, _ALIVE)}),  # promoted, or stays a spare
     # a member re-joins (alive or not: a restarted agent), dies or leaves (again: a retried leave)

@@ -1,6 +1,6 @@
 """Fleet control with real ``torchrun`` agents (gloo on CPU), as issue 16's "Done when" asks:
-a node failing its health check is refused while the rest train; a cordoned host is refused
-with the cordon named; a host whose nodes keep dying is quarantined; a job whose workers
+a node failing its health check and a cordoned host's node (the cordon named) are refused
+while the rest train; a host whose nodes keep dying is quarantined; a job whose workers
 always fail is stopped once its restart budget is spent; node ranks follow topology paths; a
 survivor keeps its rank across a re-formation and a spare takes the dead node's rank.
 
@@ -34,42 +34,38 @@ def kinds(server: Any, job: str, kind: str) -> list[dict[str, Any]]:
     return [e for e in events(server, job) if e["kind"] == kind]
 
 
-def test_a_node_failing_its_health_check_is_refused_and_the_rest_train(
+def test_a_node_failing_its_health_check_and_a_cordoned_hosts_node_are_refused_and_the_rest_train(
     server: Any, cluster: Cluster, tmp_path: Path
 ) -> None:
-    job = "fleet-health"
+    job = "fleet-refused"
     check = tmp_path / "check.sh"
     check.write_text('#!/bin/sh\necho "checking GPUs of $RDZV_NODE_ID in $RDZV_JOB_ID"\necho "GPU 3: uncorrectable ECC errors" >&2\nexit 3\n')
     check.chmod(0o755)
-    env = {"STEPS": "60", "STEP_SLEEP": "0.05"}  # trains while the sick node tries, and is refused
-    healthy = cluster.start("healthy", server, job, nnodes="1:2", nproc=1, conf={"health_check": "true"}, env=env)
-    cluster.wait_started(world=1, count=1)
-    sick = cluster.start("sick", server, job, nnodes="1:2", nproc=1, conf={"health_check": str(check)},
-                         args=["--local-addr=127.0.0.2"])
-    assert sick.wait(60) != 0
-    assert f"failed health_check `{check}`" in sick.log_text()
-    assert "GPU 3: uncorrectable ECC errors" in sick.log_text()
-    assert healthy.wait(90) == 0  # undisturbed: the refused node's exit did not end the job
-    assert [r["WORLD_SIZE"] for r in healthy.results()] == ["1"]
-    [refused] = kinds(server, job, "node_refused")
-    assert (refused["cause"], refused["addr"]) == ("health_check_failed", "127.0.0.2")
-    assert refused["reason"].endswith("GPU 3: uncorrectable ECC errors")
-    assert [e["cause"] for e in kinds(server, job, "job_closed")] == ["agent"]  # closed by the healthy node's end
-
-
-def test_a_cordoned_host_is_refused_with_the_cordon_named(server: Any, cluster: Cluster) -> None:
-    job = "fleet-cordon"
     with Client(server.endpoint) as client:
         client.cordon("127.0.0.3", reason="bad DIMM in slot 4")
+    refused_both = tmp_path / "refused-both"
+    # The healthy node trains (up to ~30 s) until both others were refused.
+    env = {"STEPS": "600", "STEP_SLEEP": "0.05", "RUN_UNTIL": str(refused_both)}
     try:
-        other = cluster.start("other", server, job, nnodes="1:2", nproc=1, env={"STEPS": "60", "STEP_SLEEP": "0.05"})
+        healthy = cluster.start("healthy", server, job, nnodes="1:2", nproc=1, conf={"health_check": "true"}, env=env)
         cluster.wait_started(world=1, count=1)
+        sick = cluster.start("sick", server, job, nnodes="1:2", nproc=1, conf={"health_check": str(check)},
+                             args=["--local-addr=127.0.0.2"])  # fmt: skip
         cordoned = cluster.start("cordoned", server, job, nnodes="1:2", nproc=1, args=["--local-addr=127.0.0.3"])
+        assert sick.wait(60) != 0
         assert cordoned.wait(60) != 0
+        refused_both.touch()
+        assert f"failed health_check `{check}`" in sick.log_text()
+        assert "GPU 3: uncorrectable ECC errors" in sick.log_text()
         assert "host 127.0.0.3 is cordoned by an operator: bad DIMM in slot 4" in cordoned.log_text()
-        assert other.wait(90) == 0
-        [refused] = kinds(server, job, "node_refused")
-        assert (refused["cause"], refused["addr"]) == ("cordoned", "127.0.0.3")
+        assert healthy.wait(90) == 0  # undisturbed: the refused nodes' exits did not end the job
+        assert [r["WORLD_SIZE"] for r in healthy.results()] == ["1"]
+        refused = {e["cause"]: e for e in kinds(server, job, "node_refused")}
+        assert sorted(refused) == ["cordoned", "health_check_failed"], refused
+        assert refused["health_check_failed"]["addr"] == "127.0.0.2"
+        assert refused["health_check_failed"]["reason"].endswith("GPU 3: uncorrectable ECC errors")
+        assert refused["cordoned"]["addr"] == "127.0.0.3"
+        assert [e["cause"] for e in kinds(server, job, "job_closed")] == ["agent"]  # closed by the healthy node's end
     finally:
         with Client(server.endpoint) as client:
             client.uncordon("127.0.0.3")

@@ -9,7 +9,8 @@ nodes must exit 0 (a worker that aborts at exit makes its node exit 1 and leaves
 in torch's exit barrier for 300 s: the wait here is far shorter) and print their ranks.
 
 README tells users of torch 2.4 and 2.5 to type ``rdzv-torchrun`` instead of ``torchrun``;
-the same quick start runs with each launcher (plain torchrun where torch reads entry points).
+the two nodes of the one job use one launcher each (plain torchrun where torch reads entry
+points), so both launchers run the quick start together.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import pytest
 from server_process import ServerProcess
-from torch_feature import NO_ENTRY_POINTS, READS_ENTRY_POINTS
+from torch_feature import READS_ENTRY_POINTS
 
 # The fixtures' class (conftest.py); annotations only.
 Cluster = Any
@@ -109,17 +110,18 @@ def test_the_quick_start_script_ends_its_process_group(quick_start: QuickStart) 
     assert lines[-1] == "dist.destroy_process_group()", "hello.py must end its process group"
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "rdzv-torchrun"])
 def test_the_quick_start_runs_as_written_and_both_nodes_exit_0(
-    launcher: str, quick_start: QuickStart, readme_server: ReadmeServer, cluster: Cluster, tmp_path: Path
+    quick_start: QuickStart, readme_server: ReadmeServer, cluster: Cluster, tmp_path: Path
 ) -> None:
-    if launcher == "torchrun" and not READS_ENTRY_POINTS:
-        pytest.skip(NO_ENTRY_POINTS)
     script = tmp_path / "hello.py"
     script.write_text(quick_start.script)
-    cmd = quick_start.torchrun(console_script(launcher), readme_server.endpoint, script)
-    # README's shells 2 and 3, at the same time.
-    nodes = [cluster.launch(name, readme_server, cmd) for name in ("shell-2", "shell-3")]
+    # README's shells 2 and 3, at the same time: one types torchrun, the other rdzv-torchrun
+    # (both rdzv-torchrun where torch reads no entry points).
+    launchers = {"shell-2": "torchrun" if READS_ENTRY_POINTS else "rdzv-torchrun", "shell-3": "rdzv-torchrun"}
+    nodes = [
+        cluster.launch(name, readme_server, quick_start.torchrun(console_script(launcher), readme_server.endpoint, script))
+        for name, launcher in launchers.items()
+    ]
 
     codes = cluster.wait_all(NODE_TIMEOUT)
 

@@ -9,9 +9,10 @@ Env knobs (set by the tests):
   given size. Membership-change restarts keep TORCHELASTIC_RESTART_COUNT at 0, so the
   world size is what tells a test's final round from the long-running earlier ones:
   a test makes the early rounds long and the final round short.
-- FAIL_ONCE_RANK: this global rank exits 1 on its first attempt
-  (TORCHELASTIC_RESTART_COUNT == 0), to exercise a worker-failure restart.
-- FAIL_ALWAYS: "1": every worker exits 1 on every attempt (a job that cannot run).
+- RUN_UNTIL (a file): the steps end early, all ranks together, once that file exists (a test
+  that looks at a running job says when it is done looking).
+- FAIL_ALWAYS: "1": every worker exits 1 on every attempt (a job that cannot run), before it
+  imports torch (a failing start costs the shared test machine no torch import).
 - NODE_NAME: the test's name for the node (recorded, and names the heartbeat file).
 - EXIT_AT_END (with EXIT_AFTER_RESULTS, another node's RESULT_DIR): this worker runs to its
   end, then exits with that code once that node's workers have written their final records
@@ -32,9 +33,6 @@ import os
 import sys
 import time
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
 
 
 def _write(path: Path, record: dict[str, object]) -> None:
@@ -62,26 +60,30 @@ def main() -> int:
     out = Path(os.environ["RESULT_DIR"])
     restart = int(env["TORCHELASTIC_RESTART_COUNT"])
     node = os.environ.get("NODE_NAME", "")
-    fail_rank = os.environ.get("FAIL_ONCE_RANK")
     if os.environ.get("FAIL_ALWAYS") == "1":
         print(f"train.py: rank {rank} fails on purpose (FAIL_ALWAYS, attempt {restart})", file=sys.stderr, flush=True)
         return 1
-    if fail_rank is not None and int(fail_rank) == rank and restart == 0:
-        print(f"train.py: rank {rank} fails on purpose (FAIL_ONCE_RANK)", file=sys.stderr, flush=True)
-        return 1
+    import torch  # after the failures above: they need none of it
+    import torch.distributed as dist
+
     dist.init_process_group("gloo", init_method="env://")
     started = time.time()
     _write(out / f"started-{world}-{env['MASTER_PORT']}-{rank}.json",
            dict(env, pid=os.getpid(), host_node=node, started=started))
     steps = _steps(world)
     pause = float(os.environ.get("STEP_SLEEP", "0"))
+    # RUN_UNTIL=FILE: the run ends early, at the first step after FILE exists (a test's "I have
+    # seen the job running"); every rank learns it from the same all_reduce, so all stop together.
+    until = os.environ.get("RUN_UNTIL")
     total = None
     for step in range(steps):
-        t = torch.tensor([float(rank + 1)])
+        t = torch.tensor([float(rank + 1), float(bool(until) and Path(until or ".").exists())])
         dist.all_reduce(t)
-        total = t.item()
+        total = t[0].item()
         _write(out / f"hb-{env['LOCAL_RANK']}.json",
                {"world": world, "rank": rank, "step": step + 1, "steps": steps, "time": time.time()})
+        if t[1].item() > 0:
+            break
         if pause:
             time.sleep(pause)
     record = dict(env, all_reduce=total, expected=world * (world + 1) / 2, pid=os.getpid(),

@@ -84,7 +84,7 @@ def test_pending_nodes_are_alive_and_every_status_has_a_row() -> None:
     [
         ((Role.WAITING, Liveness.ALIVE), (Role.MEMBER, Liveness.ALIVE)),  # a round is never skipped
         ((Role.STANDBY, Liveness.ALIVE), (Role.CANDIDATE, Liveness.ALIVE)),
-        ((Role.CANDIDATE, Liveness.ALIVE), (Role.STANDBY, Liveness.ALIVE)),  # candidates never overflow
+        ((Role.CANDIDATE, Liveness.ALIVE), (Role.WAITING, Liveness.ALIVE)),  # a forming round's node waits for none
         ((Role.MEMBER, Liveness.DEAD), (Role.MEMBER, Liveness.ALIVE)),  # the dead come back only by re-joining
         ((Role.MEMBER, Liveness.ALIVE), (Role.WAITING, Liveness.ALIVE)),
     ],

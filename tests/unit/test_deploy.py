@@ -20,6 +20,7 @@ The token rules every recipe keeps:
 from __future__ import annotations
 
 import base64
+import fnmatch
 import json
 import os
 import re
@@ -33,6 +34,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from rdzv_client import ctl, wire
 from rdzv_client.client import parse_endpoints
 from rdzv_client.credential import CredentialError, read_token_file
 from rdzv_server.api.auth import TokenError, read_token
@@ -540,6 +542,21 @@ def test_kubernetes_training_pods_dial_the_service_over_tls_with_the_token_from_
     _assert_agents_can_reach(_server_admits(), config.tls_cert is not None)
 
 
+def test_kubernetes_training_pods_pass_no_job_settings_and_the_recipes_policy_covers_their_job() -> None:
+    text = (DEPLOY / "kubernetes-train-job.yaml").read_text()
+    # The operator's command, in the recipe's comment: set once for every run of the Job.
+    [line] = [line for line in text.splitlines() if re.match(r"#\s+rdzvctl .* policy set ", line)]
+    words = shlex.split(line.lstrip("# "))
+    pattern, settings = _policy_set("kubernetes-train-job.yaml", words[1:])
+    assert settings["min_nodes"] < settings["max_nodes"], "elastic, so the survivors of a dead node re-form"
+    for job, _, _, words in _agents():
+        _assert_no_job_settings("kubernetes-train-job.yaml", words)
+        assert job["spec"]["parallelism"] == settings["max_nodes"]
+        # Kubernetes expands $(JOB_UID) to the Job's uid: the pattern must cover any uid.
+        rdzv_id = _flags(words)["--rdzv-id"].replace("$(JOB_UID)", "1c0a5e9e-3b8e-4d0b-9a3f-6f1d2c4b5a69")
+        assert fnmatch.fnmatchcase(rdzv_id, pattern), (rdzv_id, pattern)
+
+
 def test_kubernetes_committed_secrets_hold_no_usable_token_or_key(tmp_path: Path) -> None:
     """Applied as committed, the Secrets make nothing usable: the server and the clients refuse
     every token placeholder, and no key material is in the repository."""
@@ -864,9 +881,38 @@ def test_slurm_agents_dial_rdzv_host_and_read_the_token_from_a_file(recipe: str)
         assert flags["--rdzv-backend"] == "rdzv-server"
         assert flags["--rdzv-endpoint"] == "$RDZV_HOST:29400"
         assert flags["--rdzv-id"] == "$SLURM_JOB_ID"
-        assert ":" in flags["--nnodes"], "elastic: --nnodes=MIN:MAX, so the survivors of a dead node re-form"
+        _assert_no_job_settings(recipe, words)
     # srun hands the agents the environment: the path, never the token.
     assert re.search(r'^export RDZV_TOKEN_FILE="\$', text, re.MULTILINE)
+    # The job's settings: a policy for the job's id, set before any agent starts, elastic.
+    commands = _shell_commands(text)
+    [(at, policy)] = [(i, c) for i, c in enumerate(commands) if c[0] == "rdzvctl" and "set" in c]
+    assert at < min(i for i, c in enumerate(commands) if c[0] == "srun" and "torchrun" in c)
+    pattern, settings = _policy_set(recipe, [w.replace("${#TRAIN_NODES[@]}", "4") for w in policy[1:]])
+    assert pattern == "$SLURM_JOB_ID"
+    assert settings["min_nodes"] < settings["max_nodes"], "elastic, so the survivors of a dead node re-form"
+
+
+# The job settings an agent would otherwise give on its command line (README "Job policy").
+JOB_SETTING_KEYS = frozenset(wire.POLICY_KEYS)
+
+
+def _assert_no_job_settings(recipe: str, words: list[str]) -> None:
+    """The agent passes none of the job's settings: they are the policy's (the scheduler
+    passes the endpoint and the job id; torchrun's own --nproc-per-node and --max-restarts)."""
+    flags = _flags(words)
+    assert "--nnodes" not in flags, f"{recipe}: --nnodes is the policy's (min_nodes, max_nodes)"
+    assert not JOB_SETTING_KEYS & set(_rdzv_conf(flags)), f"{recipe}: the job's settings are the policy's"
+
+
+def _policy_set(recipe: str, args: list[str]) -> tuple[str, dict[str, object]]:
+    """(PATTERN, settings) of an ``rdzvctl ... policy set`` command, read by rdzvctl's parser."""
+    try:
+        parsed = ctl.build_parser().parse_args(args)
+    except SystemExit as exc:
+        raise AssertionError(f"{recipe}: rdzvctl refuses {args}") from exc
+    assert (parsed.command, parsed.policy_command) == ("policy", "set"), args
+    return parsed.pattern, ctl.parse_policy_settings(parsed.settings)
 
 
 def test_slurm_job_token_file_is_private_accepted_and_removed_with_the_job(

@@ -3,7 +3,8 @@
 installed torch, each thing the finder relies on in torch's agent (one test each, named in
 docs/torch-compat.md, "What the failure report relies on").
 
-The real ``torchrun`` check is tests/e2e/test_failure_found.py.
+The real ``torchrun`` checks are tests/e2e/test_job_fate.py (a re-join's report) and
+tests/e2e/test_mixed_finish.py (the report of the close in torch's ``launch_agent``).
 """
 
 from __future__ import annotations

@@ -46,6 +46,13 @@ class RecordingStore:
         self.calls.append(("wait", tuple(keys)))
         assert all(k in self.keys for k in keys), "the barrier would wait here"
 
+    def get(self, key: str) -> bytes:
+        """torch 2.4's barrier waits with a blocking ``get`` of the key (later ones ``wait``)."""
+        self.calls.append(("wait", (key,)))
+        assert key in self.keys, "the barrier would wait here"
+        value = self.keys[key]
+        return value if isinstance(value, bytes) else str(value).encode()
+
 
 def test_the_agent_enters_its_exit_barrier_under_the_prefix_the_server_watches() -> None:
     assert agent_api._TERMINAL_STATE_SYNC_ID == EXIT_BARRIER_PREFIX

@@ -34,7 +34,7 @@ const NOTE_WORDS = { job_closed: 'closed', server_restarted: 'restart', host_cor
 const STOP_STATUSES = new Set([401, 403, 404]);
 const NODE_HEADS = ['node rank', 'node id', 'host/addr', 'nproc', 'global ranks', 'status', 'heartbeat age'];
 const KINDS = new Set(['job_created', 'job_closed', 'node_joined', 'round_formed', 'standby_promoted', 'node_departed',
-  'join_refused', 'node_refused', 'host_cordoned', 'fast_failure', 'workers_failed']);
+  'join_refused', 'node_refused', 'host_cordoned', 'fast_failure', 'workers_failed', 'policy_changed']);
 const EVENT_FIELDS = new Set(['seq', 'time', 'kind', 'cause', 'round', 'node_id', 'addr']);
 
 // The job this page shows: /jobs/ID, or none on /.
@@ -245,6 +245,36 @@ function fleetWords(j) {
   return words;
 }
 
+// The job's effective settings and where each comes from (README "Job policy"): a policy
+// (`policy PATTERN`), the nodes' own --nnodes / --rdzv-conf (`node`), or the default. Hidden
+// for a server that does not say (no settings_source).
+const SETTING_ORDER = ['min_nodes', 'max_nodes', 'last_call_timeout', 'join_timeout', 'heartbeat_ttl', 'max_restarts',
+  'min_round_seconds', 'max_fast_failures'];
+
+function settingText(v) {
+  if (v === null || v === undefined) return v === null ? 'none' : '-';
+  if (typeof v === 'boolean') return v ? '1' : '0';
+  return String(v);
+}
+
+function showSettings(j) {
+  const section = document.getElementById('settings-section');
+  const sources = j.settings_source && typeof j.settings_source === 'object' ? j.settings_source : null;
+  section.hidden = !sources;
+  if (!sources) return;
+  const keys = SETTING_ORDER.filter(k => k in j || k in sources)
+    .concat(Object.keys(sources).filter(k => !SETTING_ORDER.includes(k)).sort());
+  const byPolicy = keys.filter(k => String(sources[k] || '').startsWith('policy'));
+  setText(document.getElementById('settings-note'),
+    byPolicy.length ? `${byPolicy.length} from a policy: ${byPolicy.join(', ')}` : 'none from a policy');
+  document.querySelector('#settings tbody').replaceChildren(...keys.map(k => {
+    const tr = row([k, k in j ? settingText(j[k]) : '-', sources[k] || '']);
+    tr.dataset.setting = k;
+    if (String(sources[k] || '').startsWith('policy')) tr.lastChild.className = 'src-policy';
+    return tr;
+  }));
+}
+
 function showJob(j) {
   const summary = document.getElementById('summary');
   summary.replaceChildren(
@@ -260,6 +290,7 @@ function showJob(j) {
   tables.waiting.update(j.waiting, false, counts.waiting);
   tables.standby.update(j.standby, false, counts.standby);
   showProgress(j);
+  showSettings(j);
   document.getElementById('updated').textContent = 'live, updated ' + new Date().toLocaleTimeString();
 }
 
@@ -498,6 +529,11 @@ function details(e) {
     const failures = (e.failures || []).map(f => `rank ${f.global_rank} (local ${f.local_rank}) `
       + (f.signal || `exit code ${f.exit_code}`) + (f.message && f.message !== (f.signal || `exit code ${f.exit_code}`) ? `: ${f.message}` : ''));
     return `node rank ${e.node_rank}, ${e.failed_workers} failed: ` + (failures.join('; ') || e.summary);
+  }
+  if (e.kind === 'policy_changed' && e.changes && typeof e.changes === 'object') { // each key: old -> new, and from where
+    return `policy ${e.pattern} by ${e.by}: ` + Object.entries(e.changes)
+      .map(([k, c]) => `${k} ${settingText(c.old)} \u2192 ${settingText(c.new)}` + (c.source ? ` (${c.source})` : '')).join(', ')
+      + (e.held && typeof e.held === 'object' ? Object.entries(e.held).map(([k, why]) => `; held ${k}: ${why}`).join('') : '');
   }
   return rest.map(k => `${k}=${typeof e[k] === 'object' ? JSON.stringify(e[k]) : e[k]}`).join(' ');
 }
