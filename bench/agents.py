@@ -17,8 +17,8 @@ What an agent does, as the plug-in does it:
 - the watch loop: ``watch(round, known, hold=max_hold)`` back to back (the long-poll for
   ``num_nodes_waiting``, and the fast death signal while parked), a failed watch retried
   after ``keep_alive_interval``;
-- the beat loop: ``watch(round, hold=0)`` (the heartbeat, answered at once) while the round
-  is watched, whenever nothing beat the agent (a watch sent or answered, the assignment) for
+- the beat loop: ``beat`` one-way where the server's hello took it (``Client.beat``), else
+  ``watch(round, hold=0)`` (answered at once), while the round is watched, whenever nothing beat the agent (a watch sent or answered, the assignment) for
   TTL/3 (x 0.9-1, jittered; the first one of a round at a random point of the first
   interval, so that agents placed in the same second do not beat together): the same frame
   the plug-in sends, handed to the transport directly (not through the client's retry
@@ -184,6 +184,7 @@ class Agent:
         # with the server would otherwise spend more CPU on the client's per-call policy than the
         # server spends answering. (A failed beat is not retried before the next one is due.)
         fields = wire.to_mapping(wire.WatchRequest(node_id=self.node_id, round=current[0], hold=0.0))
+        one_way = wire.to_mapping(wire.BeatRequest(node_id=self.node_id, round=current[0]))
         endpoint = self.client.endpoints[0]
         interval = self.spec.heartbeat_ttl / 3
         first = True  # the first beat at a random point of the first interval (as the plug-in)
@@ -198,6 +199,13 @@ class Agent:
             first = False
             sent = time.monotonic()
             try:
+                # As Client.beat: one-way where the server's hello took it, else the watch of no hold.
+                if await self.transport.notify(
+                    endpoint, self.spec.run_id, "beat", one_way, answered_within=DEFAULT_REQUEST_TIMEOUT
+                ):
+                    self.beats += 1
+                    self.contact = sent
+                    continue
                 answer = await self.transport.call(endpoint, self.spec.run_id, "watch", fields, DEFAULT_REQUEST_TIMEOUT)
                 self.beats += 200 <= answer.status < 300
             except (TransportError, RdzvError, OSError):  # a lost connection, the client closed

@@ -4,7 +4,7 @@ What it owns: :class:`AsyncStreamTransport`, a :class:`rdzv_client.transport.Tra
 :class:`rdzv_client.AsyncClient` that speaks the stream protocol as the torchrun plug-in's
 :class:`rdzv_client.stream.PipelinedSocketTransport` does (preface and hello pipelined,
 requests tagged, replies handed out by tag, a tag-0 reply the answer of every request on
-the connection), in one event loop: the bench's simulated agents (:mod:`bench.agents`),
+the connection, beats one-way where the hello said so), in one event loop: the bench's simulated agents (:mod:`bench.agents`),
 thousands per process, each one connection, as a real agent is. It lives in the bench
 because nothing in the product uses it; its frames are read by :mod:`rdzv_client.frame` and
 decoded by :func:`rdzv_client.stream.decode_reply`, as the plug-in's are.
@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import ssl
+import time
 from typing import Any
 
 from rdzv_client import frame, wire
@@ -49,6 +50,12 @@ class _StreamProtocol(asyncio.Protocol):
         self.waiting: dict[int, asyncio.Future[Answer]] = {}
         self.ended: BaseException | Answer | None = None
         self.hello = 0
+        # As the plug-in's link: what the hello said goes one-way, when a reply last came, and
+        # whether a one-way request was refused (the next goes answered).
+        self.one_way: frozenset[str] = frozenset()
+        self.one_way_tag = 0  # every one-way request's tag (set at the opening)
+        self.answered_at = 0.0
+        self.one_way_refused = False
         self._replies = frame.FrameDecoder(limit)
         self.unpack = wire.Unpack(limit, wire.MAX_REPLY_ITEMS)  # the event loop's alone
 
@@ -69,12 +76,18 @@ class _StreamProtocol(asyncio.Protocol):
             except ServerError as exc:
                 self.end(exc)
                 return
+            self.answered_at = time.monotonic()
             if tag == 0 or (tag == self.hello and status != 200):
                 self.end(Answer(status, body))
                 return
+            if tag == self.hello:
+                self.one_way = wire.one_way_ops(body)
+                continue
             future = self.waiting.pop(tag, None)
             if future is not None and not future.done():
                 future.set_result(Answer(status, body))
+            elif tag == self.one_way_tag and status >= 300:
+                self.one_way_refused = True
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.end(exc or EOFError("the server closed the connection"))
@@ -170,10 +183,10 @@ class AsyncStreamTransport:
                 raise RdzvConnectionError(tls_failure(endpoint, exc)) from exc
             raise TransportError(f"{endpoint}: {exc or type(exc).__name__}") from exc
         assert link.transport is not None
-        opening = wire.STREAM_PREFACE
-        if self._token:
-            link.hello = next(self._tags)
-            opening += wire.frame([link.hello, wire.HELLO_OP, "", {"token": self._token}])
+        link.hello = next(self._tags)  # a hello even without a token: its reply lists what goes one-way
+        link.one_way_tag = next(self._tags)
+        greeting = {"token": self._token} if self._token else {}
+        opening = wire.STREAM_PREFACE + wire.frame([link.hello, wire.HELLO_OP, "", greeting])
         link.transport.write(opening)
         old = self._links.get(endpoint)
         self._links[endpoint] = link
@@ -182,6 +195,19 @@ class AsyncStreamTransport:
         if self._closed:
             link.end(ClientClosedError("this rdzv client is closed"))
         return link
+
+    async def notify(
+        self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], *, answered_within: float
+    ) -> bool:
+        """As the plug-in's (:meth:`rdzv_client.stream.PipelinedSocketTransport.notify`)."""
+        link = self._links.get(endpoint)
+        if self._closed or link is None or link.ended is not None or link.transport is None or op not in link.one_way:
+            return False
+        if link.one_way_refused or time.monotonic() - link.answered_at > answered_within:
+            link.one_way_refused = False
+            return False
+        link.transport.write(wire.frame([link.one_way_tag, op, rdzv_id, fields]))
+        return True
 
     async def connect(self, endpoint: Endpoint, timeout: float = DEFAULT_CONNECT_TIMEOUT) -> None:
         """Open the connection to ``endpoint`` now (preface and hello sent), ahead of the first request."""

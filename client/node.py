@@ -6,8 +6,8 @@ What it owns:
   long-poll open (held up to ``max_hold``): it is the fast death signal (the server sees the
   connection drop when the process dies) and the source of ``num_nodes_waiting``, which
   torch's agent reads every 0.1 s and which therefore costs nothing. The beat thread is the
-  heartbeat: a watch of no hold, answered at once, whenever no answer beat the node for a
-  third of the TTL; it carries the workers' current step (``rdzv_client.progress``: the
+  heartbeat (:meth:`Client.beat`: one-way where the server takes it, else a watch of no
+  hold, answered at once), whenever nothing beat the node for a third of the TTL; it carries the workers' current step (``rdzv_client.progress``: the
   highest in the node's progress directory) as soft state for the job's steps over time.
   Both live as long as the node and idle between rounds: starting a thread waits for it to
   run, and that wait would land on the critical path of every formation.
@@ -182,9 +182,9 @@ class NodeLoop:
     # -- the beat thread -----------------------------------------------------------------
 
     def _beat(self) -> None:
-        """The heartbeat: while a round is watched (and the job is not closed), a watch of no
-        hold, which the server answers at once, whenever nothing else told the server for a
-        third of the TTL that this node lives (a watch sent or answered, an assignment: the
+        """The heartbeat: while a round is watched (and the job is not closed), a beat (one-way,
+        or a watch of no hold where the server takes none) whenever nothing else told the
+        server for a third of the TTL that this node lives (a watch sent or answered, an assignment: the
         server beats the node when a request arrives and when it answers). A parked watch is
         not a heartbeat (a hung process keeps its connection open): these are what keep the
         node alive, as the watch's own beats did when it was held a third of the TTL. Against
@@ -219,8 +219,9 @@ class NodeLoop:
             sent = self._clock()
             try:
                 step = None if self._progress_dir is None else node_step(self._progress_dir)
-                beat = self._client.watch(self._run_id, self._node_id, round=current[0], hold=0.0, step=step)
-                self.policy_version = max(self.policy_version, beat.policy_version)
+                answer = self._client.beat(self._run_id, self._node_id, round=current[0], step=step)
+                if answer is not None:  # it went answered (a watch of no hold): its policy version counts
+                    self.policy_version = max(self.policy_version, answer.policy_version)
             except Exception as exc:  # RdzvError, or a bug: never let it end the heartbeats
                 log.warning(
                     "Node %s: heartbeat to job %s failed (%s).", self._node_id, self._run_id, exc,

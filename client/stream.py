@@ -27,8 +27,12 @@ Rules it keeps (on top of :mod:`rdzv_client.transport`'s):
   after its ``--idle-timeout``, shed it at its connection limit, or restarted while it sat
   idle) is replaced once, at once, by a fresh one. A reply that arrives whole is read from
   one ``recv`` (:func:`frame.receive_one`): two system calls per call.
-- :class:`PipelinedSocketTransport`: a connection opens with the preface and, with a token,
-  the hello, pipelined: requests go out behind it at once. A hello refused (tag 0, or its
+- :class:`PipelinedSocketTransport`: a connection opens with the preface and the hello (with
+  the token if there is one; without, a server with auth off answers it all the same),
+  pipelined: requests go out behind it at once. The hello's reply says what the server takes
+  one-way (``wire.ONE_WAY_OPS``): :meth:`~PipelinedSocketTransport.notify` sends those (the
+  node's beats) with one tag of the connection's own and waits for nothing, while a reply came
+  on the connection within the caller's bound and none was refused since. A hello refused (tag 0, or its
   own tag with an error) answers every request waiting on that connection, which is then
   closed. A connection that ends (EOF, reset) fails every request in flight on it with
   :class:`TransportError`; one that was opened before the request and fails with nothing
@@ -59,6 +63,7 @@ import socket
 import ssl
 import struct
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -290,6 +295,12 @@ class SocketTransport:
         if forks() != self._forks:  # a forked child must not share its parent's connections
             self._forked()
 
+    def notify(
+        self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], *, answered_within: float
+    ) -> bool:
+        """One-way requests need a connection that outlives the call: none here (False)."""
+        return False
+
     def _forked(self) -> None:
         """In a forked child: forget the parent's connections (never touched from here)."""
         self._idle.clear()
@@ -361,15 +372,22 @@ class _Slot:
 class _Link:
     """One stream connection and the requests waiting on it; its reader thread hands out replies."""
 
-    def __init__(self, sock: socket.socket, hello: int, limit: int) -> None:
+    def __init__(self, sock: socket.socket, hello: int, one_way_tag: int, limit: int) -> None:
         self.sock = sock
         self.hello = hello
+        self.one_way_tag = one_way_tag  # every one-way request's: the server takes the same bytes again at once
         self.limit = limit
         self.lock = threading.Lock()  # slots, ended
         self.send_lock = threading.Lock()  # whole frames, one at a time
         self.slots: dict[int, _Slot] = {}
         self.ended: BaseException | Answer | None = None
         self.received = 0  # replies read so far: a request sent after one is not on a stale link
+        # What the server's hello said it takes one-way (none until its reply is read: an old
+        # server's says nothing), when a reply last came (time.monotonic), and whether a one-way
+        # request was refused (then the next one goes answered, through the client's policy).
+        self.one_way: frozenset[str] = frozenset()
+        self.answered_at = 0.0
+        self.one_way_refused = False
         self.unpack = wire.Unpack(limit, wire.MAX_REPLY_ITEMS)  # the reader thread's alone
 
     def expect(self, tag: int) -> _Slot | None:
@@ -409,14 +427,20 @@ class _Link:
             while True:
                 tag, status, body = decode_reply(replies.receive(self.sock.recv), self.unpack)
                 self.received += 1
+                self.answered_at = time.monotonic()
                 if tag == 0 or (tag == self.hello and status != 200):
                     self.end(Answer(status, body))  # refused: the answer of every request on it
                     return
+                if tag == self.hello:
+                    self.one_way = wire.one_way_ops(body)
+                    continue
                 with self.lock:
                     slot = self.slots.pop(tag, None)
                 if slot is not None:
                     slot.answer = Answer(status, body)
                     slot.finish()
+                elif tag == self.one_way_tag and status >= 300:  # a one-way request refused
+                    self.one_way_refused = True
         except frame.FrameTooLarge as exc:
             why = unreadable_reply(exc)
         except (OSError, EOFError, ServerError) as exc:
@@ -472,6 +496,35 @@ class PipelinedSocketTransport(SocketTransport):
             # Once more, at once, on a connection other than the one that went stale (another
             # thread's new one will do); a failure there is the call's, never stale again.
             return self._send_and_wait(endpoint, tag, payload, timeout, stale=exc.link)
+
+    def notify(
+        self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], *, answered_within: float
+    ) -> bool:
+        """Send ``op`` one-way on the endpoint's open connection, waiting for nothing, when its
+        server's hello listed it (``wire.ONE_WAY_OPS``), no one-way request was refused on it
+        since the last went out, and a reply came on it within ``answered_within`` s (so a
+        server that froze is still found out by an answered request within that long). False,
+        with nothing sent, otherwise (no connection open, over TLS, an old server): send the
+        request answered instead, which also opens a connection.
+        """
+        if endpoint.scheme == "https":
+            return False
+        with self._lock:
+            if self._closed or forks() != self._forks:
+                return False
+            link = self._links.get(endpoint)
+        if link is None or link.ended is not None or op not in link.one_way:
+            return False
+        if link.one_way_refused or time.monotonic() - link.answered_at > answered_within:
+            link.one_way_refused = False
+            return False
+        try:
+            with link.send_lock:
+                link.sock.sendall(wire.frame([link.one_way_tag, op, rdzv_id, fields]))
+        except OSError as exc:
+            link.end(exc)
+            return False
+        return True
 
     def _forked(self) -> None:
         super()._forked()
@@ -557,11 +610,12 @@ class PipelinedSocketTransport(SocketTransport):
 
     def _open_link(self, endpoint: Endpoint, timeout: float) -> _Link:
         sock, _ = self._checkout(endpoint, timeout, fresh=True)  # connected (and TLS), counted as busy
-        hello = next(self._tags) if self._token else 0
-        link = _Link(sock, hello, self._max_response_bytes)
-        opening = wire.STREAM_PREFACE
-        if hello:
-            opening += wire.frame([hello, wire.HELLO_OP, "", {"token": self._token}])
+        # A hello even without a token (a server with auth off answers it whatever it carries):
+        # its reply says what the server takes one-way.
+        hello = next(self._tags)
+        link = _Link(sock, hello, next(self._tags), self._max_response_bytes)
+        greeting = {"token": self._token} if self._token else {}
+        opening = wire.STREAM_PREFACE + wire.frame([hello, wire.HELLO_OP, "", greeting])
         try:
             sock.settimeout(None)  # the reader blocks; each request's timeout is its own wait
             sock.sendall(opening)

@@ -593,6 +593,29 @@ class Client:
             policy_version=_version(reply.get("policy_version")),
         )
 
+    def beat(self, rdzv_id: str, node_id: str, *, round: int, step: int | None = None) -> WatchResult | None:
+        """Heartbeat ``node_id`` of round ``round`` (``step``: its current training step).
+
+        One-way (no reply: ``wire.BeatRequest``) on the stream connection to the endpoint in
+        use when its server said in its hello that it takes beats, no beat was refused there
+        since, and something was answered on it within the request timeout; else a watch of
+        no hold, answered, through the retries, fail-over and leader redirects of every call
+        (an older server, no connection open yet, a follower that refused a beat, a server
+        silent too long: its answer, or its absence, says whether it still serves).
+
+        Returns the watch's answer when it went answered (a policy version among it), None when
+        it went one-way (the watch's own answers and the assignments bring the news then).
+        Raises what :meth:`watch` raises, when the beat goes answered.
+        """
+        self._check_open()
+        req = wire.BeatRequest(node_id=node_id, round=round, step=step)
+        check_request(rdzv_id, req)
+        endpoint = self._endpoints[self._current]
+        fields = wire.to_mapping(req)
+        if self._transport.notify(endpoint, rdzv_id, req.op, fields, answered_within=self._request_timeout):
+            return None
+        return self.watch(rdzv_id, node_id, round=round, hold=0.0, step=step)
+
     def leave(self, rdzv_id: str, node_id: str) -> None:
         """``node_id`` leaves the job gracefully: the other nodes do not restart for it."""
         self.request(rdzv_id, wire.LeaveRequest(rdzv_id, node_id=node_id))

@@ -2,9 +2,10 @@
 
 What it owns:
 - :class:`Transport`, what :class:`AsyncClient` asks of a transport: an operation
-  (``call``), a read-only page (``fetch``, the JSON GETs) and ``aclose``; and
-  :class:`BlockingTransport`, the same three as plain blocking methods (``close`` for
-  ``aclose``) for the threaded :class:`Client`, which is generated from AsyncClient;
+  (``call``), a one-way one where the connection takes it (``notify``: the beat), a
+  read-only page (``fetch``, the JSON GETs) and ``aclose``; and :class:`BlockingTransport`,
+  the same as plain blocking methods (``close`` for ``aclose``) for the threaded
+  :class:`Client`, which is generated from AsyncClient;
 - :class:`AiohttpTransport` (a ``Transport``): everything over HTTP;
 - what every transport shares, public for the transports of :mod:`rdzv_client.stream`
   (the blocking ones, over the stream protocol) and the bench's: :class:`Endpoint`,
@@ -120,6 +121,14 @@ class Transport(Protocol):
         DELETE) with ``body`` sent as JSON (the fleet routes: ``/v1/cordons``)."""
         ...
 
+    async def notify(
+        self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], *, answered_within: float
+    ) -> bool:
+        """Send ``op`` one-way (``wire.ONE_WAY_OPS``) on an open stream connection whose server
+        takes it, when a reply came on it within ``answered_within`` s; False, with nothing
+        sent, when it cannot (then the caller sends the request answered)."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -135,6 +144,12 @@ class BlockingTransport(Protocol):
     ) -> Answer:
         """GET ``path`` (a JSON page such as ``/v1/jobs`` or ``/healthz``); or ``method`` (POST,
         DELETE) with ``body`` sent as JSON (the fleet routes: ``/v1/cordons``)."""
+        ...
+
+    def notify(
+        self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], *, answered_within: float
+    ) -> bool:
+        """:meth:`Transport.notify`, blocking the calling thread no longer than a ``send``."""
         ...
 
     def close(self) -> None:
@@ -264,6 +279,12 @@ class AiohttpTransport:
     ) -> Answer:
         data, headers = json_request(self._json_headers, body)
         return await self._send(endpoint, method, path, data, headers, timeout)
+
+    async def notify(
+        self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], *, answered_within: float
+    ) -> bool:
+        """HTTP answers every request: nothing goes one-way (False)."""
+        return False
 
     async def _send(
         self,

@@ -692,6 +692,30 @@ class WatchRequest(Request):
         step_ok(self.step)
 
 
+@dataclasses.dataclass(frozen=True)
+class BeatRequest(Request):
+    """The node's heartbeat, and nothing else: one-way on a stream whose server says so.
+
+    Over a stream connection whose server announced ``beat`` in its hello's ``one_way`` (see
+    "stream protocol"), an accepted beat gets no reply at all: a beat only has to reach the
+    server, and a reply per beat doubled the system calls on both sides. A refused one (a
+    follower's ``not_leader``, ``job_not_found``, ``not_ready``) is answered with its tag,
+    as any request, so the client learns of it. Over HTTP, and on a stream to a server that
+    did not announce it, it is answered ``{}`` (HTTP) or is an unknown operation (older
+    servers): clients send a watch of no hold there instead. Soft state, as the watch's beat:
+    never logged. ``step``: the node's current training step, as on a watch.
+    """
+
+    op: ClassVar[str] = "beat"
+    node_id: str
+    round: int
+    step: int | None = optional(None)
+
+    def validate(self) -> None:
+        check_id("node_id", self.node_id)
+        step_ok(self.step)
+
+
 REQUESTS: dict[str, type[Request]] = {
     cls.op: cls
     for cls in (
@@ -711,6 +735,7 @@ REQUESTS: dict[str, type[Request]] = {
         JoinRequest,
         AwaitRoundRequest,
         WatchRequest,
+        BeatRequest,
         LeaveRequest,
         CloseRequest,
         RefuseRequest,
@@ -762,12 +787,34 @@ def op_path(rdzv_id: str, op: str) -> str:
 # hello) is answered with a tag-0 ``401 unauthorized`` frame and the connection closed. A
 # client may pipeline its first request right behind the hello. With auth off a hello is
 # answered 200 whatever it carries, so a client may always send one.
+#
+# One-way requests (issue 29): the hello's reply also lists, under ``one_way``, the operations
+# this server takes without answering them when they succeed (``ONE_WAY_OPS``: ``beat``). A
+# refused one is answered with its tag and the error, as any request; a client has no waiter
+# for it and reads it as "send the next one answered". A client gives every one-way request on a
+# connection one tag of their own, and a node's beat is the same frame all round long (unless
+# its step moved): the server takes a read that is the same bytes as the last beat it took,
+# alone in its read, without decoding it again. A server that lists nothing (every
+# server before issue 29: its hello reply is ``{"access"}`` alone) takes none: a client sends
+# it a watch of no hold instead of a beat. So an old client (which never sends ``beat``) and
+# an old server (which never announces it) both still mix with new ones.
 
 #: Sent first by a stream client; the version is the last byte before CRLF.
 STREAM_PREFACE = b"\x00RDZV1\r\n"
 #: The stream protocol's authentication frame's op (see above).
 HELLO_OP = "hello"
+#: The hello reply's field listing the operations the server takes one-way (see above).
+HELLO_ONE_WAY = "one_way"
+#: The operations this server takes one-way on a stream: answered only when refused.
+ONE_WAY_OPS = (BeatRequest.op,)
 FRAME_HEADER = struct.Struct(">I")
+
+
+def one_way_ops(hello_reply: object) -> frozenset[str]:
+    """The operations a server's hello reply says it takes one-way (none from a server before
+    them, or from a reply that says nothing readable: the client then sends them answered)."""
+    ops = hello_reply.get(HELLO_ONE_WAY) if isinstance(hello_reply, dict) else None
+    return frozenset(op for op in ops if isinstance(op, str)) if isinstance(ops, list) else frozenset()
 
 
 def frame(obj: Any) -> bytes:
@@ -794,6 +841,8 @@ def frame(obj: Any) -> bytes:
 #                join and await_round fail with job_closed_in_line (a kind of job_closed) when the
 #                job closed while the node was standby or waiting: it was no part of the run
 #   watch      -> {"round": int, "state": str, "num_nodes_waiting": int, "closed": bool}
+#   beat       -> {}  over HTTP; on a stream that announced it, no reply unless refused
+#   hello      -> {"access": "write"|"read", "one_way": [op, ...]}  (one_way: since issue 29)
 # ASSIGNMENT = {"round", "node_rank", "num_nodes", "world_size", "nproc_per_node",
 #               "global_rank_start", "master_addr", "master_port", "uniform_nproc"}
 #              (node rank 0's addr and the master_port it offered when it joined, 0 if none;

@@ -1,8 +1,8 @@
 """Liveness: heartbeats, a node's long-polls, and fast death detection when one drops.
 
-What it owns: the requests a node makes for itself (waiting for its round, the watch, the
-watch of no hold that is its heartbeat), the count of each node's open long-polls, and the
-pending checks of nodes whose long-poll dropped.
+What it owns: the requests a node makes for itself (waiting for its round, the watch, its
+heartbeat: the one-way beat, or the watch of no hold an older client sends), the count of
+each node's open long-polls, and the pending checks of nodes whose long-poll dropped.
 
 Rules:
 - Every request from a node is a heartbeat (soft state, never logged) and cancels a pending
@@ -62,8 +62,9 @@ class Liveness:
     # -- heartbeats and a node's own requests ----------------------------------------------------
 
     def beat(self, rdzv_id: str, node_id: str, progress: tuple[int, int] | None = None) -> Job:
-        """A request from a node is a heartbeat; it also cancels a pending connection-lost check.
-        ``progress``: the (round, step) a watch reports. Raises NotReady, JobNotFound."""
+        """A request from a node is a heartbeat (the one-way beat is only that); it also cancels
+        a pending connection-lost check. ``progress``: the (round, step) a watch or a beat
+        reports. Raises NotReady, JobNotFound."""
         svc = self._svc
         self._pipeline.check_ready()
         job = svc.machine.heartbeat(rdzv_id, node_id, svc.now(), progress)

@@ -88,6 +88,7 @@ class Service(ServiceState):
         self.log_index = pipeline.log_index
         self.await_round = liveness.await_round
         self.beat_now = liveness.beat_now
+        self.beat = liveness.beat
         self.watch = liveness.watch
         self.rebuild = lifecycle.rebuild
         self.follow = lifecycle.follow

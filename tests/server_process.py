@@ -58,7 +58,7 @@ class TLSFiles:
 
 
 class ServerProcess:
-    """`python -m rdzv_server` on 127.0.0.1; restarts keep the port and the data dir."""
+    """`python -m rdzv_server` on 127.0.0.1 (or ``host``); restarts keep the port and the data dir."""
 
     def __init__(
         self,
@@ -70,10 +70,16 @@ class ServerProcess:
         mutual_tls: bool = False,
         etcd: list[str] | None = None,
         open_files: int | None = None,
+        host: str = "127.0.0.1",
+        source: Path | None = None,
     ) -> None:
         """``etcd``: run as a replica over these etcd client URLs (``durable`` is then ignored).
-        ``open_files``: the server's open-files limit, soft and hard (RLIMIT_NOFILE), set before it starts."""
+        ``open_files``: the server's open-files limit, soft and hard (RLIMIT_NOFILE), set before it starts.
+        ``host``: the address it listens on (one of this host's). ``source``: a folder holding
+        ``rdzv_server`` and ``rdzv_client`` (an older revision's): the server runs from it, in it."""
         self.workdir = workdir
+        self.host = host
+        self.source = source
         self.data_dir = workdir / "data" if durable else None
         self.etcd = etcd
         self.args = args
@@ -91,16 +97,16 @@ class ServerProcess:
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def url(self) -> str:
         """``http://127.0.0.1:PORT``, or ``https://`` for a TLS server: also a client endpoint."""
-        return f"{self.scheme}://127.0.0.1:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
         """The server's command line (``self.port`` is 0 until the first start picked one)."""
-        cmd = [sys.executable, "-m", "rdzv_server", "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "rdzv_server", "--host", self.host, "--port", str(self.port)]
         if self.etcd is not None:
             cmd += ["--etcd", ",".join(self.etcd)]
         else:
@@ -110,9 +116,11 @@ class ServerProcess:
     def start(self) -> None:
         cmd = self.command()
         env = {k: v for k, v in os.environ.items() if not k.startswith("RDZV_")}
+        if self.source is not None:  # (``-m`` puts the working folder first on the path: run in it)
+            env["PYTHONPATH"] = str(self.source)
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+                cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=self.source,
                 preexec_fn=self._limits if self.open_files is not None else None,
             )
         self.starts += 1

@@ -114,7 +114,7 @@ def server_cpu_per_add(python: str) -> float:
         proc.wait()
 
 
-def _venv(rev: str, work: Path) -> str:
+def venv_python(rev: str, work: Path) -> str:
     """The python of a virtual environment with revision ``rev`` installed (made once)."""
     commit = subprocess.run(
         ["git", "-C", str(_ROOT), "rev-parse", "--short", rev], capture_output=True, text=True, check=True
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the revisions' trees and virtual environments are kept")
     args = parser.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
-    pythons = {"this tree": sys.executable, **{rev: _venv(rev, args.work) for rev in args.revs}}
+    pythons = {"this tree": sys.executable, **{rev: venv_python(rev, args.work) for rev in args.revs}}
     figures: dict[str, list[float]] = {name: [] for name in pythons}
     figures[ECHO] = []
     for round_ in range(1, ROUNDS + 1):
@@ -169,14 +169,19 @@ def main(argv: list[str] | None = None) -> int:
         figures[ECHO].append(echo_cpu_per_request())
         print(f"round {round_}: " + ", ".join(f"{n} {v[-1]:.1f} µs" for n, v in figures.items()),
               file=sys.stderr, flush=True)
-    base = statistics.median(figures["this tree"])
-    width = max(len(name) for name in figures)
     print(f"server CPU per add (--memory, one bare client, {ADDS} adds x {REPEATS}, {ROUNDS} rounds)")
-    print(f"{'server':<{width}}  median µs  range µs      this tree / it")
+    print_medians(figures, "this tree")
+    return 0
+
+
+def print_medians(figures: dict[str, list[float]], base: str) -> None:
+    """Each server's median µs, its range, and the ratio of ``base``'s median to it."""
+    reference = statistics.median(figures[base])
+    width = max(len(name) for name in figures)
+    print(f"{'server':<{width}}  median µs  range µs      {base} / it")
     for name, values in figures.items():
         median = statistics.median(values)
-        print(f"{name:<{width}}  {median:>9.1f}  {min(values):>5.1f}-{max(values):<6.1f}  {base / median:>11.2f}")
-    return 0
+        print(f"{name:<{width}}  {median:>9.1f}  {min(values):>5.1f}-{max(values):<6.1f}  {reference / median:>11.2f}")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ FORMATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.
 # From a node's death to the server marking it dead, s: the disconnect grace (0.5 s) for a
 # crashed agent, the heartbeat TTL (10-15 s by default) for a host that vanished.
 DETECTION_BUCKETS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 30.0, 60.0, 120.0)
+# The served count of a one-way beat taken (see Metrics.beat_taken).
+_BEAT_OK = ("beat", "ok")
 
 
 class _Histogram:
@@ -110,6 +112,11 @@ class Metrics:
         key = (op, code)
         self._served[key] = self._served.get(key, 0) + 1
         self._latency.observe(op, seconds)
+
+    def beat_taken(self) -> None:
+        """Count one one-way beat taken (``rdzv_requests_total{op="beat",code="ok"}``): counted,
+        not timed, as it has no reply whose latency could be told."""
+        self._served[_BEAT_OK] = self._served.get(_BEAT_OK, 0) + 1
 
     def events_applied(self, events: tuple[JobEvent, ...]) -> None:
         """Count what an applied, durable command did to its job (the service's ``on_events``)."""

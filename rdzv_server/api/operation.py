@@ -130,11 +130,17 @@ def _watch_now(svc: Service, rdzv_id: str, req: wire.WatchRequest) -> Answer[Bod
     return view.body(), pending
 
 
+def _beat(svc: Service, rdzv_id: str, req: wire.BeatRequest) -> Answer[Body]:
+    svc.beat(rdzv_id, req.node_id, None if req.step is None else (req.round, req.step))
+    return _NOTHING, None  # soft state: nothing to wait for (a stream sends no reply at all)
+
+
 async def _watch(svc: Service, rdzv_id: str, req: wire.WatchRequest) -> Body:
     return (await svc.watch(rdzv_id, req.node_id, req.round, req.known, req.hold, req.step)).body()
 
 
 _WRITE = Operation(_write, None)
+_NOTHING: Body = {}  # a beat's reply over HTTP (never changed: one map for every reply)
 
 OPERATIONS: dict[str, Operation] = {
     "set": _WRITE,
@@ -153,6 +159,7 @@ OPERATIONS: dict[str, Operation] = {
     "join": Operation(_join, None),
     "await_round": Operation(None, _await_round),
     "watch": Operation(_watch_now, _watch),
+    "beat": Operation(_beat, None),
     "leave": _WRITE,
     "close": _WRITE,
     "refuse": Operation(None, _refuse),

@@ -17,6 +17,9 @@ Rules:
   (``wire.HELLO_OP``); an operation before it, or a wrong token, is answered with a tag-0
   ``401 unauthorized`` frame and the connection is closed. The hello's grant then covers
   every request on the connection (a read-only token gets ``403 forbidden`` for writes).
+- The hello's reply lists the operations taken one-way (``wire.ONE_WAY_OPS``: the beat): one
+  that succeeds is not answered at all (no reply to pack, no ``send``), one refused is
+  answered with its tag, as any request.
 - A valid request is served at once (:func:`.operation.start_operation`), inside the read
   that brought it: one that does not wait is answered there, one that waits for its log
   append is answered from that append's completion, and only one that parks (a long-poll)
@@ -89,6 +92,10 @@ _FRAME_HEADER = wire.FRAME_HEADER
 # wire.frame's bytes from one Packer (the loop's thread only): msgpack.packb builds a Packer,
 # with its buffer, per call, which costs more than encoding a reply.
 _pack_reply = msgpack.Packer(use_bin_type=True).pack
+_ONE_WAY = frozenset(wire.ONE_WAY_OPS)
+_BEAT = wire.BeatRequest.op
+_ID = wire.ID_PATTERN.match
+_MAX_STEP = 2**63
 _SHAPE = "a request frame is [tag: int 0..2**63-1, op: str, rdzv_id: str, fields: map]"
 
 
@@ -110,6 +117,12 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
         self._server = server
         self._svc = server.svc
         self._metrics = server.metrics
+        self._beat = server.svc.beat
+        # The last read that was one whole beat, taken, and its service call: the same bytes again
+        # are the same beat (a client sends one frame per round, tag and all), taken at once.
+        self._beat_frame: bytes | None = None
+        self._beat_args: tuple[str, str, tuple[int, int] | None] = ("", "", None)
+        self._read: bytes | None = None  # the read being served, while it is whole frames
         self._loop = asyncio.get_running_loop()
         self._full_limit = server.svc.config.max_body_bytes + FRAME_OVERHEAD
         self._transport: asyncio.Transport | None = None
@@ -144,6 +157,8 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
 
     def data_received(self, data: bytes) -> None:
         now = self.last_active = self.timers.time()
+        if data == self._beat_frame and not self._buffer and self._accepting and self._take_same_beat():
+            return
         if not self._accepting:
             return  # closing: what the client still sends is drained, not served
         if not self.trusted:  # before the hello: a piece at a time (see the module rules)
@@ -188,7 +203,11 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
             buf += data
             self._parse_buffer()
             return
-        consumed = self._parse(data)  # the common case: whole frames, parsed where they lie
+        self._read = data if type(data) is bytes else None
+        try:
+            consumed = self._parse(data)  # the common case: whole frames, parsed where they lie
+        finally:
+            self._read = None
         if consumed < len(data) and self._accepting:
             if not self._hold(len(data) - consumed, now):
                 return
@@ -325,6 +344,8 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
                 elif self._grant is None:
                     self._metrics.auth_failed("missing")
                     self._fail(401, wire.ErrorCode.UNAUTHORIZED, f"send {wire.HELLO_OP!r} with the token first")
+                elif op == _BEAT and self._take_beat(self._grant, rdzv_id, fields, len(payload)):
+                    pass  # taken: a one-way beat has no reply
                 else:
                     try:
                         self._serve(tag, op, rdzv_id, fields)
@@ -332,6 +353,48 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
                         log.exception("Answering a stream request failed.")
                 return
         self._send(_tag_of(msg), 400, wire.error_body(wire.ErrorCode.BAD_REQUEST, _SHAPE))
+
+    def _take_beat(self, grant: Grant, rdzv_id: str, fields: dict[str, Any], size: int) -> bool:
+        """Take a one-way beat (its frame's payload ``size`` bytes) here when it is plainly valid
+        and accepted; False: serve it as any request (:meth:`_serve`: the operation table says
+        what is wrong, answered with its tag).
+
+        The hot path of a job's thousands of nodes, a few thousand a second: no request record
+        built, no reply, no latency timed; the same service call as the operation table's. A
+        beat that came alone in its read is remembered: the same bytes again are taken at once
+        (:meth:`_take_same_beat`)."""
+        node_id = fields.get("node_id")
+        round_ = fields.get("round")
+        step = fields.get("step")
+        if (
+            type(node_id) is not str
+            or type(round_) is not int
+            or len(fields) != (2 if step is None else 3)  # nothing else (a step of None spelled out included)
+            or (step is not None and (type(step) is not int or not 0 <= step < _MAX_STEP))
+            or not _ID(node_id)
+            or not grant.allows(True, rdzv_id)
+        ):
+            return False
+        args = (rdzv_id, node_id, None if step is None else (round_, step))
+        try:
+            self._beat(*args)
+        except Exception:  # not ready, not the leader, no such job: the table's path answers why
+            return False
+        self._metrics.beat_taken()
+        read = self._read
+        if read is not None and len(read) == _HEADER_LEN + size:  # the read was this frame alone
+            self._beat_frame, self._beat_args = read, args
+        return True
+
+    def _take_same_beat(self) -> bool:
+        """The read is the last beat taken, byte for byte: take it again; False when the service
+        refuses it now (then the read is served as any, and its refusal answered)."""
+        try:
+            self._beat(*self._beat_args)
+        except Exception:  # (the full path answers why)
+            return False
+        self._metrics.beat_taken()
+        return True
 
     def _hello(self, tag: int, fields: dict[str, Any]) -> None:
         """Authenticate the connection (see wire: "stream protocol"): a wrong token closes it."""
@@ -342,17 +405,19 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
             self._fail(401, wire.ErrorCode.UNAUTHORIZED, "the token in the hello is not this server's")
             return
         self._grant = grant
+        self._beat_frame = None  # (taken under the grant it replaces)
         self._limit = self._full_limit
         self._unpack = self._server.unpack_full
         self.table.trust(self)
-        self._send(tag, 200, {"access": grant.access.value})
+        self._send(tag, 200, {"access": grant.access.value, wire.HELLO_ONE_WAY: list(wire.ONE_WAY_OPS)})
 
     def _serve(self, tag: int, op: str, rdzv_id: str, fields: dict[str, Any]) -> None:
         """Answer now, or once the request's append is durable, or from its task if it parks."""
         assert self._grant is not None  # checked by _request
         started = start_operation(self._svc, self._metrics, self._grant, op, rdzv_id, fields)
         if type(started) is tuple:
-            self._send(tag, started[0], started[1])
+            if started[0] != 200 or op not in _ONE_WAY:  # a one-way request is answered only when refused
+                self._send(tag, started[0], started[1])
             return
         waiting: asyncio.Future[Any]
         if type(started) is Durable:

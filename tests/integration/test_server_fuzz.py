@@ -4,7 +4,8 @@ Authenticated (with the server's token), so the fuzz reaches the decoders and th
 behind them. Rules checked, for every request:
 - the answer is a 200 or a documented error: a 4xx status, a JSON or msgpack body (as the
   request's Accept asks) ``{"error", "message"}`` whose code is a ``wire.ErrorCode`` with
-  exactly that status; never a 5xx;
+  exactly that status; never a 5xx (a one-way beat on a stream the server takes has no answer:
+  the request behind it is answered first);
 - the connection keeps serving (HTTP keep-alive unless the server said ``Connection:
   close``; a stream connection after every well-framed frame), and so does the server;
 - afterwards a canary job's keys are exactly as before, and the server log has no traceback.
@@ -112,6 +113,7 @@ VALID: dict[str, dict[str, Any]] = {
     "join": {"node_id": "n1", "addr": "10.0.0.1", "nproc_per_node": 1, "min_nodes": 1, "max_nodes": 2},
     "await_round": {"node_id": "n1", "round": 0},
     "watch": {"node_id": "n1", "round": 0},
+    "beat": {"node_id": "n1", "round": 0},
     "leave": {"node_id": "n1"},
     "close": {},
     "refuse": {"node_id": "n1", "addr": "10.0.0.1", "cause": "health_check_failed", "detail": "ECC"},
@@ -225,6 +227,10 @@ class Http:
         self.conn.close()
 
 
+#: The tag of the request sent behind a one-way one, to tell "taken" from "not yet answered".
+PROBE_TAG = 2**62 + 12345
+
+
 class Stream:
     """One authenticated stream connection (wire "stream protocol")."""
 
@@ -232,13 +238,27 @@ class Stream:
         self.sock = socket.create_connection(("127.0.0.1", srv.port), timeout=TIMEOUT)
         self.sock.sendall(PREFACE + wire.frame([1, wire.HELLO_OP, "", {"token": srv.token}]))
         self._frames = FrameReader(self.sock)
-        assert self.recv() == [1, 200, {"access": "write"}]
+        assert self.recv() == [1, 200, {"access": "write", "one_way": ["beat"]}]
 
     def send_payload(self, payload: bytes) -> None:
         self.sock.sendall(struct.pack(">I", len(payload)) + payload)
 
     def recv(self) -> Any:
         return self._frames.recv()
+
+    def answer(self, payload: bytes, tag: int | None, *, one_way: bool) -> Any:
+        """Send ``payload``; its answer ``[tag, status, body]``, or None for a one-way request
+        the server took (answered only when refused: a probe behind it is answered first)."""
+        self.send_payload(payload)
+        if not one_way:
+            return self.recv()
+        self.send_payload(wire.pack([PROBE_TAG, "num_keys", CANARY, {}]))
+        first = self.recv()
+        if first[0] == PROBE_TAG and tag != PROBE_TAG:
+            assert first[1] == 200, first
+            return None
+        assert self.recv()[0] == PROBE_TAG
+        return first
 
     def close(self) -> None:
         self.sock.close()
@@ -341,10 +361,10 @@ def test_each_hostile_value_in_each_field_of_an_operation_gets_a_documented_answ
                     payload = msgpack.packb([tag, op, FUZZ_JOBS[0], fields], use_bin_type=True)
                 except (UnicodeEncodeError, OverflowError):
                     continue  # what msgpack cannot carry (lone surrogates, ints past 64 bits)
-                stream.send_payload(payload)
-                got_tag, status, reply = stream.recv()
-                assert got_tag == tag
-                assert_documented(status, MSGPACK, wire.pack(reply), as_msgpack=True)
+                answer = stream.answer(payload, tag, one_way=op in wire.ONE_WAY_OPS)
+                if answer is not None:
+                    assert answer[0] == tag
+                    assert_documented(answer[1], MSGPACK, wire.pack(answer[2]), as_msgpack=True)
             except AssertionError as exc:
                 raise AssertionError(f"{op} with {name}={value!r:.80}: {exc}") from exc
         assert_still_serving(conn)
@@ -395,6 +415,15 @@ def frames(draw: st.DrawFn) -> tuple[int | None, bytes]:
     return tag, msgpack.packb([tag, op, rdzv_id, fields], use_bin_type=True)
 
 
+def _one_way(payload: bytes) -> bool:
+    """Whether ``payload`` is a request frame of a one-way operation (which may go unanswered)."""
+    try:
+        message = msgpack.unpackb(payload, raw=False)
+    except Exception:  # noqa: BLE001 (garbage: answered as such)
+        return False
+    return isinstance(message, list) and len(message) == 4 and message[1] in wire.ONE_WAY_OPS
+
+
 def test_random_frames_get_documented_answers_and_the_stream_keeps_serving(unharmed: ServerProcess) -> None:
     @settings(FUZZ, max_examples=300)
     @given(frame=frames())
@@ -402,8 +431,10 @@ def test_random_frames_get_documented_answers_and_the_stream_keeps_serving(unhar
         tag, payload = frame
         stream = Stream(unharmed)
         try:
-            stream.send_payload(payload)
-            got_tag, status, body = stream.recv()
+            answer = stream.answer(payload, tag, one_way=_one_way(payload))
+            if answer is None:
+                return  # a one-way beat, taken: nothing to answer
+            got_tag, status, body = answer
             if len(payload) > FRAME_LIMIT:  # the framing can no longer be trusted: answered, then closed
                 assert [got_tag, status, body["error"]] == [0, 413, "body_too_large"]
                 with pytest.raises(ConnectionError):

@@ -31,6 +31,7 @@ import psutil
 import pytest
 from raw_stream import FrameReader
 from server_process import ServerProcess
+from waiting import metrics
 
 from rdzv_client import wire
 from rdzv_server.api.stream import MAX_IN_FLIGHT
@@ -91,7 +92,7 @@ class Stream:
             self.sock.sendall(preface)
         if token is not None:
             welcome = self.call(wire.HELLO_OP, "", token=token)
-            assert (welcome.status, welcome.body) == (200, {"access": "write"}), welcome
+            assert (welcome.status, welcome.body) == (200, {"access": "write", "one_way": ["beat"]}), welcome
 
     @classmethod
     def to(cls, srv: ServerProcess, **kwargs: Any) -> Stream:
@@ -409,7 +410,7 @@ def test_frames_split_across_reads_and_many_in_one_read_are_all_served(
     for i in range(0, len(data), 7):  # preface, hello and frames cut mid-header and mid-body
         s.sock.sendall(data[i : i + 7])
         time.sleep(0.002)
-    assert s.recv() == Reply(3, 200, {"access": "write"})
+    assert s.recv() == Reply(3, 200, {"access": "write", "one_way": ["beat"]})
     assert s.recv() == Reply(1, 200, {})
     assert s.recv() == Reply(2, 200, {"found": True, "value": b"v" * 300})
     # Then many frames and half of the next in one write; the rest in another.
@@ -632,6 +633,35 @@ def test_a_watch_answered_on_a_live_stream_keeps_the_node_alive(
     time.sleep(DISCONNECT_GRACE + 0.5)
     assert b.ok("watch", job, node_id="b", round=round_, known=0, hold=0.0)["num_nodes_waiting"] == 0
     assert nodes_alive(grace_server, job) == {"a": True, "b": True}
+
+
+def test_a_beat_is_answered_only_when_refused_and_beats_its_node(
+    server: ServerProcess, stream_to: Callable[..., Stream]
+) -> None:
+    """The hello says the server takes beats one-way; a beat taken gets no reply (the request
+    behind it is answered first), and counts: its step is the job's; one refused gets its tag
+    and the error, as any request, and the connection serves on. Over HTTP a beat answers {}."""
+    job = new_job()
+    a, _, round_ = join_two(server, stream_to, job)
+    taken = metrics(server).get(BEATS_TAKEN, 0.0)
+    beat = {"node_id": "a", "round": round_, "step": 41}
+    a.send(7, "beat", job, beat)
+    a.send(7, "beat", job, {**beat, "step": 42})
+    a.send(7, "beat", job, {**beat, "step": 42})  # the same bytes again
+    a.send(8, "beat", "no-such-job", {"node_id": "a", "round": 0})
+    a.send(9, "beat", job, {"node_id": "a", "round": round_, "hold": 1.0})  # not a beat's field
+    a.send(10, "num_keys", job, {})
+    replies = [a.recv() for _ in range(3)]
+    assert [(r.tag, r.status, r.error) for r in replies] == [
+        (8, 404, "job_not_found"), (9, 400, "bad_request"), (10, 200, None)
+    ]
+    assert http_op(server, job, "beat", {"node_id": "b", "round": round_}) == (200, {})
+    document = json.loads(http_get(server.url + f"/v1/jobs/{job}", server.auth)[2])
+    assert [s[1:] for s in document["steps"]] == [[round_, 41], [round_, 42]]
+    assert metrics(server)[BEATS_TAKEN] == taken + 3 + 1  # the stream's three and the HTTP one
+
+
+BEATS_TAKEN = 'rdzv_requests_total{code="ok",op="beat"}'
 
 
 # --------------------------------------------------------------------------- shutdown and durability

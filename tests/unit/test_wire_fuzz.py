@@ -98,6 +98,7 @@ VALID: dict[str, dict[str, Any]] = {
     "join": {"node_id": "n", "addr": "a", "nproc_per_node": 1, "min_nodes": 1, "max_nodes": 1},
     "await_round": {"node_id": "n", "round": 0},
     "watch": {"node_id": "n", "round": 0},
+    "beat": {"node_id": "n", "round": 0},
     "leave": {"node_id": "n"},
     "close": {},
     "refuse": {"node_id": "n", "addr": "h", "cause": "health_check_failed", "detail": "ECC errors"},
