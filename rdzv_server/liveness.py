@@ -113,12 +113,18 @@ class Liveness:
         svc = self._svc
         self.beat(rdzv_id, node_id, None if step is None else (round_, step))
         hold = hold * self._rng.uniform(HOLD_JITTER, 1.0)
+        parked_version = svc.machine.policies.version
 
         def changed() -> WatchView | None:
             if rdzv_id not in svc.machine.jobs:
                 return WatchView.collected(round_)
             view = svc.machine.watch_view(rdzv_id, round_)
             if view.closed:
+                return view
+            if view.policy_version != parked_version:
+                # A policy that moved this job's settings (it wakes the job's watches): the node
+                # learns of it now, not at its next answered beat (its beats go one-way), so a
+                # node-side key (health_check, ...) applies at its next join (issue 28).
                 return view
             if known > 0 and view.round > round_:
                 return None  # it knows to re-join already: a later round's joins tell it nothing new

@@ -513,7 +513,8 @@ class StateMachine:
                 entry, lambda job: {"moved": job.apply_policy(winning, now, pattern, by)}
             )
             if job.timeline.next_seq - 1 > seen:
-                wakes += [*change.wakes, events_topic(job.rdzv_id)]
+                # watch_topic too: its parked watches answer with the new policy_version
+                wakes += [*change.wakes, events_topic(job.rdzv_id), watch_topic(job.rdzv_id)]
                 events += job.timeline.since(seen)
         return Outcome(result, tuple(dict.fromkeys(wakes)), events=tuple(events))
 

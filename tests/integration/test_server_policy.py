@@ -21,7 +21,7 @@ import pytest
 from etcd_cluster import require_etcd, running_etcd
 from replica_cluster import ReplicaCluster
 from server_process import ServerProcess
-from waiting import wait_until
+from waiting import call_within, parked_long_polls, wait_until
 
 from rdzv_client import Client, JobSettings
 from rdzv_client.error import BadRequestError, ConflictError, JobClosedError, NotFoundError
@@ -201,6 +201,25 @@ def test_a_raised_max_restarts_keeps_a_failing_job_open_past_its_old_budget(serv
         assert story == [
             ("restart_counted", 1, 1), ("policy_changed", None, None), ("restart_counted", 2, 2), ("job_closed", 2, 2),
         ]
+        client.unset_policy(job)
+
+
+def test_a_policy_change_answers_the_jobs_parked_watch_with_the_new_policy_version(server: ServerProcess) -> None:
+    """A node whose beats go one-way learns of a policy change from its parked watch, which the
+    change answers (not from its next answered beat), so a node-side key applies at its next join."""
+    job = unique("watched")
+    with Client(server.endpoint) as client, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        place = join(client, job, "a", JobSettings(min_nodes=1, max_nodes=1))
+        before = place.policy_version
+        parked = parked_long_polls(server)
+        watch = pool.submit(client.watch, job, "a", round=place.round, known=0, hold=120.0)
+        wait_until(lambda: parked_long_polls(server) > parked, what="the watch to park")
+        client.set_policy(job, {"health_check": "/opt/checks/gpu.sh"})
+        # Answered by the change, not by the end of its hold (over 10 s here, jittered): a bound
+        # far under that hold and far over an answer. Without the wake it fails.
+        seen = call_within(lambda: watch.result(), timeout=5.0, what="the parked watch answered by the policy change")
+        assert seen.policy_version > before and not seen.closed
+        assert client.effective_policy(job)["settings"] == {"health_check": "/opt/checks/gpu.sh"}
         client.unset_policy(job)
 
 
