@@ -66,6 +66,8 @@ KEEP_ALIVE_MAX_ATTEMPT = 5
 RETRY_BUDGET = 30.0
 #: Opening connections before the start: this many at once per worker (the accept backlog).
 CONNECT_IN_FLIGHT = 512
+#: Tries to open an agent's connection before the start (see Agent.connect).
+CONNECT_ATTEMPTS = 3
 #: A worker that hears nothing from the parent this long exits (bounded even if orphaned).
 WORKER_LIFETIME = 3600.0
 
@@ -125,8 +127,18 @@ class Agent:
         self.dead = False
 
     async def connect(self) -> None:
-        """Open the connection (preface, hello) ahead of the start."""
-        await self.transport.connect(self.client.endpoints[0])
+        """Open the connection (preface, hello) ahead of the start. On a host loaded by other
+        work a connect can outlast its timeout in the accept backlog (a SYN dropped, resent
+        seconds later): it is tried again, up to :data:`CONNECT_ATTEMPTS` times."""
+        from rdzv_client.transport import TransportError
+
+        for attempt in range(1, CONNECT_ATTEMPTS + 1):
+            try:
+                await self.transport.connect(self.client.endpoints[0])
+                return
+            except TransportError:
+                if attempt == CONNECT_ATTEMPTS:
+                    raise
 
     async def next_rendezvous(self) -> Any:
         """The plug-in's next_rendezvous: stop watching, join, watch the new round."""

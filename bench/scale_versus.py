@@ -52,6 +52,8 @@ failed = [f"{r.metric}: {r.status} ({r.detail})" for r in rows if r.status != "o
 print("MARK" + json.dumps({"run": run, "failed": failed}, default=str))
 """.replace("MARK", MARK)
 
+#: Runs of a child that end with no record before the run counts as failed.
+CHILD_ATTEMPTS = 2
 #: The table: (label, unit, how to read it from a run record; None where the run lacks it).
 FIGURES: list[tuple[str, str, Any]] = [
     ("formation", "s", lambda r: r.get("formation_s")),
@@ -113,11 +115,18 @@ def _child(plan: Plan, python: str, root: Path, n: int, out: Path) -> tuple[dict
             "--timeout", f"{plan.timeout:g}", "--out", str(out)]  # fmt: skip
     # The tree's own packages: its checkout first on the path (cwd), no path of ours inherited.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    with open(out / "child.log", "w") as err:
-        done = subprocess.run([python, "-c", CHILD, *argv], cwd=root, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
-    record = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
-    if not record:
-        return {"nodes": n}, [f"the child exited {done.returncode} with no record (see {out / 'child.log'})"]
+    for attempt in range(1, CHILD_ATTEMPTS + 1):
+        # A child that ends with no record failed before measuring anything (on a loaded host,
+        # mostly: an older tree's agents give up opening 16,384 connections): once more.
+        with open(out / f"child-{attempt}.log", "w") as err:
+            done = subprocess.run([python, "-c", CHILD, *argv], cwd=root, env=env, stdout=subprocess.PIPE, stderr=err,
+                                  text=True)
+        record = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
+        if record:
+            break
+        log.info("scale versus: the child exited %d with no record (%s)", done.returncode, out / f"child-{attempt}.log")
+    else:
+        return {"nodes": n}, [f"the child exited {done.returncode} with no record (see {out}/child-*.log)"]
     got = json.loads(record[-1].removeprefix(MARK))
     return got["run"], got["failed"]
 
