@@ -15,7 +15,8 @@ What an agent does, as the plug-in does it:
 - ``next_rendezvous()``: stop watching, ``join`` (no deadline of its own, as the plug-in),
   then watch the new round;
 - the watch loop: ``watch(round, known, hold=max_hold)`` back to back (the long-poll for
-  ``num_nodes_waiting``, and the fast death signal while parked), a failed watch retried
+  ``num_nodes_waiting``, and the fast death signal while parked) until it sees nodes
+  waiting (the agent re-joins: no other long-poll of that round), a failed watch retried
   after ``keep_alive_interval``;
 - the beat loop: ``watch(round, hold=0)`` (the heartbeat, answered at once) while the round
   is watched, whenever nothing beat the agent (a watch sent or answered, the assignment) for
@@ -185,6 +186,7 @@ class Agent:
             self.num_waiting = known
             if known > 0:
                 self.changed.set()
+                return  # the round is over for this agent, as for the plug-in's NodeLoop: it re-joins
 
     async def _beat_round(self, current: tuple[int, int]) -> None:
         from rdzv_client import RdzvError, wire
