@@ -89,6 +89,12 @@ def test_a_survivor_re_forms_with_one_watch_answered_one_join_and_the_next_round
             ("round_formed", "last_call", 1, None),
         ]
         assert timeline[-1]["opened_by"] == "member_died"
+
+        # An older plug-in parks a second watch of the round that ended (known = the nodes it
+        # saw waiting): the server still holds it to its hold and answers it with the job as
+        # it is, the next round formed.
+        seen = clients["node-a"].watch(JOB, "node-a", round=0, known=1, hold=0.5)
+        assert (seen.round, seen.state, seen.num_nodes_waiting) == (1, "complete", 1)
     finally:
         for loop in loops.values():
             loop.stop(for_good=True)
