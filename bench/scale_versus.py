@@ -40,9 +40,12 @@ MARK = "bench-scale-versus: "
 #: The child: a tree's own bench, one size. Written against bench's oldest scale interface
 #: (``make_plan(build_parser().parse_args(...))``, ``scale.measure(plan)``).
 CHILD = """
-import dataclasses, json, logging, sys
+import json, logging, signal, sys
 from bench.__main__ import build_parser, make_plan
 from bench import scale
+def stop(signum, frame):
+    raise SystemExit(128 + signum)  # unwind: bench.scale's finally stops the server and the agents
+signal.signal(signal.SIGTERM, stop)
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
 plan = make_plan(build_parser().parse_args(sys.argv[1:]))
 plan.log_dir.mkdir(parents=True, exist_ok=True)
@@ -54,12 +57,15 @@ print("MARK" + json.dumps({"run": run, "failed": failed}, default=str))
 
 #: Runs of a child that end with no record before the run counts as failed.
 CHILD_ATTEMPTS = 2
+#: How long a stopped child may take to stop its server and agents.
+STOP_GRACE = 60.0
 #: The table: (label, unit, how to read it from a run record; None where the run lacks it).
 FIGURES: list[tuple[str, str, Any]] = [
     ("formation", "s", lambda r: r.get("formation_s")),
     ("re-formation (kill)", "s", lambda r: r.get("reform_s")),
-    ("re-formation: server CPU", "s", lambda r: r.get("reform_server_cpu_s")),
-    ("re-formation: requests", "", lambda r: sum(r["reform_requests"].values()) if r.get("reform_requests") else None),
+    # Only of a re-formation that completed with the right ranks (a failed one keeps its CPU).
+    ("re-formation: server CPU", "s", lambda r: r.get("reform_server_cpu_s") if r.get("reform_s") else None),
+    ("re-formation: requests", "", lambda r: sum(r["reform_requests"].values()) if r.get("reform_s") else None),
     ("heartbeat CPU", "% core", lambda r: r.get("heartbeat_cpu")),
     ("beats answered", "/s", lambda r: r.get("beats_per_s")),
     # A beat's share of the server's CPU while the agents heartbeat (watches re-sent included).
@@ -119,14 +125,20 @@ def _child(plan: Plan, python: str, root: Path, n: int, out: Path) -> tuple[dict
         # A child that ends with no record failed before measuring anything (on a loaded host,
         # mostly: an older tree's agents give up opening 16,384 connections): once more.
         with open(out / f"child-{attempt}.log", "w") as err:
-            done = subprocess.run([python, "-c", CHILD, *argv], cwd=root, env=env, stdout=subprocess.PIPE, stderr=err,
-                                  text=True)
-        record = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
+            child = subprocess.Popen([python, "-c", CHILD, *argv], cwd=root, env=env, stdout=subprocess.PIPE,
+                                     stderr=err, text=True)
+            try:
+                stdout, _ = child.communicate()
+            except BaseException:  # stopped (SIGTERM, ^C): the child stops its server and agents first
+                child.terminate()
+                child.wait(STOP_GRACE)
+                raise
+        record = [line for line in stdout.splitlines() if line.startswith(MARK)]
         if record:
             break
-        log.info("scale versus: the child exited %d with no record (%s)", done.returncode, out / f"child-{attempt}.log")
+        log.info("scale versus: the child exited %d with no record (%s)", child.returncode, out / f"child-{attempt}.log")
     else:
-        return {"nodes": n}, [f"the child exited {done.returncode} with no record (see {out}/child-*.log)"]
+        return {"nodes": n}, [f"the child exited {child.returncode} with no record (see {out}/child-*.log)"]
     got = json.loads(record[-1].removeprefix(MARK))
     return got["run"], got["failed"]
 
