@@ -72,6 +72,9 @@ FIGURES: list[tuple[str, str, Any]] = [
     ("per-beat server CPU", "µs", lambda r: r["heartbeat_cpu"] * 1e4 / r["beats_per_s"] if r.get("beats_per_s") else None),
     ("server fds per node", "fds", lambda r: r["server_fds"] / r["nodes"] if r.get("server_fds") else None),
     ("server RSS", "MB", lambda r: r.get("server_rss_mb")),
+    # Nodes dropped by the TTL (alive, polling too late): 0 on a host with CPU to spare; a run
+    # with thousands measured the host's overload, not the tree.
+    ("TTL expiries", "nodes", lambda r: r.get("expired_by_ttl")),
 ]
 
 

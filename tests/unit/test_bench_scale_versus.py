@@ -15,7 +15,7 @@ from bench.scale_versus import table
 def _run(reform: float, cpu: float, beats: int, fds: int = 4100) -> dict[str, object]:
     return {"nodes": 4096, "formation_s": 2.0, "reform_s": reform, "reform_server_cpu_s": 1.0,
             "reform_requests": {"join": 4095, "watch": 5000}, "heartbeat_cpu": cpu, "beats_per_s": beats,
-            "server_fds": fds, "server_rss_mb": 60.0, "load_before": 3.0, "load_after": 5.5}  # fmt: skip
+            "server_fds": fds, "server_rss_mb": 60.0, "expired_by_ttl": 0, "load_before": 3.0, "load_after": 5.5}  # fmt: skip
 
 
 def _row(text: str, label: str) -> list[str]:
@@ -32,6 +32,7 @@ def test_the_table_gives_each_trees_median_and_the_ratio_of_this_tree_to_the_rev
     # 5 % of a core over 1,000 beats/s: 50 µs a beat.
     assert _row(text, "per-beat server CPU") == ["µs", "50", "100", "0.50"]
     assert _row(text, "re-formation: requests") == ["9095", "9095", "1.00"]
+    assert _row(text, "TTL expiries") == ["nodes", "0", "0", "-"]
 
 
 def test_a_figure_a_revision_lacks_prints_a_dash_and_a_failed_run_is_named() -> None:
