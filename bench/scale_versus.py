@@ -66,6 +66,8 @@ FIGURES: list[tuple[str, str, Any]] = [
     # Only of a re-formation that completed with the right ranks (a failed one keeps its CPU).
     ("re-formation: server CPU", "s", lambda r: r.get("reform_server_cpu_s") if r.get("reform_s") else None),
     ("re-formation: requests", "", lambda r: sum(r["reform_requests"].values()) if r.get("reform_s") else None),
+    # The simulated agents share the server's cores here: their CPU is part of the time above.
+    ("re-formation: agents CPU", "s", lambda r: r.get("reform_agents_cpu_s") if r.get("reform_s") else None),
     ("heartbeat CPU", "% core", lambda r: r.get("heartbeat_cpu")),
     ("beats answered", "/s", lambda r: r.get("beats_per_s")),
     # A beat's share of the server's CPU while the agents heartbeat (watches re-sent included).
