@@ -5,12 +5,14 @@
     python -m bench --only formation,store --backends rdzv-server,c10d --sizes 8,64,256
     python -m bench --only ha --quick   # replicas over etcd vs the single server (~1 minute)
     python -m bench --only scale --sizes 4096,16384   # one job of thousands of simulated agents
+    python -m bench --only scale --sizes 16384 --versus eb0e1c3   # the same, this tree against eb0e1c3
 
 Measurements (one module each): ``formation`` (bench.formation), ``store``
 (bench.store), ``rerdzv`` (bench.rerdzv), ``server`` (bench.server_cost), ``ha``
 (bench.ha: replicas over a 3-member etcd against the single server), ``scale`` (bench.scale:
 one job of thousands of asyncio agents; only when asked for, with ``--only scale``, and its
-last line is then the JSON ``{"scale": [...]}``). Results go to
+last line is then the JSON ``{"scale": [...]}``; with ``--versus REV``, bench.scale_versus: this
+tree and REV in turn, each with its own server and agents, one table with the ratios). Results go to
 ``--out`` (default ``bench/out``): ``results.json``, ``*.png``, ``bench.log`` and
 ``logs/`` (every service's own log). The exit status is 0 when the run completed, even
 with missed targets (the table says which); 2 for bad arguments.
@@ -103,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="formation sizes N (default 8,64,128,256,1024,4096; quick 8,64); scale: agents (default 4096,16384; quick 1024)",
     )  # fmt: skip
     p.add_argument("--scale-seconds", type=float, default=None, help="scale: s of heartbeats sampled (default 30; quick 5)")
+    p.add_argument("--versus", metavar="REV", default=None,
+                   help="scale only: measure git revision REV too, alternated with this tree, and give the ratios")
+    p.add_argument("--versus-rounds", type=_count(1, 20), default=1,
+                   help="--versus: runs of each tree per size, alternated; the table gives medians (default 1)")
     p.add_argument("--rerdzv-sizes", type=_csv(int), default=None, help="re-rendezvous sizes (default 8,64,256,1024; quick 8)")
     p.add_argument("--ha-clients", type=_csv(int, least=1), default=None, help="ha: concurrent writers per step (default 1,16,64)")
     p.add_argument("--ha-sizes", type=_csv(int, least=1), default=None, help="ha: formation sizes N (default 8,64; quick 8)")
@@ -199,7 +205,10 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.versus is not None and tuple(args.only) != ("scale",):
+        parser.error("--versus compares the scale measurement only: add --only scale")
     plan = make_plan(args)
     plan.out_dir.mkdir(parents=True, exist_ok=True)
     plan.log_dir.mkdir(parents=True, exist_ok=True)
@@ -209,6 +218,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", handlers=handlers)
     for noisy in ("rdzv_client", "torch"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
+    if args.versus is not None:
+        from . import scale_versus
+
+        print(scale_versus.measure(plan, args.versus, args.versus_rounds))
+        return 0
     # Import torch's registry before rdzv_client.torchrun: the registry loads our entry point.
     import torch.distributed.elastic.rendezvous.registry  # noqa: F401
 

@@ -15,7 +15,8 @@ What an agent does, as the plug-in does it:
 - ``next_rendezvous()``: stop watching, ``join`` (no deadline of its own, as the plug-in),
   then watch the new round;
 - the watch loop: ``watch(round, known, hold=max_hold)`` back to back (the long-poll for
-  ``num_nodes_waiting``, and the fast death signal while parked), a failed watch retried
+  ``num_nodes_waiting``, and the fast death signal while parked) until it sees nodes
+  waiting (the agent re-joins: no other long-poll of that round), a failed watch retried
   after ``keep_alive_interval``;
 - the beat loop: ``beat`` one-way where the server's hello took it (``Client.beat``), else
   ``watch(round, hold=0)`` (answered at once), while the round is watched, whenever nothing beat the agent (a watch sent or answered, the assignment) for
@@ -66,6 +67,8 @@ KEEP_ALIVE_MAX_ATTEMPT = 5
 RETRY_BUDGET = 30.0
 #: Opening connections before the start: this many at once per worker (the accept backlog).
 CONNECT_IN_FLIGHT = 512
+#: Tries to open an agent's connection before the start (see Agent.connect).
+CONNECT_ATTEMPTS = 3
 #: A worker that hears nothing from the parent this long exits (bounded even if orphaned).
 WORKER_LIFETIME = 3600.0
 
@@ -125,8 +128,18 @@ class Agent:
         self.dead = False
 
     async def connect(self) -> None:
-        """Open the connection (preface, hello) ahead of the start."""
-        await self.transport.connect(self.client.endpoints[0])
+        """Open the connection (preface, hello) ahead of the start. On a host loaded by other
+        work a connect can outlast its timeout in the accept backlog (a SYN dropped, resent
+        seconds later): it is tried again, up to :data:`CONNECT_ATTEMPTS` times."""
+        from rdzv_client.transport import TransportError
+
+        for attempt in range(1, CONNECT_ATTEMPTS + 1):
+            try:
+                await self.transport.connect(self.client.endpoints[0])
+                return
+            except TransportError:
+                if attempt == CONNECT_ATTEMPTS:
+                    raise
 
     async def next_rendezvous(self) -> Any:
         """The plug-in's next_rendezvous: stop watching, join, watch the new round."""
@@ -173,6 +186,7 @@ class Agent:
             self.num_waiting = known
             if known > 0:
                 self.changed.set()
+                return  # the round is over for this agent, as for the plug-in's NodeLoop: it re-joins
 
     async def _beat_round(self, current: tuple[int, int]) -> None:
         from rdzv_client import RdzvError, wire

@@ -26,6 +26,10 @@ Rules it keeps:
   drops it.
 - A closed job needs no heartbeat and its watch answers at once: the loop stops watching
   it (watching on would spin) and stops beating.
+- A round with nodes waiting is over for the node (its agent re-joins): the loop stops
+  watching it, and beats on until the node joins (one long-poll per node and round: a
+  re-formation costs the server the watch's answer, the join and its assignment, and the
+  next round's watch).
 
 What it must not know: torch (the handler in :mod:`rdzv_client.torchrun` drives this loop
 and translates errors into torch's), the server's internals.
@@ -178,6 +182,14 @@ class NodeLoop:
                 return
             self.num_waiting = known
             self.closed = False
+            if known > 0:
+                # The round is over for this node: torch's agent re-joins on num_nodes_waiting > 0.
+                # Another long-poll of it could only answer once the next round forms, which the
+                # join hears first: one request more per node and re-formation, for nothing. The
+                # beats keep the node alive until it joins.
+                with self._cv:
+                    self._cv.wait_for(lambda: self._watching != current)
+                return
 
     # -- the beat thread -----------------------------------------------------------------
 

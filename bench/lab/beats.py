@@ -38,7 +38,7 @@ import msgpack
 
 from ..process import server_cpu_ns
 from .ceiling import free_port
-from .versus import print_medians, venv_python
+from .versus import print_medians, revision_tree
 
 NODES = 2048
 RATE = 2000.0  # beats/s: a 16,384-node job's rate at the default TTL is ~4,900
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     runs: dict[str, tuple[str, bool | None]] = {ONE_WAY: (sys.executable, True), ANSWERED: (sys.executable, False)}
-    runs.update({rev: (venv_python(rev, args.work), None) for rev in args.revs})
+    runs.update({rev: (revision_tree(rev, args.work)[0], None) for rev in args.revs})
     figures: dict[str, list[float]] = {name: [] for name in runs}
     for round_ in range(1, ROUNDS + 1):
         for name, (python, one_way) in runs.items():

@@ -47,6 +47,8 @@ ECHO = "echo (the floor)"
 REPEATS = 3
 ROUNDS = 3
 JOB = "versus"
+#: Where the revisions' checkouts and virtual environments are kept (reused by the next run).
+WORK = Path(tempfile.gettempdir()) / "rdzv-bench-versus"
 _PREFACE = b"\x00RDZV1\r\n"
 _ROOT = Path(__file__).resolve().parents[2]  # the checkout: bench/lab/versus.py
 
@@ -114,22 +116,23 @@ def server_cpu_per_add(python: str) -> float:
         proc.wait()
 
 
-def venv_python(rev: str, work: Path) -> str:
-    """The python of a virtual environment with revision ``rev`` installed (made once)."""
+def revision_tree(rev: str, work: Path) -> tuple[str, Path]:
+    """The python of a virtual environment with revision ``rev`` installed, and the revision's
+    checkout (both made once, under ``work``)."""
     commit = subprocess.run(
         ["git", "-C", str(_ROOT), "rev-parse", "--short", rev], capture_output=True, text=True, check=True
     ).stdout.strip()
     tree, venv = work / f"tree-{commit}", work / f"venv-{commit}"
     python = venv / "bin" / "python"
     if python.exists():
-        return str(python)
+        return str(python), tree
     print(f"installing {rev} ({commit}) into {venv} ...", file=sys.stderr, flush=True)
     if not tree.exists():
         subprocess.run(["git", "-C", str(_ROOT), "worktree", "add", "--detach", "-f", str(tree), commit], check=True,
                        stdout=subprocess.DEVNULL)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-compile", str(tree)], check=True)
-    return str(python)
+    return str(python), tree
 
 
 def echo_cpu_per_request() -> float:
@@ -156,11 +159,11 @@ def echo_cpu_per_request() -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.lab.versus", description=__doc__.split("\n\n")[0])
     parser.add_argument("revs", nargs="+", metavar="REV", help="git revisions to compare this tree with")
-    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "rdzv-bench-versus",
+    parser.add_argument("--work", type=Path, default=WORK,
                         help="where the revisions' trees and virtual environments are kept")
     args = parser.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
-    pythons = {"this tree": sys.executable, **{rev: venv_python(rev, args.work) for rev in args.revs}}
+    pythons = {"this tree": sys.executable, **{rev: revision_tree(rev, args.work)[0] for rev in args.revs}}
     figures: dict[str, list[float]] = {name: [] for name in pythons}
     figures[ECHO] = []
     for round_ in range(1, ROUNDS + 1):
