@@ -82,10 +82,7 @@ def timeline(server: Any, job: str) -> list[dict[str, Any]]:
 def test_a_policy_decides_the_round_and_raising_max_restarts_live_keeps_a_failing_job_alive(
     server_factory: Any, cluster: Cluster, tmp_path: Path
 ) -> None:
-    # Long-polls held 5 s at most: a node whose watch is still parked on the round before
-    # notices a failure soon after a re-formation only when that poll ends (a known issue of the
-    # node loop's watch, reported with issue 28), and this job fails twice in quick succession.
-    server = server_factory(args=("--max-hold", "5"))
+    server = server_factory()
     job = "pol-1"
     said = rdzvctl(server, "policy", "set", "pol-*", "min_nodes=2", "max_nodes=2", "max_restarts=1")
     assert said == "policy pol-*: max_nodes=2 max_restarts=1 min_nodes=2\n"
