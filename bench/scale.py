@@ -4,8 +4,9 @@ How, per size N: a memory-mode server on 127.0.0.1; N simulated agents (:mod:`be
 asyncio, one worker process per core, one pipelined stream connection per agent, each
 speaking the plug-in's protocol) in one job with ``min_nodes = N-1``, ``max_nodes = N``,
 ``last_call_timeout`` 1 s (the re-rendezvous measurement's) and the plug-in's heartbeat
-defaults (every 2 s, TTL 10 s: each agent beats every TTL/3 with a watch of no hold, while its
-watch proper is held up to ``max_hold``, 30 s, and re-sent at once). Automatic quarantine is
+defaults (every 2 s, TTL 10 s: each agent beats every TTL/3, one-way where the server's hello
+takes it (a watch of no hold to an older server), while its watch proper is held up to
+``max_hold``, 30 s, and re-sent at once). Automatic quarantine is
 off: every simulated agent is on 127.0.0.1, so a few deaths would cordon all of them.
 
 - ``formation_s``: from the common start (every agent sends its join) to the last agent
@@ -16,8 +17,9 @@ off: every simulated agent is on 127.0.0.1, so a few deaths would cordon all of 
   watches (steady state), read by psutil; ``rss_per_node_kb`` is the growth over the idle
   server, per agent.
 - ``heartbeat_cpu``: the server's CPU while every agent heartbeats for ``--scale-seconds``
-  (default 30), in % of one core; ``watches_per_s`` and ``beats_per_s`` are what the agents
-  got answered (``requests_per_s`` both).
+  (default 30), in % of one core; ``watches_per_s`` are the watches answered and
+  ``beats_per_s`` the beats taken (a one-way beat counts when sent: the server answers none),
+  ``requests_per_s`` both.
 - ``reform_s``: one agent is killed (its connection aborted, as the kernel does for a dead
   process); from the kill to the last survivor holding its assignment of the next round.
   It includes the server's disconnect grace (0.5 s) and the round's last call (1 s: N-1
