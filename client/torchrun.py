@@ -266,6 +266,7 @@ class RdzvServerHandler(RendezvousHandler):
         self._refused = False
         self._reservation: PortReservation | None = None  # the offered master port, while in line
         self._gracefully_exited = False
+        self._shut_down: bool | None = None  # what shutdown() answered (None: not yet called)
         # Where this node's workers write their steps (rdzv_client.progress): the workers find
         # it in RDZV_PROGRESS_DIR, which next_rendezvous() sets before the agent starts them.
         self._progress_dir = tempfile.mkdtemp(prefix="rdzv-progress-")
@@ -489,12 +490,29 @@ class RdzvServerHandler(RendezvousHandler):
         with min_nodes standby nodes in line, form) a round for its spares, which would then
         start a run of their own instead of exiting gracefully.
 
+        torch may call it more than once for one end (2.4.1: the agent's own ``_shutdown`` and
+        ``launch_agent``'s ``finally``, three calls for a failed run): the job is closed, and
+        the failure reported, by the first; a later call answers what the first did.
+
         Raises ``SystemExit(0)`` in one case only, torch 2.13's: after this node exited
         gracefully, ``agent.run()`` returns None, ``launch_agent`` then fails on
         ``None.is_failed()`` and calls this method while that AttributeError propagates; it
         is replaced (chained) by a clean exit, which torchrun's ``@record`` turns into exit
         code 0. A torch that handles the graceful exit itself never gets here with it.
         """
+        try:
+            if self._shut_down is None:
+                self._shut_down = self._close_and_leave()
+            return self._shut_down
+        finally:
+            in_flight = sys.exc_info()[1]
+            if self._gracefully_exited and _is_torch_none_run_result(in_flight):
+                log.info("Node %s left job %s gracefully; exiting with code 0.", self._node_id, self._run_id)
+                raise SystemExit(0) from in_flight
+
+    def _close_and_leave(self) -> bool:
+        """:meth:`shutdown`'s one pass: the close (with the failure report, if the workers
+        failed), then the leave; False when the server could not be told."""
         self.node.stop(for_good=True)
         shutil.rmtree(self._progress_dir, ignore_errors=True)
         if self._refused:  # refused: the job is the others' (a refused node must not end it)
@@ -520,10 +538,6 @@ class RdzvServerHandler(RendezvousHandler):
             return False
         finally:
             self.node.closed = True
-            in_flight = sys.exc_info()[1]
-            if self._gracefully_exited and _is_torch_none_run_result(in_flight):
-                log.info("Node %s left job %s gracefully; exiting with code 0.", self._node_id, self._run_id)
-                raise SystemExit(0) from in_flight
 
     def _leave_quietly(self) -> None:
         try:

@@ -188,6 +188,20 @@ def test_an_agent_with_no_restart_left_reports_its_failure_with_its_close(server
     assert closed["cause"] == "agent" and failed["seq"] < closed["seq"]
 
 
+def test_shutdown_called_again_as_torch_2_4_does_reports_the_failure_once(server: Any) -> None:
+    """torch 2.4.1 calls the handler's shutdown() three times for one failed run (the agent's own
+    _shutdown, then launch_agent's finally): one report, one close (bench/torch-compat.sh 2.4.1)."""
+    job = "fate-close-again"
+    with Client(server.endpoint, token=server.token) as client:
+        handler = one_node_handler(server, job, client)
+        result = failed_run_result()
+        assert [handler.shutdown() for _ in range(3)] == [True, True, True] and result.is_failed()
+        events = client.events(job)["events"]
+    assert [e["kind"] for e in events if e["kind"] in ("workers_failed", "job_closed")] == [
+        "workers_failed", "job_closed"
+    ]
+
+
 def test_a_server_older_than_failure_reports_still_gets_the_close_without_one(server: Any) -> None:
     job = "fate-old-server"
     with Client(server.endpoint, token=server.token) as client:
