@@ -9,16 +9,14 @@ leader's fail-over over etcd. The real-torchrun tests of the same are in tests/e
 from __future__ import annotations
 
 import concurrent.futures
-import http.client
-import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-
 from etcd_cluster import require_etcd, running_etcd
+from integration.test_server_fleet import http_request as json_request
 from replica_cluster import ReplicaCluster
 from server_process import ServerProcess
 from waiting import call_within, parked_long_polls, wait_until
@@ -37,15 +35,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 
 def http_request(srv: ServerProcess, method: str, path: str, body: Any = None, token: str | None = None) -> tuple[int, Any]:
-    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
-    headers = {"Content-Type": "application/json", "Accept": "application/json",
-               "Authorization": f"Bearer {srv.token if token is None else token}"}
-    try:
-        conn.request(method, path, body=None if body is None else json.dumps(body).encode(), headers=headers)
-        resp = conn.getresponse()
-        return resp.status, json.loads(resp.read())
-    finally:
-        conn.close()
+    """A JSON request with the server's operator token unless ``token`` says another."""
+    return json_request(srv, method, path, body, srv.token if token is None else token)
 
 
 def unique(prefix: str) -> str:
