@@ -230,10 +230,15 @@ class Cluster:
 
     def launch(self, name: str, server: Any, cmd: list[str], env: Mapping[str, str] | None = None) -> Node:
         """Start one node running ``cmd`` (a whole torchrun command line) against ``server``:
-        this process's environment without RDZV_* / TORCHELASTIC_*, plus ``env``."""
+        this process's environment without RDZV_* / TORCHELASTIC_* / TORCH_ELASTIC_*, plus
+        ``env``. (The handler tests run the plug-in in this process, and it sets
+        TORCH_ELASTIC_WORKER_IDENTICAL=1 for their uniform rounds: an agent that inherited it
+        would take it for its user's and apply torch's shortcut to a round of unequal nodes.)"""
         if server not in self.servers:
             self.servers.append(server)
-        node_env = {k: v for k, v in os.environ.items() if not k.startswith(("RDZV_", "TORCHELASTIC_"))}
+        node_env = {
+            k: v for k, v in os.environ.items() if not k.startswith(("RDZV_", "TORCHELASTIC_", "TORCH_ELASTIC_"))
+        }
         node_env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{TOKEN_ENV: self.token})
         node_env.update(env or {})
         node = Node(name, cmd, node_env, self.tmp_path / "nodes" / name)
