@@ -117,11 +117,11 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
         self._server = server
         self._svc = server.svc
         self._metrics = server.metrics
-        self._beat = server.svc.beat
         # The last read that was one whole beat, taken, and its service call: the same bytes again
         # are the same beat (a client sends one frame per round, tag and all), taken at once.
-        self._beat_frame: bytes | None = None
-        self._beat_args: tuple[str, str, tuple[int, int] | None] = ("", "", None)
+        # (One attribute for both, and none for the service's beat: a connection past 28
+        # attributes gets a dict of ~1.6 KB instead of ~0.3 KB, 21 MB at 16,384 nodes.)
+        self._same_beat: tuple[bytes, tuple[str, str, tuple[int, int] | None]] | None = None
         self._read: bytes | None = None  # the read being served, while it is whole frames
         self._loop = asyncio.get_running_loop()
         self._full_limit = server.svc.config.max_body_bytes + FRAME_OVERHEAD
@@ -157,7 +157,8 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
 
     def data_received(self, data: bytes) -> None:
         now = self.last_active = self.timers.time()
-        if data == self._beat_frame and not self._buffer and self._accepting and self._take_same_beat():
+        same = self._same_beat
+        if same is not None and data == same[0] and not self._buffer and self._accepting and self._take_same_beat(same[1]):
             return
         if not self._accepting:
             return  # closing: what the client still sends is drained, not served
@@ -377,20 +378,21 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
             return False
         args = (rdzv_id, node_id, None if step is None else (round_, step))
         try:
-            self._beat(*args)
+            self._svc.beat(*args)
         except Exception:  # not ready, not the leader, no such job: the table's path answers why
             return False
         self._metrics.beat_taken()
         read = self._read
         if read is not None and len(read) == _HEADER_LEN + size:  # the read was this frame alone
-            self._beat_frame, self._beat_args = read, args
+            self._same_beat = (read, args)
         return True
 
-    def _take_same_beat(self) -> bool:
-        """The read is the last beat taken, byte for byte: take it again; False when the service
-        refuses it now (then the read is served as any, and its refusal answered)."""
+    def _take_same_beat(self, args: tuple[str, str, tuple[int, int] | None]) -> bool:
+        """The read is the last beat taken (its service call ``args``), byte for byte: take it
+        again; False when the service refuses it now (then the read is served as any, and its
+        refusal answered)."""
         try:
-            self._beat(*self._beat_args)
+            self._svc.beat(*args)
         except Exception:  # (the full path answers why)
             return False
         self._metrics.beat_taken()
@@ -405,7 +407,7 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
             self._fail(401, wire.ErrorCode.UNAUTHORIZED, "the token in the hello is not this server's")
             return
         self._grant = grant
-        self._beat_frame = None  # (taken under the grant it replaces)
+        self._same_beat = None  # (taken under the grant it replaces)
         self._limit = self._full_limit
         self._unpack = self._server.unpack_full
         self.table.trust(self)
