@@ -53,6 +53,8 @@ from .policy import (
     parse_endpoint,
     reply_bytes_list,
     reply_field,
+    reply_map,
+    reply_map_list,
     tls_context,
     tls_endpoints,
 )
@@ -651,9 +653,7 @@ class AsyncClient:
         ``host``, ``since`` and ``until`` (None: until lifted) on the server's clock (``now``),
         ``left_s``, ``reason``, ``by`` (``operator`` or ``flapping``)."""
         body = await self._get_json("/v1/cordons", "listing cordons")
-        cordons = reply_field(body, "cordons", list, "cordons")
-        if not all(isinstance(c, dict) for c in cordons):
-            raise ServerError("the server's cordon list holds something that is not a map")
+        cordons = reply_map_list(body, "cordons", "cordons")
         return {"cordons": cordons, "now": reply_field(body, "now", float, "cordons")}
 
     async def cordon(self, host: str, *, reason: str = "", duration: float | None = None) -> dict[str, Any]:
@@ -677,19 +677,14 @@ class AsyncClient:
         (``{KEY: VALUE}``), ``changed_at`` (the server's clock), ``age_s`` (how long ago that
         was) and ``changed_by``."""
         body = await self._get_json("/v1/policies", "listing policies")
-        found = reply_field(body, "policies", list, "policies")
-        if not all(isinstance(p, dict) for p in found):
-            raise ServerError("the server's policy list holds something that is not a map")
-        return found
+        return reply_map_list(body, "policies", "policies")
 
     async def policy(self, pattern: str) -> dict[str, Any]:
         """The policy of ``pattern`` (a job id or a glob over job ids), as :meth:`policies` gives
         each, with the server's ``now``. Raises :class:`NotFoundError` (``no_such_policy``)."""
         _check_pattern(pattern)
         body = await self._get_json(f"/v1/policies/{urllib.parse.quote(pattern, safe='')}", f"reading policy {pattern}")
-        if not isinstance(body, dict):
-            raise ServerError(f"the server's policy {pattern} is not a map")
-        return body
+        return reply_map(body, f"policy {pattern}")
 
     async def set_policy(self, pattern: str, settings: Mapping[str, object]) -> dict[str, Any]:
         """Merge ``settings`` into the policy of ``pattern`` (a job id, or a glob over job ids
@@ -709,9 +704,7 @@ class AsyncClient:
             f"/v1/policies/{urllib.parse.quote(pattern, safe='')}", f"setting policy {pattern}", method="PUT",
             body={"settings": typed},
         )
-        if not isinstance(body, dict):
-            raise ServerError(f"the server's answer to setting policy {pattern} is not a map")
-        return body
+        return reply_map(body, f"answer to setting policy {pattern}")
 
     async def unset_policy(self, pattern: str, keys: Sequence[str] = ()) -> dict[str, Any]:
         """Remove ``keys`` from the policy of ``pattern`` (none: the whole policy; a policy left
@@ -723,9 +716,7 @@ class AsyncClient:
             f"/v1/policies/{urllib.parse.quote(pattern, safe='')}", f"unsetting policy {pattern}", method="DELETE",
             body={"keys": list(keys)} if keys else None,
         )
-        if not isinstance(body, dict):
-            raise ServerError(f"the server's answer to unsetting policy {pattern} is not a map")
-        return body
+        return reply_map(body, f"answer to unsetting policy {pattern}")
 
     async def effective_policy(self, rdzv_id: str) -> dict[str, Any]:
         """What the policies set for job ``rdzv_id`` (which need not exist yet): ``{"job",
@@ -733,25 +724,19 @@ class AsyncClient:
         some policy sets. ``version`` moves at every change of any policy."""
         check_request(rdzv_id, None)
         body = await self._get_json(f"/v1/policy?job={urllib.parse.quote(rdzv_id, safe='')}", f"reading the policy of job {rdzv_id}")
-        if not isinstance(body, dict) or not isinstance(body.get("settings"), dict):
-            raise ServerError(f"the server's policy of job {rdzv_id} is not a map with its settings")
-        return body
+        reply_field(body, "settings", dict, f"policy of job {rdzv_id}")
+        return reply_map(body, f"policy of job {rdzv_id}")
 
     async def jobs(self) -> list[dict[str, Any]]:
         """Every job the server knows, each a map with ``rdzv_id``, ``state``, ``round``, ``num_nodes``…"""
         body = await self._get_json("/v1/jobs", "listing jobs")
-        jobs = reply_field(body, "jobs", list, "jobs")
-        if not all(isinstance(j, dict) for j in jobs):
-            raise ServerError("the server's job list holds something that is not a map")
-        return jobs
+        return reply_map_list(body, "jobs", "jobs")
 
     async def job(self, rdzv_id: str) -> dict[str, Any]:
         """The membership document of one job (see DESIGN.md). Raises :class:`NotFoundError`."""
         check_request(rdzv_id, None)
         body = await self._get_json(f"/v1/jobs/{rdzv_id}", f"reading job {rdzv_id}")
-        if not isinstance(body, dict):
-            raise ServerError(f"the server's membership document of job {rdzv_id} is not a map")
-        return body
+        return reply_map(body, f"membership document of job {rdzv_id}")
 
     async def events(self, rdzv_id: str, *, since: int = 0, wait: float = 0.0) -> dict[str, Any]:
         """The job's timeline after event ``since``: ``{"events": [...], "next_seq", "first_seq",

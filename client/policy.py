@@ -237,6 +237,21 @@ def reply_bytes_list(reply: object, name: str, op: str, length: int | None = Non
     return values
 
 
+def reply_map(reply: object, what: str) -> dict[str, Any]:
+    """``reply`` itself, a map (a document the server answered: a job, a policy)."""
+    if not isinstance(reply, dict):
+        raise ServerError(f"the server's {what} is not a map")
+    return reply
+
+
+def reply_map_list(reply: object, name: str, op: str) -> list[dict[str, Any]]:
+    """The list of maps in ``reply[name]`` (jobs, cordons, policies)."""
+    values = reply_field(reply, name, list, op)
+    if not all(isinstance(v, dict) for v in values):
+        raise ServerError(f"the server's {op} reply holds something in {name!r} that is not a map")
+    return values
+
+
 class Unanswered:
     """The seqs of this client's writes still awaiting an answer (thread-safe: many
     threads share one sync client).
