@@ -118,10 +118,16 @@ def server_cpu_per_add(python: str) -> float:
 
 def revision_tree(rev: str, work: Path) -> tuple[str, Path]:
     """The python of a virtual environment with revision ``rev`` installed, and the revision's
-    checkout (both made once, under ``work``)."""
-    commit = subprocess.run(
-        ["git", "-C", str(_ROOT), "rev-parse", "--short", rev], capture_output=True, text=True, check=True
-    ).stdout.strip()
+    checkout (both made once, under ``work``). Where this checkout has no git history (a copy
+    of the working tree on another host), ``rev`` must be a short commit whose tree and
+    environment were made there by hand, as ``tree-REV`` and ``venv-REV`` under ``work``."""
+    found = subprocess.run(["git", "-C", str(_ROOT), "rev-parse", "--short", rev], capture_output=True, text=True)
+    commit = found.stdout.strip()
+    if found.returncode != 0:
+        tree, python = work / f"tree-{rev}", work / f"venv-{rev}" / "bin" / "python"
+        if python.exists() and tree.is_dir():
+            return str(python), tree
+        raise SystemExit(f"git cannot resolve {rev!r} here ({found.stderr.strip()}), and {tree} with {python} was not made by hand")
     tree, venv = work / f"tree-{commit}", work / f"venv-{commit}"
     python = venv / "bin" / "python"
     if python.exists():
