@@ -14,6 +14,12 @@ The revision's checkout and virtual environment are :func:`bench.lab.versus.revi
 (made once under its ``--work`` folder, kept for the next run); psutil is added to that
 environment when missing (``bench.scale`` reads the server's descriptors and CPU with it).
 
+Both trees' simulated agents run with the same cyclic-GC thresholds (:data:`AGENT_SITE`, a
+``sitecustomize`` on the children's path that sets them in each agent worker process): with
+Python's defaults an older tree's agents spent about half their CPU walking their heap, CPU
+taken from the server they measure when the host is small, and a ratio of the trees should
+compare their servers and protocols, not which tree's load generator tuned its GC.
+
 What it must not know: how ``bench.scale`` measures (only the names of the figures in its
 run record, which have not changed since issue 17: a figure a revision lacks prints ``-``).
 """
@@ -29,6 +35,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .agents import AGENT_GC_THRESHOLDS
 from .lab.versus import WORK, revision_tree
 from .result import Plan, load_average
 
@@ -55,6 +62,13 @@ failed = [f"{r.metric}: {r.status} ({r.detail})" for r in rows if r.status != "o
 print("MARK" + json.dumps({"run": run, "failed": failed}, default=str))
 """.replace("MARK", MARK)
 
+#: The ``sitecustomize`` both trees' children get: their agent worker processes (started by
+#: multiprocessing's spawn) use the GC thresholds of this tree's agents (bench.agents).
+AGENT_SITE = """
+import gc, sys
+if "--multiprocessing-fork" in sys.argv:
+    gc.set_threshold(*THRESHOLDS)
+"""
 #: Runs of a child that end with no record before the run counts as failed.
 CHILD_ATTEMPTS = 2
 #: How long a stopped child may take to stop its server and agents.
@@ -124,8 +138,12 @@ def _child(plan: Plan, python: str, root: Path, n: int, out: Path) -> tuple[dict
     out.mkdir(parents=True, exist_ok=True)
     argv = ["--only", "scale", "--sizes", str(n), "--scale-seconds", f"{plan.scale_seconds:g}",
             "--timeout", f"{plan.timeout:g}", "--out", str(out)]  # fmt: skip
-    # The tree's own packages: its checkout first on the path (cwd), no path of ours inherited.
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # The tree's own packages: its checkout first on the path (cwd), no path of ours inherited
+    # but the agents' sitecustomize (AGENT_SITE), the same for every tree.
+    site = out.parent / "site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(AGENT_SITE.replace("THRESHOLDS", repr(AGENT_GC_THRESHOLDS)))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(site)}
     for attempt in range(1, CHILD_ATTEMPTS + 1):
         # A child that ends with no record failed before measuring anything (on a loaded host,
         # mostly: an older tree's agents give up opening 16,384 connections): once more.

@@ -26,7 +26,6 @@ import contextlib
 import logging
 import random
 from collections.abc import Iterator
-from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from .core import decision
@@ -91,7 +90,7 @@ class Liveness:
                 self.node_hold(hold, job),
             )
         self.beat(rdzv_id, node_id)
-        return {"round": round_, "assignment": None if assignment is None else asdict(assignment)}
+        return {"round": round_, "assignment": None if assignment is None else dict(assignment.__dict__)}
 
     def beat_now(self, rdzv_id: str, node_id: str, round_: int, step: int | None = None) -> Answer[WatchView]:
         """A watch with no hold: the node's heartbeat, answered at once with the job's watch

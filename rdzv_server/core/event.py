@@ -24,6 +24,7 @@ What it must not know: I/O, the clock, how events are shown.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -91,7 +92,12 @@ class Timeline:
     def since(self, seq: int, limit: int | None = None) -> list[JobEvent]:
         """The events after ``seq`` (0: all kept), oldest first, at most ``limit``."""
         skip = max(0, seq - self.first_seq + 1)
-        out = [self._events[i] for i in range(skip, len(self._events))]
+        events = self._events
+        if skip * 2 >= len(events):  # the newest few (a command's own events): from the right end
+            out = list(itertools.islice(reversed(events), len(events) - skip))
+            out.reverse()
+        else:
+            out = list(itertools.islice(events, skip, None))
         return out if limit is None else out[:limit]
 
     # -- snapshot -------------------------------------------------------------------------
