@@ -608,7 +608,7 @@ def test_a_read_only_token_reads_over_the_stream_and_http(
     assert shown.status == 200 and shown.json()["rdzv_id"] == job
     s = streams(read_server)
     s.send(hello(5, token=read_token))
-    assert s.recv() == [5, 200, {"access": "read", "one_way": ["beat"]}]
+    assert s.recv() == [5, 200, {"access": "read", "one_way": ["beat"], "then_watch": ["join", "await_round"]}]
 
 
 # --------------------------------------------------------------------------- the token file
