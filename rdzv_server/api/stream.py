@@ -469,9 +469,13 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
         if then is None or status != 200 or not self._replying or self._transport is None:
             return
         assignment = body.get("assignment")
-        if type(assignment) is dict:
-            watch_tag, hold, rdzv_id, node_id = then
-            self._serve(watch_tag, _WATCH, rdzv_id, {"node_id": node_id, "round": assignment["round"], "known": 0, "hold": hold})
+        if type(assignment) is not dict:
+            return
+        watch_tag, hold, rdzv_id, node_id = then
+        if not self._accepting:  # shutting down: no new request is served; the client sends its watch elsewhere
+            self._send(watch_tag, 503, wire.error_body(wire.ErrorCode.SHUTTING_DOWN, "the server is shutting down"))
+            return
+        self._serve(watch_tag, _WATCH, rdzv_id, {"node_id": node_id, "round": assignment["round"], "known": 0, "hold": hold})
 
     def _durable(
         self, tag: int, durable: Durable, waiting: asyncio.Future[None], then: _Then | None, append: asyncio.Future[None]
