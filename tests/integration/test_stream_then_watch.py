@@ -16,6 +16,7 @@ connection costs in memory.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import uuid
@@ -164,10 +165,17 @@ class FrameCountingProxy:
             except OSError:
                 return
 
+    def cut(self) -> None:
+        """Drop the connections through it, as a broken path does (it accepts new ones)."""
+        pipes, self._pipes = self._pipes, []
+        for sock in pipes:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
     def close(self) -> None:
         self._listener.close()
-        for sock in self._pipes:
-            sock.close()
+        self.cut()
 
 
 @pytest.fixture
@@ -195,6 +203,24 @@ def test_the_client_joins_with_then_watch_and_its_watch_answers_without_a_watch_
         assert sent == ["hello", "create", "join"], sent  # the server parked the watch with the join
         again = a.watch(job, "a", round=assignment.round, known=1, hold=0.0)  # a later watch is sent
         assert again.num_nodes_waiting == 1 and sent[-1] == "watch", sent
+
+
+def test_a_parked_watch_whose_connection_broke_is_sent_again_by_the_watch(
+    server: ServerProcess, proxy: FrameCountingProxy
+) -> None:
+    job = new_job()
+    settings = JobSettings(1, 2, 0.0, 600.0, 30.0)
+    with Client(proxy.endpoint, token=server.token, transport=PipelinedSocketTransport(token=server.token)) as a, \
+            Client(server.endpoint, token=server.token) as other:
+        a.create_job(job, settings)
+        assignment = a.join(job, node_id="a", addr="a.local", nproc_per_node=1, settings=settings, timeout=30.0,
+                            then_watch=True)
+        proxy.cut()  # the watch the server parked goes with the connection
+        with pytest.raises(RdzvTimeoutError):
+            other.join(job, node_id="b", addr="b.local", nproc_per_node=1, settings=settings, timeout=0.0)
+        seen = a.watch(job, "a", round=assignment.round, known=0, hold=float("inf"))
+        assert (seen.round, seen.num_nodes_waiting > 0) == (assignment.round, True)
+    assert proxy.sent == ["hello", "create", "join", "hello", "watch"], proxy.sent
 
 
 def test_a_new_client_sends_no_then_watch_to_a_server_whose_hello_does_not_list_it(tmp_path: Path) -> None:
