@@ -12,8 +12,11 @@ What an agent does, as the plug-in does it:
   (:class:`bench.transport.AsyncStreamTransport`, the asyncio twin of the plug-in's
   :class:`~rdzv_client.stream.PipelinedSocketTransport`): every request of the agent
   travels on it, so the server holds one descriptor per agent;
-- ``next_rendezvous()``: stop watching, ``join`` (no deadline of its own, as the plug-in),
-  then watch the new round;
+- ``next_rendezvous()``: stop watching, ``join`` with ``then_watch`` (no deadline of its
+  own, as the plug-in): the server parks the agent's watch of the new round as it answers with
+  the assignment, so the watch loop's first watch is that one, not a request sent; then watch
+  the new round. A survivor of a re-formation so costs the server its watch's answer, its join
+  (and await_round re-polls while the round has not formed) and the assignment;
 - the watch loop: ``watch(round, known, hold=max_hold)`` back to back (the long-poll for
   ``num_nodes_waiting``, and the fast death signal while parked) until it sees nodes
   waiting (the agent re-joins: no other long-poll of that round), a failed watch retried
@@ -155,7 +158,7 @@ class Agent:
         a = await self.client.join(
             s.run_id, node_id=self.node_id, addr="127.0.0.1", nproc_per_node=1,
             settings=self.settings,
-            master_port=self.port, timeout=math.inf,
+            master_port=self.port, timeout=math.inf, then_watch=True,
         )  # fmt: skip
         self.num_waiting = 0
         self.changed.clear()

@@ -4,7 +4,8 @@ What it owns: :class:`AsyncStreamTransport`, a :class:`rdzv_client.transport.Tra
 :class:`rdzv_client.AsyncClient` that speaks the stream protocol as the torchrun plug-in's
 :class:`rdzv_client.stream.PipelinedSocketTransport` does (preface and hello pipelined,
 requests tagged, replies handed out by tag, a tag-0 reply the answer of every request on
-the connection, beats one-way where the hello said so), in one event loop: the bench's simulated agents (:mod:`bench.agents`),
+the connection, beats one-way where the hello said so, a join that parks the node's next
+watch where the hello lists ``then_watch``), in one event loop: the bench's simulated agents (:mod:`bench.agents`),
 thousands per process, each one connection, as a real agent is. It lives in the bench
 because nothing in the product uses it; its frames are read by :mod:`rdzv_client.frame` and
 decoded by :func:`rdzv_client.stream.decode_reply`, as the plug-in's are.
@@ -35,9 +36,11 @@ from rdzv_client.transport import (
     AiohttpTransport,
     Answer,
     Endpoint,
+    KeptWatch,
     TransportError,
     TransportTLS,
     closed_hint,
+    kept_round,
 )
 
 
@@ -56,6 +59,7 @@ class _StreamProtocol(asyncio.Protocol):
         self.one_way_tag = 0  # every one-way request's tag (set at the opening)
         self.answered_at = 0.0
         self.one_way_refused = False
+        self.then_watch = False  # the hello said a join may park the node's next watch
         self._replies = frame.FrameDecoder(limit)
         self.unpack = wire.Unpack(limit, wire.MAX_REPLY_ITEMS)  # the event loop's alone
 
@@ -82,6 +86,7 @@ class _StreamProtocol(asyncio.Protocol):
                 return
             if tag == self.hello:
                 self.one_way = wire.one_way_ops(body)
+                self.then_watch = wire.takes_then_watch(body)
                 continue
             future = self.waiting.pop(tag, None)
             if future is not None and not future.done():
@@ -105,6 +110,12 @@ class _StreamProtocol(asyncio.Protocol):
                 future.set_exception(why)
         if self.transport is not None:
             self.transport.close()
+
+
+def _retrieved(future: asyncio.Future[Answer]) -> None:
+    """Mark ``future``'s exception as seen (asyncio logs one never retrieved)."""
+    if not future.cancelled():
+        future.exception()
 
 
 class AsyncStreamTransport:
@@ -154,6 +165,55 @@ class AsyncStreamTransport:
                     continue  # a pooled connection the server had closed: once more, on a fresh one
                 raise TransportError(f"{endpoint}: {exc or type(exc).__name__}{closed_hint(endpoint, exc)}") from exc
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def call_then_watch(
+        self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], timeout: float, *, hold: float
+    ) -> tuple[Answer, KeptWatch | None]:
+        """As the plug-in's (:meth:`rdzv_client.stream.PipelinedSocketTransport.call_then_watch`)."""
+        link = self._links.get(endpoint)
+        if self._closed or link is None or link.ended is not None or link.transport is None or not link.then_watch:
+            return await self.call(endpoint, rdzv_id, op, fields, timeout), None
+        loop = asyncio.get_running_loop()
+        watch_tag, tag = next(self._tags), next(self._tags)
+        watch: asyncio.Future[Answer] = loop.create_future()
+        future: asyncio.Future[Answer] = loop.create_future()
+        watch.add_done_callback(_retrieved)  # a watch no one waits on may end with its connection
+        link.waiting[watch_tag] = watch
+        link.waiting[tag] = future
+        link.transport.write(wire.frame([tag, op, rdzv_id, {**fields, wire.THEN_WATCH: [watch_tag, hold]}]))
+        try:
+            answer = await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError as exc:
+            link.waiting.pop(tag, None)
+            link.end(TimeoutError(f"no answer within {timeout:g} s"))
+            raise TransportError(f"{endpoint}: no answer within {timeout:g} s") from exc
+        except (OSError, EOFError) as exc:
+            if self._closed:
+                raise ClientClosedError("the rdzv client was closed while this call was in flight") from exc
+            if isinstance(exc, (ConnectionError, EOFError)):  # once more, plain, on a fresh connection
+                return await self.call(endpoint, rdzv_id, op, fields, timeout), None
+            raise TransportError(f"{endpoint}: {exc or type(exc).__name__}{closed_hint(endpoint, exc)}") from exc
+        round_ = kept_round(answer)
+        if round_ is None:
+            link.waiting.pop(watch_tag, None)
+            return answer, None
+        return answer, KeptWatch(round_, hold, (link, watch_tag, watch))
+
+    async def wait_kept(self, kept: KeptWatch, timeout: float) -> Answer | None:
+        link, tag, watch = kept.waiter
+        try:
+            answer: Answer = await asyncio.wait_for(watch, timeout)
+        except asyncio.TimeoutError as exc:
+            link.waiting.pop(tag, None)
+            link.end(TimeoutError(f"no answer within {timeout:g} s"))
+            raise TransportError(f"no answer to the parked watch within {timeout:g} s") from exc
+        except (OSError, EOFError):
+            return None  # its connection ended first: send the watch
+        return answer
+
+    def drop_kept(self, kept: KeptWatch) -> None:
+        link, tag, _ = kept.waiter
+        link.waiting.pop(tag, None)
 
     async def _link(self, endpoint: Endpoint, timeout: float, fresh: bool) -> tuple[_StreamProtocol, bool]:
         if self._closed:

@@ -79,6 +79,7 @@ from .transport import (
     DEFAULT_REQUEST_TIMEOUT,
     AiohttpTransport,
     Endpoint,
+    KeptWatch,
     Transport,
     TransportError,
     forks,
@@ -92,6 +93,7 @@ from .transport import (
     DEFAULT_REQUEST_TIMEOUT,
     BlockingTransport,
     Endpoint,
+    KeptWatch,
     TransportError,
     forks,
 )

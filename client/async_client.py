@@ -64,6 +64,7 @@ from .transport import (
     DEFAULT_REQUEST_TIMEOUT,
     AiohttpTransport,
     Endpoint,
+    KeptWatch,
     Transport,
     TransportError,
     forks,
@@ -154,6 +155,9 @@ class AsyncClient:
         self._sleep = sleep
         self._clock = clock
         self._closed = False
+        # The watches the server parked for a node when it answered its join (join's
+        # then_watch), by (rdzv_id, node_id): the node's watch of that round waits on it.
+        self._kept: dict[tuple[str, str], KeptWatch] = {}
 
     @property
     def endpoints(self) -> tuple[Endpoint, ...]:
@@ -209,8 +213,11 @@ class AsyncClient:
         self._check_open()
         return await self._send(rdzv_id, req, deadline)
 
-    async def _send(self, rdzv_id: str, req: wire.Request, deadline: float | None) -> dict[str, Any]:
-        """:meth:`request` for a call already under way (a long-poll's next poll)."""
+    async def _send(
+        self, rdzv_id: str, req: wire.Request, deadline: float | None, then_watch: str | None = None
+    ) -> dict[str, Any]:
+        """:meth:`request` for a call already under way (a long-poll's next poll); ``then_watch``:
+        the node whose next watch the server parks if it answers with an assignment (join's)."""
         check_request(rdzv_id, req)
         rid: tuple[Any, ...] | None = getattr(req, "rid", None) if req.writes else None
         if req.writes and rid is None:
@@ -219,14 +226,15 @@ class AsyncClient:
             self._unanswered.add(rid[1])
         ours = rid is not None and rid[0] == self._client_id
         try:
-            return await self._request(rdzv_id, req, rid if ours else None, deadline)
+            return await self._request(rdzv_id, req, rid if ours else None, deadline, then_watch)
         finally:
             if ours:
                 assert rid is not None
                 self._unanswered.discard(rid[1])
 
     async def _request(
-        self, rdzv_id: str, req: wire.Request, rid: tuple[Any, ...] | None, deadline: float | None
+        self, rdzv_id: str, req: wire.Request, rid: tuple[Any, ...] | None, deadline: float | None,
+        then_watch: str | None = None,
     ) -> dict[str, Any]:
         field = HOLD_FIELD.get(type(req))
 
@@ -242,12 +250,28 @@ class AsyncClient:
                 if deadline is not None:
                     hold = max(0.0, min(hold, deadline - self._clock()))
                     fields[field] = hold
-            return answer_body(await self._transport.call(endpoint, rdzv_id, req.op, fields, hold + self._request_timeout))
+            timeout = hold + self._request_timeout
+            if then_watch is None:
+                return answer_body(await self._transport.call(endpoint, rdzv_id, req.op, fields, timeout))
+            answer, kept = await self._transport.call_then_watch(
+                endpoint, rdzv_id, req.op, fields, timeout, hold=self._max_hold
+            )
+            if kept is not None:
+                self._keep(rdzv_id, then_watch, kept)
+            return answer_body(answer)
 
         reply = await self._with_retries(f"{req.op} on job {rdzv_id}", attempt, deadline)
         if not isinstance(reply, dict):
             raise ServerError(f"the server's {req.op} reply is not a map: {reply!r:.200}")
         return reply
+
+    def _keep(self, rdzv_id: str, node_id: str, kept: KeptWatch | None) -> None:
+        """Keep ``kept`` for the node's next watch (None: keep none); one it replaces is dropped."""
+        old = self._kept.pop((rdzv_id, node_id), None) if kept is None else self._kept.get((rdzv_id, node_id))
+        if kept is not None:
+            self._kept[(rdzv_id, node_id)] = kept
+        if old is not None and old is not kept:
+            self._transport.drop_kept(old)
 
     async def _get_json(self, path: str, what: str, hold: float = 0.0, *, method: str = "GET", body: Any = None) -> Any:
         self._check_open()
@@ -511,6 +535,7 @@ class AsyncClient:
         topology: str = "",
         step: int | None = None,
         failure: wire.FailureWire | None = None,
+        then_watch: bool = False,
     ) -> wire.Assignment:
         """Join the job's next round and wait (up to ``timeout`` s) for it to form.
 
@@ -522,6 +547,11 @@ class AsyncClient:
         highest step this node's workers reported in the round it leaves (the crash-loop rule).
         ``failure``: why this node joins again, when its workers failed
         (``FailureReport.to_wire``): the job's timeline records it as ``workers_failed``.
+        ``then_watch``: where the transport's connection takes it (the pipelined stream to a
+        server whose hello lists ``then_watch``), the server parks the node's watch of the new
+        round (``known=0``, held ``max_hold``) as it answers with the assignment, and the node's
+        next ``watch(rdzv_id, node_id, round=that round, known=0, hold=max_hold or more)`` waits
+        for that watch's answer instead of sending one: one request less per node and round.
 
         Raises :class:`HostCordonedError` (the node's host is cordoned),
         :class:`JoinTimeoutError` (the job's ``join_timeout`` passed on the server),
@@ -547,14 +577,16 @@ class AsyncClient:
         )
         reply: dict[str, Any] | None = None  # None: (re)send the join itself
         round_ = -1
+        watcher = node_id if then_watch else None
+        self._keep(rdzv_id, node_id, None)  # a watch kept for an earlier round is no one's now
         while True:
             try:
                 if reply is None:
-                    reply = await self._send(rdzv_id, dataclasses.replace(req, hold=hold), deadline)
+                    reply = await self._send(rdzv_id, dataclasses.replace(req, hold=hold), deadline, watcher)
                     round_ = reply_field(reply, "round", int, "join")
                 else:
                     poll = wire.AwaitRoundRequest(node_id=node_id, round=round_, hold=hold)
-                    reply = await self._send(rdzv_id, poll, deadline)
+                    reply = await self._send(rdzv_id, poll, deadline, watcher)
             except NotFoundError as exc:
                 if exc.code is not wire.ErrorCode.NODE_NOT_FOUND or self._clock() >= deadline:
                     raise
@@ -584,12 +616,18 @@ class AsyncClient:
         job's ``num_nodes_waiting`` to differ from ``known``. ``step``: the node's current
         training step (soft state, for the job's steps over time).
 
+        The watch a ``join(..., then_watch=True)`` had the server park for this node and round
+        (``known=0``, no step, held ``max_hold``) is waited on instead of sending one; if its
+        connection ended meanwhile (or the server was not ready), the watch is sent.
+
         Raises :class:`NotFoundError` when the job or the node is unknown to the server.
         """
         req = wire.WatchRequest(
             node_id=node_id, round=round, known=known, hold=max(0.0, min(hold, self._max_hold)), step=step
         )
-        reply = await self.request(rdzv_id, req)
+        reply = await self._kept_answer(rdzv_id, req) if self._kept else None
+        if reply is None:
+            reply = await self.request(rdzv_id, req)
         return WatchResult(
             round=reply_field(reply, "round", int, "watch"),
             state=reply_field(reply, "state", str, "watch"),
@@ -598,6 +636,31 @@ class AsyncClient:
             cause=reply.get("cause") if isinstance(reply.get("cause"), str) else None,
             policy_version=_version(reply.get("policy_version")),
         )
+
+    async def _kept_answer(self, rdzv_id: str, req: wire.WatchRequest) -> dict[str, Any] | None:
+        """The answer of the watch the server parked for ``req``'s node (join's then_watch),
+        when it is the watch ``req`` asks for; None when there is none to wait on, or it could
+        not answer (its connection ended, it timed out, the server asked to try again): then
+        send ``req``. Raises the watch's error, as a watch sent would."""
+        self._check_open()
+        key = (rdzv_id, req.node_id)
+        kept = self._kept.get(key)
+        # Another watch than the one parked (a beat's, of no hold): sent, the parked one left
+        # for the watch it is (a later join drops it).
+        if kept is None or (kept.round, kept.hold, req.known, req.step) != (req.round, req.hold, 0, None):
+            return None
+        if self._kept.pop(key, None) is not kept:
+            return None  # another thread's watch took it
+        try:
+            answer = await self._transport.wait_kept(kept, kept.hold + self._request_timeout)
+            if answer is None:
+                return None
+            reply = answer_body(answer)
+        except (TransportError, Unavailable):
+            return None
+        if not isinstance(reply, dict):
+            raise ServerError(f"the server's watch reply is not a map: {reply!r:.200}")
+        return reply
 
     async def beat(self, rdzv_id: str, node_id: str, *, round: int, step: int | None = None) -> WatchResult | None:
         """Heartbeat ``node_id`` of round ``round`` (``step``: its current training step).

@@ -27,9 +27,12 @@ Rules it keeps:
 - A closed job needs no heartbeat and its watch answers at once: the loop stops watching
   it (watching on would spin) and stops beating.
 - A round with nodes waiting is over for the node (its agent re-joins): the loop stops
-  watching it, and beats on until the node joins (one long-poll per node and round: a
-  re-formation costs the server the watch's answer, the join and its assignment, and the
-  next round's watch).
+  watching it, and beats on until the node joins (one long-poll per node and round). The
+  handler joins with ``then_watch``: the server parks the node's watch of the new round as it
+  answers with the assignment, and the watch thread's first watch of the round waits on that
+  one (:meth:`Client.watch` adopts it) instead of sending a request. So a re-formation costs
+  the server, per surviving node, the watch's answer, the join (and its await_round re-polls
+  while the round forms) and the assignment: no request for the next round's watch.
 
 What it must not know: torch (the handler in :mod:`rdzv_client.torchrun` drives this loop
 and translates errors into torch's), the server's internals.

@@ -32,7 +32,13 @@ Rules it keeps (on top of :mod:`rdzv_client.transport`'s):
   pipelined: requests go out behind it at once. The hello's reply says what the server takes
   one-way (``wire.ONE_WAY_OPS``): :meth:`~PipelinedSocketTransport.notify` sends those (the
   node's beats) with one tag of the connection's own and waits for nothing, while a reply came
-  on the connection within the caller's bound and none was refused since. A hello refused (tag 0, or its
+  on the connection within the caller's bound and none was refused since. Where the hello also
+  lists ``then_watch`` (``wire.THEN_WATCH_OPS``),
+  :meth:`~PipelinedSocketTransport.call_then_watch` sends a join with the tag of the node's
+  next watch, its waiter set up on that connection first: the server parks that watch when it
+  answers with an assignment, and :meth:`~PipelinedSocketTransport.wait_kept` waits for its
+  answer as for a watch sent. On a connection whose hello is not answered yet, or that did not
+  list it, the join goes plain (an old server never sees the field). A hello refused (tag 0, or its
   own tag with an error) answers every request waiting on that connection, which is then
   closed. A connection that ends (EOF, reset) fails every request in flight on it with
   :class:`TransportError`; one that was opened before the request and fails with nothing
@@ -76,6 +82,7 @@ from .transport import (
     DEFAULT_MAX_RESPONSE_BYTES,
     Answer,
     Endpoint,
+    KeptWatch,
     TransportError,
     TransportTLS,
     closed_hint,
@@ -83,6 +90,7 @@ from .transport import (
     http_answer,
     json_headers,
     json_request,
+    kept_round,
 )
 
 
@@ -301,6 +309,19 @@ class SocketTransport:
         """One-way requests need a connection that outlives the call: none here (False)."""
         return False
 
+    def call_then_watch(
+        self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], timeout: float, *, hold: float
+    ) -> tuple[Answer, KeptWatch | None]:
+        """A watch parked by the server needs a connection that outlives the call: a plain
+        :meth:`call` here (no watch parked)."""
+        return self.call(endpoint, rdzv_id, op, fields, timeout), None
+
+    def wait_kept(self, kept: KeptWatch, timeout: float) -> Answer | None:
+        return None  # (never kept here)
+
+    def drop_kept(self, kept: KeptWatch) -> None:
+        pass  # (never kept here)
+
     def _forked(self) -> None:
         """In a forked child: forget the parent's connections (never touched from here)."""
         self._idle.clear()
@@ -388,6 +409,7 @@ class _Link:
         self.one_way: frozenset[str] = frozenset()
         self.answered_at = 0.0
         self.one_way_refused = False
+        self.then_watch = False  # the hello said a join may park the node's next watch (wire.THEN_WATCH)
         self.unpack = wire.Unpack(limit, wire.MAX_REPLY_ITEMS)  # the reader thread's alone
 
     def expect(self, tag: int) -> _Slot | None:
@@ -433,6 +455,7 @@ class _Link:
                     return
                 if tag == self.hello:
                     self.one_way = wire.one_way_ops(body)
+                    self.then_watch = wire.takes_then_watch(body)
                     continue
                 with self.lock:
                     slot = self.slots.pop(tag, None)
@@ -526,6 +549,54 @@ class PipelinedSocketTransport(SocketTransport):
             return False
         return True
 
+    def call_then_watch(
+        self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], timeout: float, *, hold: float
+    ) -> tuple[Answer, KeptWatch | None]:
+        """As :meth:`call`, the request carrying ``then_watch`` (a tag whose waiter is set up on
+        the endpoint's open connection first) when that connection's server listed it in its
+        hello; otherwise (no connection open, its hello not answered yet, an old server, TLS) a
+        plain :meth:`call`. The watch the server parked comes back when it answered with an
+        assignment; on any other answer the tag is forgotten (the server parked nothing)."""
+        link = None
+        if endpoint.scheme != "https":
+            with self._lock:
+                self._check_usable()
+                link = self._links.get(endpoint)
+        watch_tag = next(self._tags)
+        watch = None if link is None or not link.then_watch else link.expect(watch_tag)
+        if link is None or watch is None:
+            return self.call(endpoint, rdzv_id, op, fields, timeout), None
+        tag = next(self._tags)
+        payload = wire.frame([tag, op, rdzv_id, {**fields, wire.THEN_WATCH: [watch_tag, hold]}])
+        try:
+            answer = self._send_on(link, True, endpoint, tag, payload, timeout, first_try=True)
+        except _StaleLink:
+            # Once more, plain, on another connection (as call does): a new one's hello is not
+            # answered yet, so whether it takes then_watch is not known.
+            link.forget(watch_tag)
+            return self._send_and_wait(endpoint, tag, wire.frame([tag, op, rdzv_id, fields]), timeout, stale=link), None
+        except BaseException:
+            link.forget(watch_tag)
+            raise
+        round_ = kept_round(answer)
+        if round_ is None:
+            link.forget(watch_tag)
+            return answer, None
+        return answer, KeptWatch(round_, hold, (link, watch_tag, watch))
+
+    def wait_kept(self, kept: KeptWatch, timeout: float) -> Answer | None:
+        link, tag, slot = kept.waiter
+        if not slot.wait(timeout):
+            link.forget(tag)
+            link.end(TimeoutError(f"no answer within {timeout:g} s"))
+            raise TransportError(f"no answer to the parked watch within {timeout:g} s")
+        answer: Answer | None = slot.answer  # None: its connection ended first (slot.error says how)
+        return answer
+
+    def drop_kept(self, kept: KeptWatch) -> None:
+        link, tag, _ = kept.waiter
+        link.forget(tag)
+
     def _forked(self) -> None:
         super()._forked()
         self._links.clear()  # the parent's; their reader threads did not survive the fork
@@ -540,7 +611,12 @@ class PipelinedSocketTransport(SocketTransport):
         open before this request and ended with nothing received since it was sent.
         """
         link, reused = self._link(endpoint, timeout, stale)
-        first_try = stale is None
+        return self._send_on(link, reused, endpoint, tag, payload, timeout, first_try=stale is None)
+
+    def _send_on(
+        self, link: _Link, reused: bool, endpoint: Endpoint, tag: int, payload: bytes, timeout: float, *, first_try: bool
+    ) -> Answer:
+        """:meth:`_send_and_wait` on ``link`` (``reused``: it was open before this request)."""
         slot = link.expect(tag)
         if slot is None:  # ended between the lookup and now
             if first_try and reused:

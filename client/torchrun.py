@@ -395,6 +395,9 @@ class RdzvServerHandler(RendezvousHandler):
                     topology=conf.topology,
                     step=step,
                     failure=sent,
+                    # The server parks the node's watch of the new round with the assignment:
+                    # the watch thread's first watch (NodeLoop) waits on it, no request sent.
+                    then_watch=True,
                 ),
             )
         except RdzvError as exc:

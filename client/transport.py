@@ -2,7 +2,9 @@
 
 What it owns:
 - :class:`Transport`, what :class:`AsyncClient` asks of a transport: an operation
-  (``call``), a one-way one where the connection takes it (``notify``: the beat), a
+  (``call``), a one-way one where the connection takes it (``notify``: the beat), a join
+  that also parks the node's next watch where the connection takes it
+  (``call_then_watch``, then ``wait_kept`` or ``drop_kept``: :class:`KeptWatch`), a
   read-only page (``fetch``, the JSON GETs) and ``aclose``; and :class:`BlockingTransport`,
   the same as plain blocking methods (``close`` for ``aclose``) for the threaded
   :class:`Client`, which is generated from AsyncClient;
@@ -107,6 +109,27 @@ class TransportError(Exception):
     """The request got no complete answer: refused, reset, timed out or truncated."""
 
 
+@dataclasses.dataclass(frozen=True)
+class KeptWatch:
+    """A watch the server parked for a node when it answered its join (or await_round) with an
+    assignment (``wire.THEN_WATCH``): the assignment's ``round``, the watch's ``hold``, and what
+    the transport that sent it waits on for its answer (its own business)."""
+
+    round: int
+    hold: float
+    waiter: Any
+
+
+def kept_round(answer: Answer) -> int | None:
+    """The round of the watch the server parks when it answers a request that carried
+    ``then_watch`` with ``answer`` (None: it parks none; see wire, "stream protocol")."""
+    if answer.status != 200 or not isinstance(answer.body, dict):
+        return None
+    assignment = answer.body.get("assignment")
+    round_ = assignment.get("round") if isinstance(assignment, dict) else None
+    return round_ if type(round_) is int else None
+
+
 class Transport(Protocol):
     """What :class:`AsyncClient` needs from a transport; see the module rules."""
 
@@ -127,6 +150,25 @@ class Transport(Protocol):
         """Send ``op`` one-way (``wire.ONE_WAY_OPS``) on an open stream connection whose server
         takes it, when a reply came on it within ``answered_within`` s; False, with nothing
         sent, when it cannot (then the caller sends the request answered)."""
+        ...
+
+    async def call_then_watch(
+        self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], timeout: float, *, hold: float
+    ) -> tuple[Answer, KeptWatch | None]:
+        """:meth:`call` a join or await_round asking the server to park the node's next watch
+        (held ``hold`` s) once it answers with an assignment, where the connection's server takes
+        ``then_watch`` (its hello said so); the answer, and the watch it parked (None: none,
+        or the request went as a plain :meth:`call`)."""
+        ...
+
+    async def wait_kept(self, kept: KeptWatch, timeout: float) -> Answer | None:
+        """The answer of a watch the server parked (:meth:`call_then_watch`), waiting up to
+        ``timeout`` s (raises :class:`TransportError` past it); None when its connection ended
+        first (then send the watch)."""
+        ...
+
+    def drop_kept(self, kept: KeptWatch) -> None:
+        """Forget a parked watch no one will wait on (its answer, when it comes, is dropped)."""
         ...
 
     async def aclose(self) -> None: ...
@@ -150,6 +192,20 @@ class BlockingTransport(Protocol):
         self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], *, answered_within: float
     ) -> bool:
         """:meth:`Transport.notify`, blocking the calling thread no longer than a ``send``."""
+        ...
+
+    def call_then_watch(
+        self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], timeout: float, *, hold: float
+    ) -> tuple[Answer, KeptWatch | None]:
+        """:meth:`Transport.call_then_watch`, blocking."""
+        ...
+
+    def wait_kept(self, kept: KeptWatch, timeout: float) -> Answer | None:
+        """:meth:`Transport.wait_kept`, blocking."""
+        ...
+
+    def drop_kept(self, kept: KeptWatch) -> None:
+        """:meth:`Transport.drop_kept`."""
         ...
 
     def close(self) -> None:
@@ -285,6 +341,18 @@ class AiohttpTransport:
     ) -> bool:
         """HTTP answers every request: nothing goes one-way (False)."""
         return False
+
+    async def call_then_watch(
+        self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], timeout: float, *, hold: float
+    ) -> tuple[Answer, KeptWatch | None]:
+        """HTTP has no ``then_watch`` (a stream field): a plain :meth:`call`, no watch parked."""
+        return await self.call(endpoint, rdzv_id, op, fields, timeout), None
+
+    async def wait_kept(self, kept: KeptWatch, timeout: float) -> Answer | None:
+        return None  # (never kept here)
+
+    def drop_kept(self, kept: KeptWatch) -> None:
+        pass  # (never kept here)
 
     async def _send(
         self,

@@ -798,6 +798,21 @@ def op_path(rdzv_id: str, op: str) -> str:
 # server before issue 29: its hello reply is ``{"access"}`` alone) takes none: a client sends
 # it a watch of no hold instead of a beat. So an old client (which never sends ``beat``) and
 # an old server (which never announces it) both still mix with new ones.
+#
+# A join that also parks the node's next watch (issue 29): the hello's reply lists, under
+# ``then_watch``, the operations that may carry the field ``then_watch: [TAG, HOLD]``
+# (``THEN_WATCH_OPS``: ``join`` and ``await_round``). TAG is a tag of the client's, different
+# from the request's own; HOLD >= 0. When such a request is answered 200 with an
+# ``assignment``, the server at once serves the watch ``[TAG, "watch", rdzv_id, {"node_id":
+# the request's, "round": the assignment's, "known": 0, "hold": HOLD}]`` as if it had arrived
+# (its answer comes under TAG): a survivor of a re-formation so costs the server the watch's
+# answer, the join and the assignment, and no request for its next round's watch. Answered
+# otherwise (an error; no assignment yet: the client re-polls with await_round, carrying
+# ``then_watch`` again), nothing is parked. A malformed ``then_watch`` answers the request 400
+# ``bad_request`` naming the field, and nothing is applied. The field belongs to the stream: a
+# server's stream layer takes it out before the operation sees it, and over HTTP (or to a
+# server that does not list it) it is an unknown field, refused 400. A client sends it only
+# to a server whose hello listed it.
 
 #: Sent first by a stream client; the version is the last byte before CRLF.
 STREAM_PREFACE = b"\x00RDZV1\r\n"
@@ -807,6 +822,13 @@ HELLO_OP = "hello"
 HELLO_ONE_WAY = "one_way"
 #: The operations this server takes one-way on a stream: answered only when refused.
 ONE_WAY_OPS = (BeatRequest.op,)
+#: The hello reply's field listing the operations that may carry ``then_watch`` (see above).
+HELLO_THEN_WATCH = "then_watch"
+#: The request field (stream only) that parks the node's next watch when it is answered with
+#: an assignment: ``[TAG, HOLD]`` (see above).
+THEN_WATCH = "then_watch"
+#: The operations that take ``then_watch`` on a stream.
+THEN_WATCH_OPS = (JoinRequest.op, AwaitRoundRequest.op)
 FRAME_HEADER = struct.Struct(">I")
 
 
@@ -815,6 +837,26 @@ def one_way_ops(hello_reply: object) -> frozenset[str]:
     them, or from a reply that says nothing readable: the client then sends them answered)."""
     ops = hello_reply.get(HELLO_ONE_WAY) if isinstance(hello_reply, dict) else None
     return frozenset(op for op in ops if isinstance(op, str)) if isinstance(ops, list) else frozenset()
+
+
+def takes_then_watch(hello_reply: object) -> bool:
+    """Whether a server's hello reply lists every operation of ``THEN_WATCH_OPS`` under
+    ``then_watch`` (no server before them does: the client then sends none)."""
+    ops = hello_reply.get(HELLO_THEN_WATCH) if isinstance(hello_reply, dict) else None
+    return isinstance(ops, list) and all(op in ops for op in THEN_WATCH_OPS)
+
+
+def then_watch_of(value: object, tag: int) -> tuple[int, float]:
+    """The ``(TAG, HOLD)`` of a request's ``then_watch`` field, the request's own tag being
+    ``tag`` (raises :class:`WireError` naming the field: see "stream protocol")."""
+    if type(value) is list and len(value) == 2:
+        watch_tag, hold = value
+        if type(watch_tag) is int and 0 <= watch_tag < 2**63 and watch_tag != tag:
+            if type(hold) in (int, float) and hold >= 0:
+                return watch_tag, float(hold)
+    raise WireError(
+        f"field {THEN_WATCH!r} must be [tag: int 0..2**63-1 other than the request's, hold: number >= 0], got {value!r:.100}"
+    )
 
 
 def frame(obj: Any) -> bytes:
@@ -842,7 +884,8 @@ def frame(obj: Any) -> bytes:
 #                job closed while the node was standby or waiting: it was no part of the run
 #   watch      -> {"round": int, "state": str, "num_nodes_waiting": int, "closed": bool}
 #   beat       -> {}  over HTTP; on a stream that announced it, no reply unless refused
-#   hello      -> {"access": "write"|"read", "one_way": [op, ...]}  (one_way: since issue 29)
+#   hello      -> {"access": "write"|"read", "one_way": [op, ...], "then_watch": [op, ...]}
+#                (one_way, then_watch: since issue 29)
 # ASSIGNMENT = {"round", "node_rank", "num_nodes", "world_size", "nproc_per_node",
 #               "global_rank_start", "master_addr", "master_port", "uniform_nproc"}
 #              (node rank 0's addr and the master_port it offered when it joined, 0 if none;

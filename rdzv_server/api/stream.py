@@ -20,6 +20,13 @@ Rules:
 - The hello's reply lists the operations taken one-way (``wire.ONE_WAY_OPS``: the beat): one
   that succeeds is not answered at all (no reply to pack, no ``send``), one refused is
   answered with its tag, as any request.
+- The hello's reply also lists the operations that may carry ``then_watch``
+  (``wire.THEN_WATCH_OPS``: a join, an await_round): the field is taken out of the request
+  here, before the operation sees it (a malformed one answers the request 400 and nothing is
+  applied), and once the request is answered 200 with an assignment the connection serves the
+  node's watch of that round under the field's tag, as if its frame had just arrived
+  (:meth:`StreamConnection._answer`). What waits for that answer is bound into the request's
+  own callback: no attribute of the connection holds it.
 - A valid request is served at once (:func:`.operation.start_operation`), inside the read
   that brought it: one that does not wait is answered there, one that waits for its log
   append is answered from that append's completion, and only one that parks (a long-poll)
@@ -93,6 +100,10 @@ _FRAME_HEADER = wire.FRAME_HEADER
 # with its buffer, per call, which costs more than encoding a reply.
 _pack_reply = msgpack.Packer(use_bin_type=True).pack
 _ONE_WAY = frozenset(wire.ONE_WAY_OPS)
+_THEN_WATCH = wire.THEN_WATCH
+_THEN_WATCH_OPS = frozenset(wire.THEN_WATCH_OPS)
+_HELLO_REPLY_OPS = {wire.HELLO_ONE_WAY: list(wire.ONE_WAY_OPS), wire.HELLO_THEN_WATCH: list(wire.THEN_WATCH_OPS)}
+_WATCH = wire.WatchRequest.op
 _BEAT = wire.BeatRequest.op
 _ID = wire.ID_PATTERN.match
 _MAX_STEP = 2**63
@@ -106,8 +117,18 @@ def _tag_of(msg: Any) -> int:
     return 0
 
 
+#: The watch a request's ``then_watch`` parks once it is answered with an assignment: its tag,
+#: hold, job and node.
+_Then = tuple[int, float, str, Any]
+
+
 class StreamConnection(asyncio.Protocol, TrackedConnection):
-    """One stream connection (see the module docstring for its rules)."""
+    """One stream connection (see the module docstring for its rules).
+
+    It keeps at most 28 instance attributes (CPython's compact split dict; one more made each
+    of 16,384 connections' dicts ~1.6 KB instead of ~0.3 KB): a new piece of per-connection
+    state goes into an existing attribute, or into a callback's arguments.
+    """
 
     protocol = "stream"
     article = "a stream"
@@ -348,8 +369,16 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
                 elif op == _BEAT and self._take_beat(self._grant, rdzv_id, fields, len(payload)):
                     pass  # taken: a one-way beat has no reply
                 else:
+                    then: _Then | None = None
+                    if _THEN_WATCH in fields and op in _THEN_WATCH_OPS:
+                        try:
+                            watch_tag, hold = wire.then_watch_of(fields.pop(_THEN_WATCH), tag)
+                        except wire.WireError as exc:
+                            self._send(tag, 400, wire.error_body(wire.ErrorCode.BAD_REQUEST, str(exc)))
+                            return
+                        then = (watch_tag, hold, rdzv_id, fields.get("node_id"))
                     try:
-                        self._serve(tag, op, rdzv_id, fields)
+                        self._serve(tag, op, rdzv_id, fields, then)
                     except Exception:  # (never expected: the operation maps every failure to a reply)
                         log.exception("Answering a stream request failed.")
                 return
@@ -411,27 +440,46 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
         self._limit = self._full_limit
         self._unpack = self._server.unpack_full
         self.table.trust(self)
-        self._send(tag, 200, {"access": grant.access.value, wire.HELLO_ONE_WAY: list(wire.ONE_WAY_OPS)})
+        self._send(tag, 200, {"access": grant.access.value, **_HELLO_REPLY_OPS})
 
-    def _serve(self, tag: int, op: str, rdzv_id: str, fields: dict[str, Any]) -> None:
-        """Answer now, or once the request's append is durable, or from its task if it parks."""
+    def _serve(self, tag: int, op: str, rdzv_id: str, fields: dict[str, Any], then: _Then | None = None) -> None:
+        """Answer now, or once the request's append is durable, or from its task if it parks
+        (``then``: the watch its answer parks, if it brings an assignment)."""
         assert self._grant is not None  # checked by _request
         started = start_operation(self._svc, self._metrics, self._grant, op, rdzv_id, fields)
         if type(started) is tuple:
             if started[0] != 200 or op not in _ONE_WAY:  # a one-way request is answered only when refused
-                self._send(tag, started[0], started[1])
+                self._answer(tag, started[0], started[1], then)
             return
         waiting: asyncio.Future[Any]
         if type(started) is Durable:
             waiting = self._loop.create_future()
-            started.append.add_done_callback(functools.partial(self._durable, tag, started, waiting))
+            started.append.add_done_callback(functools.partial(self._durable, tag, started, waiting, then))
             waiting.add_done_callback(self._finished)
         else:
             waiting = self._loop.create_task(started)  # type: ignore[arg-type]  # (the coroutine)
-            waiting.add_done_callback(functools.partial(self._parked, tag))
+            waiting.add_done_callback(functools.partial(self._parked, tag, then))
         self.in_flight.add(waiting)
 
-    def _durable(self, tag: int, durable: Durable, waiting: asyncio.Future[None], append: asyncio.Future[None]) -> None:
+    def _answer(self, tag: int, status: int, body: dict[str, Any], then: _Then | None) -> None:
+        """Send a request's reply; then, if it asked for it (``then``) and the reply is an
+        assignment, serve the node's watch of that round as if its frame had just arrived (the
+        same path: auth, metrics, the node's beat and its open poll all apply)."""
+        self._send(tag, status, body)
+        if then is None or status != 200 or not self._replying or self._transport is None:
+            return
+        assignment = body.get("assignment")
+        if type(assignment) is not dict:
+            return
+        watch_tag, hold, rdzv_id, node_id = then
+        if not self._accepting:  # shutting down: no new request is served; the client sends its watch elsewhere
+            self._send(watch_tag, 503, wire.error_body(wire.ErrorCode.SHUTTING_DOWN, "the server is shutting down"))
+            return
+        self._serve(watch_tag, _WATCH, rdzv_id, {"node_id": node_id, "round": assignment["round"], "known": 0, "hold": hold})
+
+    def _durable(
+        self, tag: int, durable: Durable, waiting: asyncio.Future[None], then: _Then | None, append: asyncio.Future[None]
+    ) -> None:
         """The append a request waited on is done: answer it (unless the connection closed)."""
         if waiting.done():
             return  # cancelled: the connection closed, or the server is closing it
@@ -440,18 +488,18 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
             return
         try:
             status, body = durable.reply()
-            self._send(tag, status, body)
+            self._answer(tag, status, body, then)
         finally:
             waiting.set_result(None)
 
-    def _parked(self, tag: int, task: asyncio.Task[Reply]) -> None:
+    def _parked(self, tag: int, then: _Then | None, task: asyncio.Task[Reply]) -> None:
         """A parked request's task ended: answer it (a cancelled one is not answered)."""
         try:
             if not task.cancelled():
                 failure = task.exception()
                 if failure is None:
                     status, body = task.result()
-                    self._send(tag, status, body)
+                    self._answer(tag, status, body, then)
                 else:  # (never expected: the operation maps every failure to a reply)
                     log.error("Answering a stream request failed.", exc_info=failure)
         finally:

@@ -1,17 +1,20 @@
 """A re-formation as the plug-in's node loop lives it (``rdzv_client.node.NodeLoop``, the real
 client on one pipelined connection per node, the real server): a survivor of a death sends
 the fewest requests the protocol allows. Its parked watch is answered (nodes waiting), it
-re-joins (one request, answered with its assignment once the round forms) and watches the
-next round; it sends no second long-poll of the round that ended (issue 29)."""
+re-joins (one request, answered with its assignment once the round forms), and the server
+parks its watch of the next round with that answer (the join's ``then_watch``, as the plug-in
+joins), which the node loop's first watch waits on: no watch request for the new round, and no
+second long-poll of the round that ended (issue 29)."""
 
 from __future__ import annotations
 
 import threading
 
+import pytest
 from server_process import ServerProcess
 from waiting import parked_long_polls, served, wait_for_parked, wait_until
 
-from rdzv_client import Client, JobSettings
+from rdzv_client import Client, JobSettings, RdzvTimeoutError
 from rdzv_client.node import NodeLoop
 from rdzv_client.stream import PipelinedSocketTransport
 
@@ -27,10 +30,13 @@ def _node(server: ServerProcess) -> Client:
 
 
 def _join_all(clients: dict[str, Client]) -> dict[str, object]:
+    """Every node joins, as the plug-in does (``then_watch``)."""
     got: dict[str, object] = {}
 
     def join(name: str, client: Client) -> None:
-        got[name] = client.join(JOB, node_id=name, addr="127.0.0.1", nproc_per_node=1, settings=SETTINGS, timeout=30)
+        got[name] = client.join(
+            JOB, node_id=name, addr="127.0.0.1", nproc_per_node=1, settings=SETTINGS, timeout=30, then_watch=True
+        )
 
     threads = [threading.Thread(target=join, args=item) for item in clients.items()]
     for thread in threads:
@@ -41,13 +47,15 @@ def _join_all(clients: dict[str, Client]) -> dict[str, object]:
     return got
 
 
-def test_a_survivor_re_forms_with_one_watch_answered_one_join_and_the_next_rounds_watch(server: ServerProcess) -> None:
+def test_a_survivor_re_forms_with_one_watch_answered_one_join_and_no_watch_request(server: ServerProcess) -> None:
     clients = {name: _node(server) for name in ("node-a", "node-b", "node-c")}
     loops = {
         name: NodeLoop(client, JOB, name, keep_alive_interval=TTL / 5, heartbeat_ttl=TTL)
         for name, client in clients.items()
     }
     try:
+        for client in clients.values():  # each connection open, its hello answered (it takes then_watch)
+            client.create_job(JOB, SETTINGS)
         first = _join_all(clients)
         assert {a.round for a in first.values()} == {0}  # type: ignore[attr-defined]
         for name, loop in loops.items():
@@ -72,13 +80,14 @@ def test_a_survivor_re_forms_with_one_watch_answered_one_join_and_the_next_round
         assert {a.round for a in second.values()} == {1}  # type: ignore[attr-defined]
         assert sorted(a.node_rank for a in second.values()) == [0, 1]  # type: ignore[attr-defined]
         assert {a.num_nodes for a in second.values()} == {2}  # type: ignore[attr-defined]
-        for name, loop in survivors.items():
-            loop.watch(second[name].round)  # type: ignore[attr-defined]
+        # The server parked the next round's two watches with the assignments, before the node
+        # loops watch anything, and holds nothing of the round before.
         wait_for_parked(server, 2)
-        # The server holds the next round's two watches and nothing of the round before.
         assert parked_long_polls(server) == 2
         assert served(server, "join") == joins + 2
         assert served(server, "watch") == watches + 2
+        for name, loop in survivors.items():
+            loop.watch(second[name].round)  # type: ignore[attr-defined]
 
         timeline = clients["node-a"].events(JOB)["events"]
         story = [(e["kind"], e["cause"], e["round"], e["node_id"]) for e in timeline[5:]]
@@ -89,6 +98,16 @@ def test_a_survivor_re_forms_with_one_watch_answered_one_join_and_the_next_round
             ("round_formed", "last_call", 1, None),
         ]
         assert timeline[-1]["opened_by"] == "member_died"
+
+        # A node arrives: the loops see it through the watches the server parked, the only two
+        # (a loop that sent its own watch would have had it answered too: two more).
+        late = _node(server)
+        with pytest.raises(RdzvTimeoutError):  # it waits for the next round
+            late.join(JOB, node_id="node-d", addr="127.0.0.1", nproc_per_node=1, settings=SETTINGS, timeout=0)
+        wait_until(lambda: all(loop.num_waiting > 0 for loop in survivors.values()), what="the survivors to see node-d")
+        assert served(server, "watch") == watches + 4
+        assert parked_long_polls(server) == 0
+        late.close()
 
         # An older plug-in parks a second watch of the round that ended (known = the nodes it
         # saw waiting): the server still holds it to its hold and answers it with the job as

@@ -197,3 +197,42 @@ def test_the_job_settings_are_spelled_inline_on_the_wire_and_a_join_must_name_it
     join = wire.decode_request("join", {**body, "min_nodes": 1})
     assert isinstance(join, wire.JoinRequest)
     assert join.settings == wire.JobSettings(1, 2)
+
+
+# Recorded at issue 29 (a join that parks the node's next watch): a join and an await_round
+# carrying ``then_watch`` as the plug-in's transport sends them, with the watch's tag and hold.
+RECORDED_THEN_WATCH_FRAMES: list[tuple[str, dict[str, Any], tuple[int, float], str]] = [
+    ('join', {'node_id': 'n4', 'addr': '10.0.0.4', 'nproc_per_node': 8, 'min_nodes': 2, 'max_nodes': 4, 'last_call_timeout': 30.0, 'join_timeout': 600.0, 'heartbeat_ttl': 15.0, 'hold': 1800.0, 'rid': ('c1', 14, 14), 'master_port': 29502},
+     (24, 1800.0),
+     "000000d29417a46a6f696ea56a6f622d318ca76e6f64655f6964a26e34a461646472a831302e302e302e34ae6e70726f635f7065725f6e6f646508a96d696e5f6e6f64657302a96d61785f6e6f64657304b16c6173745f63616c6c5f74696d656f7574cb403e000000000000ac6a6f696e5f74696d656f7574cb4082c00000000000ad6865617274626561745f74746ccb402e000000000000a4686f6c64cb409c200000000000a372696493a263310e0eab6d61737465725f706f7274cd733eaa7468656e5f77617463689218cb409c200000000000"),
+    ('await_round', {'node_id': 'n4', 'round': 3, 'hold': 1800.0},
+     (22, 1800.0),
+     "0000004b9415ab61776169745f726f756e64a56a6f622d3184a76e6f64655f6964a26e34a5726f756e6403a4686f6c64cb409c200000000000aa7468656e5f77617463689216cb409c200000000000"),
+]
+
+
+@pytest.mark.parametrize(("op", "fields", "then", "hexed"), RECORDED_THEN_WATCH_FRAMES, ids=[r[0] for r in RECORDED_THEN_WATCH_FRAMES])
+def test_a_frame_carrying_then_watch_splits_into_the_watch_and_the_same_request(
+    op: str, fields: dict[str, Any], then: tuple[int, float], hexed: str
+) -> None:
+    """The stream layer takes ``then_watch`` out (``wire.then_watch_of``, as the server does);
+    what is left is the request as before, and today's client sends the same bytes."""
+    data = bytes.fromhex(hexed)
+    tag, frame_op, rdzv_id, body = wire.unpack(data[wire.FRAME_HEADER.size :], 1 << 20)
+    assert frame_op == op and op in wire.THEN_WATCH_OPS
+    assert wire.then_watch_of(body.pop(wire.THEN_WATCH), tag) == then
+    req = wire.decode_request(op, body, rdzv_id)
+    assert flat(req, "wire") == fields
+    sent = wire.to_mapping(req)
+    if "rid" in fields:
+        sent["rid"] = list(fields["rid"])
+    assert wire.frame([tag, op, rdzv_id, {**sent, wire.THEN_WATCH: list(then)}]) == data
+
+
+def test_a_hello_reply_says_whether_the_server_takes_then_watch() -> None:
+    """This server's hello reply lists then_watch; one from before (``{"access", "one_way"}``,
+    or ``{"access"}`` alone) does not, and the client then sends none."""
+    assert wire.takes_then_watch({"access": "write", "one_way": ["beat"], "then_watch": ["join", "await_round"]})
+    assert not wire.takes_then_watch({"access": "write", "one_way": ["beat"]})
+    assert not wire.takes_then_watch({"access": "write"})
+    assert not wire.takes_then_watch({"access": "write", "then_watch": ["join"]})  # await_round's re-polls too
