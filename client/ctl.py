@@ -799,8 +799,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.settings = parse_policy_settings(args.settings)
         except ValueError as exc:
             parser.error(f"policy set: {exc}")
-    # Retry notices are for agents' logs; a terminal user gets the one-line error below.
-    logging.getLogger("rdzv_client").setLevel(logging.ERROR)
+    # Retry notices are for agents' logs; a terminal user gets the one-line error below. Put
+    # back on return: main() called in a process that logs (a test, a tool) must leave its
+    # logging as it found it (a leaked ERROR hid later retry warnings from those who wait on them).
+    logger = logging.getLogger("rdzv_client")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        return _run(parser, args)
+    finally:
+        logger.setLevel(level)
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         client = Client(
             args.endpoint,
