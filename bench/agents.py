@@ -12,6 +12,10 @@ What an agent does, as the plug-in does it:
   (:class:`bench.transport.AsyncStreamTransport`, the asyncio twin of the plug-in's
   :class:`~rdzv_client.stream.PipelinedSocketTransport`): every request of the agent
   travels on it, so the server holds one descriptor per agent;
+- before its first join the job's policy, fetched (``effective_policy``, an HTTP request)
+  unless the server's hello announced that no policy was ever set (policy version 0), and
+  before a later join only when an answer reported another version (the plug-in's
+  ``NodePolicy``);
 - ``next_rendezvous()``: stop watching, ``join`` with ``then_watch`` (no deadline of its
   own, as the plug-in): the server parks the agent's watch of the new round as it answers with
   the assignment, so the watch loop's first watch is that one, not a request sent; then watch
@@ -136,6 +140,11 @@ class Agent:
         self._generation = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self.dead = False
+        # The job-policy version taken, as the plug-in's NodePolicy keeps it (None: none yet), and
+        # the latest one an answer reported; how many policy fetches the agent made.
+        self.policy_taken: int | None = None
+        self.policy_latest: int | None = None
+        self.policy_fetches = 0
 
     async def connect(self) -> None:
         """Open the connection (preface, hello) ahead of the start. On a host loaded by other
@@ -152,14 +161,18 @@ class Agent:
                     raise
 
     async def next_rendezvous(self) -> Any:
-        """The plug-in's next_rendezvous: stop watching, join, watch the new round."""
+        """The plug-in's next_rendezvous: stop watching, take the job's policy when due, join,
+        watch the new round."""
         self._watching = None
         s = self.spec
+        await self._take_policy()
         a = await self.client.join(
             s.run_id, node_id=self.node_id, addr="127.0.0.1", nproc_per_node=1,
             settings=self.settings,
             master_port=self.port, timeout=math.inf, then_watch=True,
         )  # fmt: skip
+        if self.policy_latest is None or a.policy_version > self.policy_latest:
+            self.policy_latest = a.policy_version
         self.num_waiting = 0
         self.changed.clear()
         self.contact = time.monotonic()
@@ -168,6 +181,21 @@ class Agent:
         self.spawn(self._watch_round(self._watching))
         self.spawn(self._beat_round(self._watching))
         return a
+
+    async def _take_policy(self) -> None:
+        """As the plug-in's ``NodePolicy.before_join``: before the first join the policy is
+        fetched unless the server's hello said no policy was ever set; before a later one only
+        when an answer reported a version other than the one taken. (The simulated agents run on
+        their own settings whatever it says: only the requests matter here.)"""
+        if self.policy_taken is not None and self.policy_latest == self.policy_taken:
+            return
+        if self.policy_taken is None and self.policy_latest is None and await self.client.announced_policy_version() == 0:
+            self.policy_taken = self.policy_latest = 0
+            return
+        self.policy_fetches += 1
+        doc = await self.client.effective_policy(self.spec.run_id)
+        version = doc.get("version")
+        self.policy_taken = self.policy_latest = version if isinstance(version, int) else 0
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -189,6 +217,8 @@ class Agent:
                 await asyncio.sleep(self.spec.keep_alive_interval)
                 continue
             self.watches += 1
+            if self.policy_latest is None or seen.policy_version > self.policy_latest:
+                self.policy_latest = seen.policy_version  # NodePolicy.seen, as the plug-in's watch does
             self.contact = time.monotonic()
             if self._watching != current:
                 return

@@ -60,6 +60,8 @@ class _StreamProtocol(asyncio.Protocol):
         self.answered_at = 0.0
         self.one_way_refused = False
         self.then_watch = False  # the hello said a join may park the node's next watch
+        self.greeting: dict[str, Any] | None = None  # the hello's reply, once read
+        self.greeted = asyncio.Event()  # set when it is read, or the connection ended without it
         self._replies = frame.FrameDecoder(limit)
         self.unpack = wire.Unpack(limit, wire.MAX_REPLY_ITEMS)  # the event loop's alone
 
@@ -87,6 +89,8 @@ class _StreamProtocol(asyncio.Protocol):
             if tag == self.hello:
                 self.one_way = wire.one_way_ops(body)
                 self.then_watch = wire.takes_then_watch(body)
+                self.greeting = body if isinstance(body, dict) else {}
+                self.greeted.set()
                 continue
             future = self.waiting.pop(tag, None)
             if future is not None and not future.done():
@@ -100,6 +104,7 @@ class _StreamProtocol(asyncio.Protocol):
     def end(self, why: BaseException | Answer) -> None:
         if self.ended is None:
             self.ended = why
+        self.greeted.set()  # no hello reply will come now
         waiting, self.waiting = self.waiting, {}
         for future in waiting.values():
             if future.done():
@@ -214,6 +219,15 @@ class AsyncStreamTransport:
     def drop_kept(self, kept: KeptWatch) -> None:
         link, tag, _ = kept.waiter
         link.waiting.pop(tag, None)
+
+    async def hello_reply(self, endpoint: Endpoint, timeout: float) -> dict[str, Any] | None:
+        """As the plug-in's (:meth:`rdzv_client.stream.PipelinedSocketTransport.hello_reply`)."""
+        link, _ = await self._link(endpoint, timeout, False)
+        try:
+            await asyncio.wait_for(link.greeted.wait(), timeout)
+        except asyncio.TimeoutError:
+            return None
+        return link.greeting
 
     async def _link(self, endpoint: Endpoint, timeout: float, fresh: bool) -> tuple[_StreamProtocol, bool]:
         if self._closed:

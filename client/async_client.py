@@ -31,7 +31,7 @@ from typing import Any
 
 from . import wire
 from .credential import find_token
-from .error import BadRequestError, NotFoundError, NotLeaderError, RdzvConnectionError, RdzvTimeoutError, ServerError
+from .error import BadRequestError, NotFoundError, NotLeaderError, RdzvConnectionError, RdzvError, RdzvTimeoutError, ServerError
 from .policy import (
     DEFAULT_MAX_HOLD,
     DEFAULT_RETRY_BUDGET,
@@ -780,6 +780,19 @@ class AsyncClient:
             body={"keys": list(keys)} if keys else None,
         )
         return reply_map(body, f"answer to unsetting policy {pattern}")
+
+    async def announced_policy_version(self) -> int | None:
+        """The job-policy version the server announced in its stream hello (opening the
+        connection if none is open): 0 while no policy was ever set on it, so there is none to
+        fetch. None where it is not known: a transport without a hello (HTTP, TLS), a server
+        older than the announcement or not serving (recovering, a follower), no reply within
+        the connect timeout, or no connection."""
+        self._check_open()
+        try:
+            reply = await self._transport.hello_reply(self._endpoints[self._current], self._request_timeout)
+        except (TransportError, RdzvError):
+            return None
+        return wire.hello_policy_version(reply)
 
     async def effective_policy(self, rdzv_id: str) -> dict[str, Any]:
         """What the policies set for job ``rdzv_id`` (which need not exist yet): ``{"job",

@@ -3,10 +3,13 @@ the server's policies instead of the node's own ``--nnodes`` / ``--rdzv-conf``, 
 node asks.
 
 What it owns:
-- :class:`NodePolicy`: when a node fetches the policy. Before its first join it always does
-  (``effective_policy``); before a later join only when the ``policy_version`` the server
-  last reported (a join's answer) differs from the version it took, so a re-formation of a
-  job whose policy did not change costs no request at all. Each time the keys it takes
+- :class:`NodePolicy`: when a node fetches the policy. Before its first join it does
+  (``effective_policy``) unless the server's hello said its policy table was never written
+  (``Client.announced_policy_version`` is 0: no policy covers any job, so there is nothing to
+  fetch; thousands of nodes starting at once each fetched over an HTTP connection of its own);
+  before a later join only when the ``policy_version`` the server last reported (a join's
+  answer) differs from the version it took, so a re-formation of a job whose policy did not
+  change costs no request at all. Each time the keys it takes
   change, one line (a warning: it is what the agent's log shows) names them and their
   patterns.
 
@@ -97,6 +100,12 @@ class NodePolicy:
         if not self.due:
             return self.conf
         own = self.own
+        if self._taken is None and self._latest is None and client.announced_policy_version() == 0:
+            # No policy was ever set on this server: its own settings apply, as a fetch would
+            # say. A policy set from now on is reported by the answers (seen), and fetched then.
+            self._taken = self._latest = 0
+            log.info("Node %s: no policy covers job %s; its own --nnodes / --rdzv-conf apply.", own.node_id, own.run_id)
+            return self.conf
         try:
             doc = client.effective_policy(own.run_id)
         except NotFoundError as exc:

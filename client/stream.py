@@ -322,6 +322,9 @@ class SocketTransport:
     def drop_kept(self, kept: KeptWatch) -> None:
         pass  # (never kept here)
 
+    def hello_reply(self, endpoint: Endpoint, timeout: float) -> dict[str, Any] | None:
+        return None  # a connection per call: no hello kept
+
     def _forked(self) -> None:
         """In a forked child: forget the parent's connections (never touched from here)."""
         self._idle.clear()
@@ -410,6 +413,8 @@ class _Link:
         self.answered_at = 0.0
         self.one_way_refused = False
         self.then_watch = False  # the hello said a join may park the node's next watch (wire.THEN_WATCH)
+        self.greeting: dict[str, Any] | None = None  # the hello's reply, once read
+        self.greeted = threading.Event()  # set when it is read, or the link ended without it
         self.unpack = wire.Unpack(limit, wire.MAX_REPLY_ITEMS)  # the reader thread's alone
 
     def expect(self, tag: int) -> _Slot | None:
@@ -430,6 +435,7 @@ class _Link:
             if self.ended is None:
                 self.ended = why
             slots, self.slots = self.slots, {}
+        self.greeted.set()  # no hello reply will come now
         for slot in slots.values():
             if isinstance(why, Answer):
                 slot.answer = why
@@ -456,6 +462,8 @@ class _Link:
                 if tag == self.hello:
                     self.one_way = wire.one_way_ops(body)
                     self.then_watch = wire.takes_then_watch(body)
+                    self.greeting = body if isinstance(body, dict) else {}
+                    self.greeted.set()
                     continue
                 with self.lock:
                     slot = self.slots.pop(tag, None)
@@ -596,6 +604,15 @@ class PipelinedSocketTransport(SocketTransport):
     def drop_kept(self, kept: KeptWatch) -> None:
         link, tag, _ = kept.waiter
         link.forget(tag)
+
+    def hello_reply(self, endpoint: Endpoint, timeout: float) -> dict[str, Any] | None:
+        """The hello reply of the endpoint's connection, opened now if none is (over TLS, where
+        each call has a connection of its own: None)."""
+        if endpoint.scheme == "https":
+            return None
+        link, _ = self._link(endpoint, timeout, None)
+        link.greeted.wait(timeout)
+        return link.greeting
 
     def _forked(self) -> None:
         super()._forked()

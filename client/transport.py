@@ -171,6 +171,12 @@ class Transport(Protocol):
         """Forget a parked watch no one will wait on (its answer, when it comes, is dropped)."""
         ...
 
+    async def hello_reply(self, endpoint: Endpoint, timeout: float) -> dict[str, Any] | None:
+        """The stream connection's hello reply (opening the connection if none is open),
+        waiting up to ``timeout`` s for it; None where there is none (HTTP, a connection per
+        call) or it did not come."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -206,6 +212,10 @@ class BlockingTransport(Protocol):
 
     def drop_kept(self, kept: KeptWatch) -> None:
         """:meth:`Transport.drop_kept`."""
+        ...
+
+    def hello_reply(self, endpoint: Endpoint, timeout: float) -> dict[str, Any] | None:
+        """:meth:`Transport.hello_reply`, blocking."""
         ...
 
     def close(self) -> None:
@@ -353,6 +363,9 @@ class AiohttpTransport:
 
     def drop_kept(self, kept: KeptWatch) -> None:
         pass  # (never kept here)
+
+    async def hello_reply(self, endpoint: Endpoint, timeout: float) -> dict[str, Any] | None:
+        return None  # HTTP has no hello
 
     async def _send(
         self,

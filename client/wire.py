@@ -839,6 +839,19 @@ def one_way_ops(hello_reply: object) -> frozenset[str]:
     return frozenset(op for op in ops if isinstance(op, str)) if isinstance(ops, list) else frozenset()
 
 
+#: The hello reply's field saying the server's job-policy version (``PolicyTable.version``): 0
+#: while no job policy was ever set on it, so a node starting has no policy to fetch. Only a
+#: server that serves says it (not one recovering, not a follower replica).
+HELLO_POLICY_VERSION = "policy_version"
+
+
+def hello_policy_version(hello_reply: object) -> int | None:
+    """The policy version a server's hello reply announced; None when it said none (a server
+    before it, one not serving) or nothing readable."""
+    version = hello_reply.get(HELLO_POLICY_VERSION) if isinstance(hello_reply, dict) else None
+    return version if type(version) is int and version >= 0 else None
+
+
 def takes_then_watch(hello_reply: object) -> bool:
     """Whether a server's hello reply lists every operation of ``THEN_WATCH_OPS`` under
     ``then_watch`` (no server before them does: the client then sends none)."""

@@ -72,6 +72,7 @@ import msgpack
 
 from rdzv_client import frame, wire
 
+from ..core.error import RdzvError
 from ..service import Service
 from .auth import Grant, TokenTable
 from .connection import Closing, ConnectionTable, TrackedConnection
@@ -440,7 +441,17 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
         self._limit = self._full_limit
         self._unpack = self._server.unpack_full
         self.table.trust(self)
-        self._send(tag, 200, {"access": grant.access.value, **_HELLO_REPLY_OPS})
+        reply: dict[str, Any] = {"access": grant.access.value, **_HELLO_REPLY_OPS}
+        svc = self._svc
+        try:
+            svc.pipeline.check_ready()  # a recovering server or a follower's table may be behind
+        except RdzvError:
+            pass
+        else:
+            # 0 while no job policy was ever set here: a node starting then fetches none (with
+            # thousands starting at once, each fetch was an HTTP connection of its own).
+            reply[wire.HELLO_POLICY_VERSION] = svc.machine.policies.version
+        self._send(tag, 200, reply)
 
     def _serve(self, tag: int, op: str, rdzv_id: str, fields: dict[str, Any], then: _Then | None = None) -> None:
         """Answer now, or once the request's append is durable, or from its task if it parks

@@ -417,7 +417,7 @@ def test_the_hello_with_the_token_is_answered_200_and_requests_pipelined_behind_
         frame([1, "create", job, {"min_nodes": 1, "max_nodes": 1}]),
         frame([2, "set", job, {"key": b"k", "value": b"v"}]),
     )
-    assert s.recv() == [9, 200, {"access": "write", "one_way": ["beat"], "then_watch": ["join", "await_round"]}]
+    assert s.recv() == [9, 200, {"access": "write", "one_way": ["beat"], "then_watch": ["join", "await_round"], "policy_version": 0}]
     assert sorted((r[0], r[1]) for r in (s.recv(), s.recv())) == [(1, 200), (2, 200)]
     s.send(frame([3, "get", job, {"key": b"k"}]))
     assert s.recv() == [3, 200, {"found": True, "value": b"v"}]
@@ -608,7 +608,7 @@ def test_a_read_only_token_reads_over_the_stream_and_http(
     assert shown.status == 200 and shown.json()["rdzv_id"] == job
     s = streams(read_server)
     s.send(hello(5, token=read_token))
-    assert s.recv() == [5, 200, {"access": "read", "one_way": ["beat"], "then_watch": ["join", "await_round"]}]
+    assert s.recv() == [5, 200, {"access": "read", "one_way": ["beat"], "then_watch": ["join", "await_round"], "policy_version": 0}]
 
 
 # --------------------------------------------------------------------------- the token file
@@ -675,7 +675,7 @@ def test_no_auth_serves_without_any_token_and_warns_loudly(
     s.send(frame([1, "set", job, {"key": b"k", "value": b"v"}]))  # no hello
     assert s.recv() == [1, 200, {}]
     s.send(hello(2, token="anything at all"))  # a hello is welcome, whatever it carries
-    assert s.recv() == [2, 200, {"access": "write", "one_way": ["beat"], "then_watch": ["join", "await_round"]}]
+    assert s.recv() == [2, 200, {"access": "write", "one_way": ["beat"], "then_watch": ["join", "await_round"], "policy_version": 0}]
     with Client(srv.endpoint) as client:  # no token anywhere (the default file is absent)
         assert client.get(job, "k", timeout=1) == b"v"
     warnings = [line for line in srv.log_text().splitlines() if "AUTH IS OFF" in line]

@@ -238,7 +238,7 @@ class Stream:
         self.sock = socket.create_connection(("127.0.0.1", srv.port), timeout=TIMEOUT)
         self.sock.sendall(PREFACE + wire.frame([1, wire.HELLO_OP, "", {"token": srv.token}]))
         self._frames = FrameReader(self.sock)
-        assert self.recv() == [1, 200, {"access": "write", "one_way": ["beat"], "then_watch": ["join", "await_round"]}]
+        assert self.recv() == [1, 200, {"access": "write", "one_way": ["beat"], "then_watch": ["join", "await_round"], "policy_version": 0}]
 
     def send_payload(self, payload: bytes) -> None:
         self.sock.sendall(struct.pack(">I", len(payload)) + payload)

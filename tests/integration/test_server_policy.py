@@ -9,6 +9,9 @@ leader's fail-over over etcd. The real-torchrun tests of the same are in tests/e
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import socket
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -251,3 +254,75 @@ def test_a_policy_outlives_the_leader_over_replicas(tmp_path: Path) -> None:
             doc = client.job("ha-1")
             assert (doc["max_nodes"], doc["max_restarts"]) == (1, 2)
             assert doc["settings_source"]["max_nodes"] == "policy ha-*"
+
+
+class ConnectionCountingProxy:
+    """A TCP proxy in front of a server that counts the connections a client opens through it."""
+
+    def __init__(self, srv: ServerProcess) -> None:
+        self.accepted = 0
+        self._target = ("127.0.0.1", srv.port)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            upstream = socket.create_connection(self._target)
+            self._socks += [client, upstream]
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(1 << 16):
+                sink.sendall(data)
+            sink.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self._listener.close()
+        for sock in self._socks:
+            sock.close()
+
+
+def test_a_node_of_a_server_that_never_had_a_policy_fetches_none_until_an_answer_reports_one(tmp_path: Path) -> None:
+    """Thousands of nodes starting at once each fetched the policy before their first join, over
+    an HTTP connection of its own; the hello now says the server's policy version, and at 0
+    (no policy ever set) the node's only connection is its stream."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from rdzv_client.conf import NodeConf
+    from rdzv_client.nodepolicy import NodePolicy
+    from rdzv_client.stream import PipelinedSocketTransport
+
+    srv = ServerProcess(tmp_path, durable=False)
+    srv.start()
+    proxy = ConnectionCountingProxy(srv)
+    job, settings = unique("fresh"), JobSettings(1, 1)
+    own = NodeConf.read(RendezvousParameters("rdzv-server", proxy.endpoint, job, 1, 1, local_addr="10.0.0.7"))
+    try:
+        with Client(proxy.endpoint, token=srv.token, transport=PipelinedSocketTransport(token=srv.token)) as node, \
+                Client(srv.endpoint, token=srv.token) as operator:
+            policy = NodePolicy(own)
+            assert node.announced_policy_version() == 0
+            assert policy.before_join(node) == own
+            placed = join(node, job, "n1", settings)
+            policy.seen(placed.policy_version)
+            assert not policy.due and proxy.accepted == 1  # the stream alone: no fetch
+            operator.set_policy(job, {"gpu_check": False})
+            seen = node.watch(job, "n1", round=placed.round, known=0, hold=0.0)
+            policy.seen(seen.policy_version)  # an answer reports the new version: the next join asks
+            assert policy.due and policy.before_join(node).gpu_check is False
+            assert proxy.accepted == 2  # that fetch's HTTP connection
+            with Client(srv.endpoint, token=srv.token, transport=PipelinedSocketTransport(token=srv.token)) as late:
+                assert late.announced_policy_version() == seen.policy_version >= 1  # a node starting now asks first
+    finally:
+        proxy.close()
+        srv.close()

@@ -92,7 +92,7 @@ class Stream:
             self.sock.sendall(preface)
         if token is not None:
             welcome = self.call(wire.HELLO_OP, "", token=token)
-            assert (welcome.status, welcome.body) == (200, {"access": "write", "one_way": ["beat"], "then_watch": ["join", "await_round"]}), welcome
+            assert (welcome.status, welcome.body) == (200, {"access": "write", "one_way": ["beat"], "then_watch": ["join", "await_round"], "policy_version": 0}), welcome
 
     @classmethod
     def to(cls, srv: ServerProcess, **kwargs: Any) -> Stream:
@@ -410,7 +410,7 @@ def test_frames_split_across_reads_and_many_in_one_read_are_all_served(
     for i in range(0, len(data), 7):  # preface, hello and frames cut mid-header and mid-body
         s.sock.sendall(data[i : i + 7])
         time.sleep(0.002)
-    assert s.recv() == Reply(3, 200, {"access": "write", "one_way": ["beat"], "then_watch": ["join", "await_round"]})
+    assert s.recv() == Reply(3, 200, {"access": "write", "one_way": ["beat"], "then_watch": ["join", "await_round"], "policy_version": 0})
     assert s.recv() == Reply(1, 200, {})
     assert s.recv() == Reply(2, 200, {"found": True, "value": b"v" * 300})
     # Then many frames and half of the next in one write; the rest in another.

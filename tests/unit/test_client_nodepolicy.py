@@ -49,9 +49,13 @@ def test_only_the_keys_a_policy_sets_count_and_the_log_names_their_patterns() ->
 class FakeClient:
     """What NodePolicy calls of a Client: ``effective_policy``, answering ``answers`` in turn."""
 
-    def __init__(self, *answers: dict[str, Any] | RdzvError) -> None:
+    def __init__(self, *answers: dict[str, Any] | RdzvError, announced: int | None = None) -> None:
         self.answers = list(answers)
         self.asked = 0
+        self.announced = announced  # the policy version the server's hello announced (None: not known)
+
+    def announced_policy_version(self) -> int | None:
+        return self.announced
 
     def effective_policy(self, job: str) -> dict[str, Any]:
         assert job == "pol-a"
@@ -123,3 +127,19 @@ def test_a_version_reported_by_a_watch_while_the_round_ran_makes_the_next_join_a
     assert policy.before_join(client).gpu_check is False  # type: ignore[arg-type]
     policy.seen(4)  # an older report (a watch answered before the join's) changes nothing
     assert not policy.due and client.asked == 2
+
+
+def test_a_server_whose_hello_says_no_policy_was_ever_set_is_not_asked_until_an_answer_reports_one() -> None:
+    client = FakeClient(doc(3, gpu_check=False), announced=0)
+    node = own(2, 4)
+    policy = NodePolicy(node)
+    assert policy.before_join(client) == node  # type: ignore[arg-type]
+    policy.seen(0)  # the join's answer: still no policy
+    assert policy.before_join(client) == node and client.asked == 0  # type: ignore[arg-type]
+    policy.seen(3)  # an operator set one meanwhile: the next join asks
+    assert policy.before_join(client).gpu_check is False and client.asked == 1  # type: ignore[arg-type]
+    # A hello that announced a version (some policy exists), or none (an older server, HTTP): asked first.
+    for announced in (5, None):
+        asking = FakeClient(doc(5), announced=announced)
+        NodePolicy(own()).before_join(asking)  # type: ignore[arg-type]
+        assert asking.asked == 1

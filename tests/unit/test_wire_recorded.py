@@ -236,3 +236,16 @@ def test_a_hello_reply_says_whether_the_server_takes_then_watch() -> None:
     assert not wire.takes_then_watch({"access": "write", "one_way": ["beat"]})
     assert not wire.takes_then_watch({"access": "write"})
     assert not wire.takes_then_watch({"access": "write", "then_watch": ["join"]})  # await_round's re-polls too
+
+
+def test_a_hello_reply_says_the_servers_policy_version_only_when_it_serves() -> None:
+    """A serving server's hello reply says its job-policy version (0: no policy ever set, so a
+    node starting fetches none); one from before, or from a server not serving, says nothing
+    and the node fetches the policy as before."""
+    this = {"access": "write", "one_way": ["beat"], "then_watch": ["join", "await_round"], "policy_version": 0}
+    assert wire.hello_policy_version(this) == 0
+    assert wire.hello_policy_version({**this, "policy_version": 7}) == 7
+    assert wire.hello_policy_version({"access": "write", "one_way": ["beat"], "then_watch": ["join", "await_round"]}) is None
+    for unreadable in (-1, "0", 1.0, None, True):
+        assert wire.hello_policy_version({**this, "policy_version": unreadable}) is None
+    assert wire.hello_policy_version(None) is None
