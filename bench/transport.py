@@ -158,18 +158,30 @@ class AsyncStreamTransport:
             assert link.transport is not None
             link.transport.write(wire.frame([tag, op, rdzv_id, fields]))
             try:
-                return await asyncio.wait_for(future, timeout)
-            except asyncio.TimeoutError as exc:
-                link.waiting.pop(tag, None)
-                link.end(TimeoutError(f"no answer within {timeout:g} s"))
-                raise TransportError(f"{endpoint}: no answer within {timeout:g} s") from exc
+                return await self._reply(link, tag, future, endpoint, timeout)
             except (OSError, EOFError) as exc:
-                if self._closed:
-                    raise ClientClosedError("the rdzv client was closed while this call was in flight") from exc
-                if reused and not fresh and isinstance(exc, (ConnectionError, EOFError)):
+                if reused and not fresh and not self._closed and isinstance(exc, (ConnectionError, EOFError)):
                     continue  # a pooled connection the server had closed: once more, on a fresh one
-                raise TransportError(f"{endpoint}: {exc or type(exc).__name__}{closed_hint(endpoint, exc)}") from exc
+                raise self._failed(endpoint, exc) from exc
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _reply(
+        self, link: _StreamProtocol, tag: int, future: asyncio.Future[Answer], endpoint: Endpoint, timeout: float
+    ) -> Answer:
+        """The answer tagged ``tag`` within ``timeout`` s (past it the connection ends:
+        TransportError); the connection's end raises as it ended (OSError, EOFError)."""
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError as exc:
+            link.waiting.pop(tag, None)
+            link.end(TimeoutError(f"no answer within {timeout:g} s"))
+            raise TransportError(f"{endpoint}: no answer within {timeout:g} s") from exc
+
+    def _failed(self, endpoint: Endpoint, exc: BaseException) -> Exception:
+        """What a call raises for its connection's end ``exc``."""
+        if self._closed:
+            return ClientClosedError("the rdzv client was closed while this call was in flight")
+        return TransportError(f"{endpoint}: {exc or type(exc).__name__}{closed_hint(endpoint, exc)}")
 
     async def call_then_watch(
         self, endpoint: Endpoint, rdzv_id: str, op: str, fields: dict[str, Any], timeout: float, *, hold: float
@@ -187,17 +199,11 @@ class AsyncStreamTransport:
         link.waiting[tag] = future
         link.transport.write(wire.frame([tag, op, rdzv_id, {**fields, wire.THEN_WATCH: [watch_tag, hold]}]))
         try:
-            answer = await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError as exc:
-            link.waiting.pop(tag, None)
-            link.end(TimeoutError(f"no answer within {timeout:g} s"))
-            raise TransportError(f"{endpoint}: no answer within {timeout:g} s") from exc
+            answer = await self._reply(link, tag, future, endpoint, timeout)
         except (OSError, EOFError) as exc:
-            if self._closed:
-                raise ClientClosedError("the rdzv client was closed while this call was in flight") from exc
-            if isinstance(exc, (ConnectionError, EOFError)):  # once more, plain, on a fresh connection
+            if not self._closed and isinstance(exc, (ConnectionError, EOFError)):  # once more, plain, on a fresh connection
                 return await self.call(endpoint, rdzv_id, op, fields, timeout), None
-            raise TransportError(f"{endpoint}: {exc or type(exc).__name__}{closed_hint(endpoint, exc)}") from exc
+            raise self._failed(endpoint, exc) from exc
         round_ = kept_round(answer)
         if round_ is None:
             link.waiting.pop(watch_tag, None)

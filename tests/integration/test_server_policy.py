@@ -9,9 +9,6 @@ leader's fail-over over etcd. The real-torchrun tests of the same are in tests/e
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import socket
-import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +17,7 @@ from typing import Any
 import pytest
 from etcd_cluster import require_etcd, running_etcd
 from integration.test_server_fleet import http_request as json_request
+from integration.test_stream_then_watch import FrameCountingProxy
 from replica_cluster import ReplicaCluster
 from server_process import ServerProcess
 from waiting import call_within, parked_long_polls, wait_until
@@ -256,42 +254,6 @@ def test_a_policy_outlives_the_leader_over_replicas(tmp_path: Path) -> None:
             assert doc["settings_source"]["max_nodes"] == "policy ha-*"
 
 
-class ConnectionCountingProxy:
-    """A TCP proxy in front of a server that counts the connections a client opens through it."""
-
-    def __init__(self, srv: ServerProcess) -> None:
-        self.accepted = 0
-        self._target = ("127.0.0.1", srv.port)
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"127.0.0.1:{self._listener.getsockname()[1]}"
-        self._socks: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            upstream = socket.create_connection(self._target)
-            self._socks += [client, upstream]
-            for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
-
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := source.recv(1 << 16):
-                sink.sendall(data)
-            sink.shutdown(socket.SHUT_WR)
-
-    def close(self) -> None:
-        self._listener.close()
-        for sock in self._socks:
-            sock.close()
-
-
 def test_a_node_of_a_server_that_never_had_a_policy_fetches_none_until_an_answer_reports_one(tmp_path: Path) -> None:
     """Thousands of nodes starting at once each fetched the policy before their first join, over
     an HTTP connection of its own; the hello now says the server's policy version, and at 0
@@ -304,7 +266,7 @@ def test_a_node_of_a_server_that_never_had_a_policy_fetches_none_until_an_answer
 
     srv = ServerProcess(tmp_path, durable=False)
     srv.start()
-    proxy = ConnectionCountingProxy(srv)
+    proxy = FrameCountingProxy(srv)
     job, settings = unique("fresh"), JobSettings(1, 1)
     own = NodeConf.read(RendezvousParameters("rdzv-server", proxy.endpoint, job, 1, 1, local_addr="10.0.0.7"))
     try:

@@ -124,11 +124,13 @@ def test_then_watch_belongs_to_the_stream_join_elsewhere_it_is_an_unknown_field(
 
 
 class FrameCountingProxy:
-    """A TCP proxy in front of the server for one stream connection at a time, recording the op
-    of every request frame the client sends through it (decoded from the bytes on the wire)."""
+    """A TCP proxy in front of the server, counting the connections a client opens through it
+    (``accepted``) and recording the op of every request frame the client sends on a stream
+    connection (decoded from the bytes on the wire; an HTTP connection is only passed on)."""
 
     def __init__(self, srv: ServerProcess) -> None:
         self.sent: list[str] = []
+        self.accepted = 0
         self._target = ("127.0.0.1", srv.port)
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.endpoint = f"127.0.0.1:{self._listener.getsockname()[1]}"
@@ -141,6 +143,7 @@ class FrameCountingProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            self.accepted += 1
             server = socket.create_connection(self._target)
             self._pipes += [client, server]
             threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
@@ -155,6 +158,8 @@ class FrameCountingProxy:
                 if not data:
                     sink.shutdown(socket.SHUT_WR)
                     return
+                if requests and preface == len(wire.STREAM_PREFACE) and not wire.STREAM_PREFACE.startswith(data[:preface]):
+                    requests = False  # not the stream (an HTTP request): passed on, not decoded
                 if requests:
                     skip = min(preface, len(data))
                     preface -= skip
