@@ -795,7 +795,16 @@ class Client:
         "settings": {KEY: VALUE}, "sources": {KEY: "policy PATTERN"}, "version"}``; only the keys
         some policy sets. ``version`` moves at every change of any policy."""
         check_request(rdzv_id, None)
-        body = self._get_json(f"/v1/policy?job={urllib.parse.quote(rdzv_id, safe='')}", f"reading the policy of job {rdzv_id}")
+        body: Any
+        try:
+            # The operation: on the node's stream connection where it has one (no HTTP connection
+            # of its own; thousands of nodes start at once); a server before it has no such
+            # operation (404 not_found) and is asked on its page instead.
+            body = self.request(rdzv_id, wire.PolicyRequest())
+        except NotFoundError as exc:
+            if exc.code is not wire.ErrorCode.NOT_FOUND:
+                raise
+            body = self._get_json(f"/v1/policy?job={urllib.parse.quote(rdzv_id, safe='')}", f"reading the policy of job {rdzv_id}")
         reply_field(body, "settings", dict, f"policy of job {rdzv_id}")
         return reply_map(body, f"policy of job {rdzv_id}")
 

@@ -716,6 +716,15 @@ class BeatRequest(Request):
         step_ok(self.step)
 
 
+@dataclasses.dataclass(frozen=True)
+class PolicyRequest(Request):
+    """What the policies set for the job (which need not exist yet): the same document as
+    ``GET /v1/policy?job=ID`` (``{"job", "settings", "sources", "version"}``), as an operation, so
+    a node reads it on its stream connection instead of opening an HTTP one for it."""
+
+    op: ClassVar[str] = "policy"
+
+
 REQUESTS: dict[str, type[Request]] = {
     cls.op: cls
     for cls in (
@@ -739,6 +748,7 @@ REQUESTS: dict[str, type[Request]] = {
         LeaveRequest,
         CloseRequest,
         RefuseRequest,
+        PolicyRequest,
     )
 }
 

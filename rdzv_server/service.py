@@ -42,7 +42,8 @@ from .core.cordon import Cordon
 from .core.error import NoSuchPolicy, RdzvError
 from .core.event import Cause, EventPage, JobEvent
 from .core.machine import Entry, events_topic, key_topic, round_topic
-from .core.policy import Policy, Winning
+from .core.policy import Policy
+from .core.policy import document as policy_document
 from .core.rendezvous import JobSummary, JobView
 from .core.store import KeyValueStore
 from .lifecycle import Lifecycle
@@ -219,10 +220,17 @@ class Service(ServiceState):
 
         return await self.read(view)
 
-    async def effective_policy(self, rdzv_id: str) -> tuple[Winning, int]:
-        """The keys the policies set for job ``rdzv_id`` (existing or not), each with the
-        pattern that wins it, and the policy table's version."""
-        return await self.read(lambda: (self.machine.policies.winning(rdzv_id), self.machine.policies.version))
+    async def effective_policy(self, rdzv_id: str) -> dict[str, Any]:
+        """The effective policy of job ``rdzv_id`` (existing or not): :func:`.core.policy.document`."""
+        return await self.read(lambda: self._policy_document(rdzv_id))
+
+    def effective_policy_now(self, rdzv_id: str) -> Answer[dict[str, Any]]:
+        """:meth:`effective_policy` now, and the append to wait on (see :meth:`read_now`)."""
+        return self.pipeline.read_now(lambda: self._policy_document(rdzv_id))
+
+    def _policy_document(self, rdzv_id: str) -> dict[str, Any]:
+        policies = self.machine.policies
+        return policy_document(rdzv_id, policies.winning(rdzv_id), policies.version)
 
     # -- store reads and the timeline --------------------------------------------------------
 

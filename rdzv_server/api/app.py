@@ -331,13 +331,7 @@ async def effective_policy(request: web.Request) -> web.Response:
     yet), each with its source, and the policy version (it moves at every change)."""
     svc = request.app[SERVICE]
     rdzv_id = wire.check_id("job", request.query.get("job"))
-    winning, version = await svc.effective_policy(rdzv_id)
-    return encode(request, {
-        "job": rdzv_id,
-        "settings": {k: v for k, (v, _) in winning.items()},
-        "sources": {k: f"policy {pattern}" for k, (_, pattern) in winning.items()},
-        "version": version,
-    })
+    return encode(request, await svc.effective_policy(rdzv_id))
 
 
 def _query_number(request: web.Request, name: str, default: T, kind: Callable[[str], T], low: T, high: T) -> T:

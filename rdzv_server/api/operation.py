@@ -139,6 +139,10 @@ async def _watch(svc: Service, rdzv_id: str, req: wire.WatchRequest) -> Body:
     return (await svc.watch(rdzv_id, req.node_id, req.round, req.known, req.hold, req.step)).body()
 
 
+def _policy(svc: Service, rdzv_id: str, req: wire.PolicyRequest) -> Answer[Body]:
+    return svc.effective_policy_now(rdzv_id)
+
+
 _WRITE = Operation(_write, None)
 _NOTHING: Body = {}  # a beat's reply over HTTP (never changed: one map for every reply)
 
@@ -163,13 +167,14 @@ OPERATIONS: dict[str, Operation] = {
     "leave": _WRITE,
     "close": _WRITE,
     "refuse": Operation(None, _refuse),
+    "policy": Operation(_policy, None),
 }
 assert set(OPERATIONS) == set(wire.REQUESTS), "every wire operation needs a handler"
 assert all(o.now is not None or o.later is not None for o in OPERATIONS.values())
 
 #: What a read-only token may do: store reads. Everything else changes state, or speaks for a
 #: node (a watch is a heartbeat, and its dropping marks the node dead).
-READ_OPERATIONS = frozenset({"get", "multi_get", "wait", "check", "num_keys", "list_keys"})
+READ_OPERATIONS = frozenset({"get", "multi_get", "wait", "check", "num_keys", "list_keys", "policy"})
 
 
 def forbidden(grant: Grant, op: str, rdzv_id: str) -> dict[str, Any] | None:

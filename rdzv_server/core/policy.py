@@ -69,6 +69,17 @@ class Policy:
         }
 
 
+def document(rdzv_id: str, winning: Winning, version: int) -> dict[str, Any]:
+    """The effective policy of job ``rdzv_id`` as the clients read it (``GET /v1/policy`` and
+    the ``policy`` operation): each key some policy sets, its source, and the table's version."""
+    return {
+        "job": rdzv_id,
+        "settings": {k: v for k, (v, _) in winning.items()},
+        "sources": {k: f"policy {pattern}" for k, (_, pattern) in winning.items()},
+        "version": version,
+    }
+
+
 def is_glob(pattern: str) -> bool:
     return not GLOB_CHARS.isdisjoint(pattern)
 

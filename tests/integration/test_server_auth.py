@@ -523,7 +523,7 @@ WRITES: list[tuple[str, dict[str, Any]]] = [
     ("close", {}),
     ("refuse", {"node_id": "member", "addr": "10.0.0.1", "cause": "health_check_failed"}),
 ]
-assert {op for op, _ in WRITES} | {"get", "multi_get", "wait", "check", "num_keys", "list_keys"} == set(wire.REQUESTS)
+assert {op for op, _ in WRITES} | {"get", "multi_get", "wait", "check", "num_keys", "list_keys", "policy"} == set(wire.REQUESTS)
 
 
 @pytest.mark.parametrize(("op", "fields"), WRITES, ids=[op for op, _ in WRITES])

@@ -117,6 +117,7 @@ VALID: dict[str, dict[str, Any]] = {
     "leave": {"node_id": "n1"},
     "close": {},
     "refuse": {"node_id": "n1", "addr": "10.0.0.1", "cause": "health_check_failed", "detail": "ECC"},
+    "policy": {},
 }
 OPS = sorted(wire.REQUESTS)
 

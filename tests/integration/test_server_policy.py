@@ -22,7 +22,8 @@ from replica_cluster import ReplicaCluster
 from server_process import ServerProcess
 from waiting import call_within, parked_long_polls, wait_until
 
-from rdzv_client import Client, JobSettings
+from rdzv_client import Client, JobSettings, wire
+from rdzv_client.stream import PipelinedSocketTransport
 from rdzv_client.error import BadRequestError, ConflictError, JobClosedError, NotFoundError
 
 
@@ -64,8 +65,10 @@ def test_policies_are_set_read_merged_and_unset_over_the_routes(server: ServerPr
         mine = [p["pattern"] for p in client.policies() if p["pattern"].startswith(family)]
         assert mine == [f"{family}-a", f"{family}-*"]  # the exact job id first: it wins
 
-        # A job that does not exist yet: the policies that would win, and their sources.
+        # A job that does not exist yet: the policies that would win, and their sources; the
+        # client reads it with the policy operation, the same document as the page's.
         effective = client.effective_policy(f"{family}-a")
+        assert http_request(server, "GET", f"/v1/policy?job={family}-a") == (200, effective)
         assert effective["job"] == f"{family}-a"
         assert effective["settings"] == {"max_nodes": 8, "min_nodes": 2, "last_call_timeout": 5.0, "gpu_check": True}
         assert effective["sources"]["max_nodes"] == f"policy {family}-a"
@@ -129,6 +132,10 @@ def test_a_read_only_token_reads_policies_but_cannot_change_them(read_server: tu
     assert status == 200 and [(p["pattern"], p["settings"]) for p in answer["policies"]] == [("llm-*", {"min_nodes": 2})]
     status, answer = http_request(srv, "GET", "/v1/policy?job=llm-7b", None, read_token)
     assert (status, answer["settings"], answer["sources"]) == (200, {"min_nodes": 2}, {"min_nodes": "policy llm-*"})
+    # The policy operation is a read too: on the stream, and as POST /v1/jobs/ID/policy.
+    with Client(srv.endpoint, token=read_token, transport=PipelinedSocketTransport(token=read_token)) as reader:
+        assert reader.request("llm-7b", wire.PolicyRequest()) == answer
+    assert http_request(srv, "POST", "/v1/jobs/llm-7b/policy", {}, read_token) == (200, answer)
 
 
 def test_nodes_that_disagree_on_a_key_a_policy_covers_both_join_and_the_document_names_each_source(
@@ -262,7 +269,6 @@ def test_a_node_of_a_server_that_never_had_a_policy_fetches_none_until_an_answer
 
     from rdzv_client.conf import NodeConf
     from rdzv_client.nodepolicy import NodePolicy
-    from rdzv_client.stream import PipelinedSocketTransport
 
     srv = ServerProcess(tmp_path, durable=False)
     srv.start()
@@ -282,7 +288,8 @@ def test_a_node_of_a_server_that_never_had_a_policy_fetches_none_until_an_answer
             seen = node.watch(job, "n1", round=placed.round, known=0, hold=0.0)
             policy.seen(seen.policy_version)  # an answer reports the new version: the next join asks
             assert policy.due and policy.before_join(node).gpu_check is False
-            assert proxy.accepted == 2  # that fetch's HTTP connection
+            # ... on its stream: the policy operation, no HTTP connection of its own.
+            assert proxy.accepted == 1 and proxy.sent[-1] == "policy", proxy.sent
             with Client(srv.endpoint, token=srv.token, transport=PipelinedSocketTransport(token=srv.token)) as late:
                 assert late.announced_policy_version() == seen.policy_version >= 1  # a node starting now asks first
     finally:

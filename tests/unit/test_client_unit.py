@@ -770,3 +770,14 @@ def test_ctl_usage_errors_exit_2() -> None:
     with pytest.raises(SystemExit) as info:
         ctl.main(["kv", "get", "job"])
     assert info.value.code == ctl.EXIT_USAGE
+
+
+async def test_the_policy_is_read_as_an_operation_and_from_the_page_of_a_server_without_it() -> None:
+    doc = {"job": "job", "settings": {"min_nodes": 2}, "sources": {"min_nodes": "policy j*"}, "version": 3}
+    new = ScriptedTransport(Answer(200, doc))
+    assert await client_over(new).effective_policy("job") == doc
+    assert [url for url, _, _ in new.sent] == ["http://a:1" + wire.op_path("job", "policy")]
+    # A server before the operation: 404 not_found for it, then its page (GET /v1/policy).
+    old = ScriptedTransport(failed(wire.ErrorCode.NOT_FOUND), Answer(200, doc))
+    assert await client_over(old).effective_policy("job") == doc
+    assert [url for url, _, _ in old.sent] == ["http://a:1" + wire.op_path("job", "policy"), "http://a:1/v1/policy?job=job"]

@@ -102,6 +102,7 @@ VALID: dict[str, dict[str, Any]] = {
     "leave": {"node_id": "n"},
     "close": {},
     "refuse": {"node_id": "n", "addr": "h", "cause": "health_check_failed", "detail": "ECC errors"},
+    "policy": {},
 }
 
 

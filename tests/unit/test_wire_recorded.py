@@ -87,6 +87,9 @@ RECORDED_FRAMES: list[tuple[str, dict[str, Any], str]] = [
     # Recorded at issue 29 (beats that need no answer): the one-way beat, with its step.
     ('beat', {'node_id': 'n4', 'round': 3, 'step': 1250},
      "000000289417a462656174a56a6f622d3183a76e6f64655f6964a26e34a5726f756e6403a473746570cd04e2"),
+    # Recorded at issue 29's second session: a node reads its job's policy on its stream.
+    ('policy', {},
+     "000000109418a6706f6c696379a56a6f622d3180"),
 ]
 
 RECORDED_LOG_RECORDS: list[tuple[str, dict[str, Any], str]] = [
