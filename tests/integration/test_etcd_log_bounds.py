@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from etcd_cluster import EtcdCluster, require_etcd, running_etcd
+from waiting import wait_until
 
 from rdzv_server.storage.election import Election
 from rdzv_server.storage.error import LogClosedError, LogFailedError, LogQueueFullError, RecordTooLargeError
@@ -51,9 +52,22 @@ async def leader_log(client: EtcdClient, **bounds: float) -> tuple[Election, Etc
 
 
 def pause(etcd: EtcdCluster, sig: signal.Signals) -> None:
+    """Stop (SIGSTOP) or resume (SIGCONT) the member, and return once the kernel says it is so
+    (``/proc/PID/stat``'s state): a signal is delivered asynchronously, and a test that goes on
+    at once can race a member still running (it answered an append "to a stopped member" once,
+    on a loaded CI host)."""
     process = etcd.processes[0]
     assert process is not None
     os.kill(process.pid, sig)
+    stopped = sig == signal.SIGSTOP
+    wait_until(lambda: (_state(process.pid) == "T") == stopped, timeout=10, interval=0.005,
+               what=f"etcd {'stopped' if stopped else 'running again'}")
+
+
+def _state(pid: int) -> str:
+    """The process's state letter (R, S, D, T, ...) from /proc."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
 
 
 async def test_a_record_over_what_etcd_takes_is_refused_before_it_is_queued(client: EtcdClient) -> None:
