@@ -87,9 +87,7 @@ class _StreamProtocol(asyncio.Protocol):
                 self.end(Answer(status, body))
                 return
             if tag == self.hello:
-                self.one_way = wire.one_way_ops(body)
-                self.then_watch = wire.takes_then_watch(body)
-                self.greeting = body if isinstance(body, dict) else {}
+                self.one_way, self.then_watch, self.greeting = wire.hello_terms(body)
                 self.greeted.set()
                 continue
             future = self.waiting.pop(tag, None)

@@ -460,9 +460,7 @@ class _Link:
                     self.end(Answer(status, body))  # refused: the answer of every request on it
                     return
                 if tag == self.hello:
-                    self.one_way = wire.one_way_ops(body)
-                    self.then_watch = wire.takes_then_watch(body)
-                    self.greeting = body if isinstance(body, dict) else {}
+                    self.one_way, self.then_watch, self.greeting = wire.hello_terms(body)
                     self.greeted.set()
                     continue
                 with self.lock:

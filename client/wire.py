@@ -862,6 +862,13 @@ def hello_policy_version(hello_reply: object) -> int | None:
     return version if type(version) is int and version >= 0 else None
 
 
+def hello_terms(hello_reply: object) -> tuple[frozenset[str], bool, dict[str, Any]]:
+    """What a client keeps of a server's hello reply: the operations it takes one-way
+    (:func:`one_way_ops`), whether a join may carry ``then_watch`` (:func:`takes_then_watch`),
+    and the reply itself ({} when it is no map), for the rest (:func:`hello_policy_version`)."""
+    return one_way_ops(hello_reply), takes_then_watch(hello_reply), hello_reply if isinstance(hello_reply, dict) else {}
+
+
 def takes_then_watch(hello_reply: object) -> bool:
     """Whether a server's hello reply lists every operation of ``THEN_WATCH_OPS`` under
     ``then_watch`` (no server before them does: the client then sends none)."""
