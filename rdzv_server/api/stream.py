@@ -483,20 +483,10 @@ class StreamConnection(asyncio.Protocol, TrackedConnection):
         if type(assignment) is not dict:
             return
         watch_tag, hold, rdzv_id, node_id = then
-        fields = {"node_id": node_id, "round": assignment["round"], "known": 0, "hold": hold}
-        # On the loop's next pass, not here: a formation answers its thousands of parked joins in
-        # one pass, and a watch started between two answers delayed every assignment after it
-        # (the last node's by all the others' watches).
-        self._loop.call_soon(self._then_watch, watch_tag, rdzv_id, fields)
-
-    def _then_watch(self, tag: int, rdzv_id: str, fields: dict[str, Any]) -> None:
-        """Serve the watch a ``then_watch`` asked for (see :meth:`_answer`)."""
-        if not self._replying or self._transport is None:
-            return  # the connection closed meanwhile: its node's client sends the watch again
         if not self._accepting:  # shutting down: no new request is served; the client sends its watch elsewhere
-            self._send(tag, 503, wire.error_body(wire.ErrorCode.SHUTTING_DOWN, "the server is shutting down"))
+            self._send(watch_tag, 503, wire.error_body(wire.ErrorCode.SHUTTING_DOWN, "the server is shutting down"))
             return
-        self._serve(tag, _WATCH, rdzv_id, fields)
+        self._serve(watch_tag, _WATCH, rdzv_id, {"node_id": node_id, "round": assignment["round"], "known": 0, "hold": hold})
 
     def _durable(
         self, tag: int, durable: Durable, waiting: asyncio.Future[None], then: _Then | None, append: asyncio.Future[None]
