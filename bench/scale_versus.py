@@ -6,8 +6,8 @@ its OWN ``bench.scale``, run by its own interpreter from its own checkout, so ea
 own server and its own simulated agents (an older tree's agents speak its protocol, as its
 plug-in did): a child process per measurement runs that tree's ``bench.__main__.make_plan``
 and ``bench.scale.measure`` for one size and prints the run as JSON. The trees take turns
-(this tree, REV, this tree, REV, ... ``--versus-rounds`` times each), so a change in the
-machine's load falls on both; the table gives each figure's median per tree and the ratio
+(this tree, REV, then REV, this tree, ... ``--versus-rounds`` times each: :func:`turns`), so a
+change in the machine's load falls on both; the table gives each figure's median per tree and the ratio
 this tree / REV.
 
 The revision's checkout and virtual environment are :func:`bench.lab.versus.revision_tree`'s
@@ -94,6 +94,14 @@ FIGURES: list[tuple[str, str, Any]] = [
 ]
 
 
+def turns(names: list[str], round_: int) -> list[str]:
+    """The order the trees run in round ``round_`` (1-based): as given in odd rounds, reversed in
+    even ones (ABBA...): the first run on a machine just started is the slowest (a cold page
+    cache; on the 16-core hosts lent it was this tree's, always first, 0.3-1.2 s slower than
+    its other runs' formation), and it must not always fall on the same tree."""
+    return names if round_ % 2 else names[::-1]
+
+
 def measure(plan: Plan, rev: str, rounds: int, work: Path = WORK) -> str:
     """Measure every size of ``plan`` on this tree and on ``rev``, ``rounds`` times each,
     alternated; return the table. The run records go to ``plan.out_dir / "versus.json"``."""
@@ -106,7 +114,8 @@ def measure(plan: Plan, rev: str, rounds: int, work: Path = WORK) -> str:
     for n in plan.scale_sizes:
         runs[n] = {name: [] for name in trees}
         for round_ in range(1, rounds + 1):
-            for name, (interpreter, root) in trees.items():
+            for name in turns(list(trees), round_):
+                interpreter, root = trees[name]
                 log.info("scale versus: %s, %d nodes, round %d/%d (load %.1f)", name, n, round_, rounds, load_average())
                 run, failed = _child(plan, interpreter, root, n, plan.out_dir / "versus" / f"{_slug(name)}-{n}-{round_}")
                 runs[n][name].append(run)

@@ -49,3 +49,10 @@ def test_versus_without_only_scale_is_refused_with_status_2(capsys: pytest.Captu
         bench_main.main(["--versus", "eb0e1c3", "--out", "/nonexistent/never-made"])
     assert exited.value.code == 2
     assert "--versus compares the scale measurement only" in capsys.readouterr().err
+
+
+def test_the_trees_take_turns_abba_so_a_cold_first_run_does_not_always_fall_on_one() -> None:
+    from bench.scale_versus import turns
+
+    order = [name for round_ in (1, 2, 3, 4) for name in turns(["this tree", "eb0e1c3"], round_)]
+    assert order == ["this tree", "eb0e1c3", "eb0e1c3", "this tree", "this tree", "eb0e1c3", "eb0e1c3", "this tree"]
